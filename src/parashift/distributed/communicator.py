@@ -1,0 +1,42 @@
+"""One communicator object per process group: every collective a model makes goes through it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCommunicator:
+    """Collectives over one process group. At size 1 every call is the identity, so models run
+    unchanged in a single process; a real group (gloo on CPU, nccl on GPU) is passed in by the
+    strategy that creates it."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's tensor on rank 0; other ranks get None."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(tensor.contiguous(), parts, dst=dist.get_global_rank(self.group, 0),
+                    group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None

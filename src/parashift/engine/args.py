@@ -1,0 +1,66 @@
+"""The user-facing engine knobs (CLI flags and `LLM(...)` keywords) and how they become the
+validated configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parashift.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+from parashift.models.loader import load_hf_config, resolve_model_path
+from parashift.models.registry import get_model_class
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None
+    num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def create_config(self) -> EngineConfig:
+        parallel = ParallelConfig(self.data_parallel_size, self.tensor_parallel_size,
+                                  self.pipeline_parallel_size)
+        path = resolve_model_path(self.model)
+        hf_config = load_hf_config(path)
+        get_model_class((getattr(hf_config, "architectures", None) or ["<none>"])[0])
+        device = DeviceConfig(self.device) if self.device else DeviceConfig()
+        if self.num_threads is not None:
+            device = DeviceConfig(device.device, self.num_threads)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
+            hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+        dtype = resolve_dtype(self.dtype, checkpoint_dtype, device.device)
+        max_model_len = self.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
+        model = ModelConfig(path, hf_config, dtype, max_model_len, self.tokenizer or path,
+                            self.seed)
+        budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        scheduler = SchedulerConfig(budget, self.max_num_seqs, max_model_len,
+                                    self.enable_chunked_prefill)
+        cache = CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
+                            self.enable_prefix_caching, self.num_gpu_blocks_override)
+        return EngineConfig(model, cache, scheduler, parallel, device)

@@ -1,0 +1,60 @@
+"""The engine core: a scheduler, an executor and a KV cache; `step` is the whole loop body."""
+
+from __future__ import annotations
+
+import logging
+
+from parashift.config import EngineConfig
+from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.outputs import EngineCoreOutput, SchedulerStats
+from parashift.engine.request import Request
+from parashift.engine.scheduler import Scheduler
+from parashift.executor.local import LocalExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: LocalExecutor | None = None):
+        self.config = config
+        self.executor = executor or LocalExecutor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        block_size = config.cache.block_size
+        capacity = num_blocks * block_size
+        max_len = config.model.max_model_len
+        if capacity < max_len:
+            need = -(-max_len // block_size) * self.executor.kv_block_bytes()
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len ({max_len}): "
+                f"give it at least {need / 2**20:.0f} MiB (--kv-cache-memory / "
+                "--gpu-memory-utilization) or lower --max-model-len"
+            )
+        self.executor.initialize_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f max-length sequences "
+                    "at once)", num_blocks, block_size, capacity, capacity / max_len)
+        kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv_cache)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache.pool.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

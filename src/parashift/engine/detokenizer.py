@@ -1,0 +1,56 @@
+"""Incremental detokenization: text grows token by token, correct across multi-byte
+characters and tokenizers that merge spaces; stop strings are matched across token borders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 stop: list[str], include_stop_str_in_output: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        # Decoding restarts a few tokens back so a token's leading space/merge is right.
+        self.tokens = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self.stop_hit: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append tokens; returns the newly final text (empty while a character is incomplete
+        or after a stop string ended the output)."""
+        if self.stop_hit is not None:
+            return ""
+        before = len(self.text)
+        for token in new_token_ids:
+            self.tokens.append(token)
+            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            full = self._decode(self.tokens[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            if self.stop and self._check_stop(before):
+                break
+        return self.text[before:]
+
+    def _check_stop(self, before: int) -> bool:
+        longest = max(len(s) for s in self.stop)
+        search_from = max(0, before - longest + 1)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.stop_hit = s
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return True

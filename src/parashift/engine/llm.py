@@ -1,0 +1,157 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from parashift.engine.args import EngineArgs
+from parashift.engine.core import EngineCore
+from parashift.engine.output_processor import OutputProcessor, new_request_output
+from parashift.engine.request import Request
+from parashift.engine.request_output import RequestOutput
+from parashift.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are `EngineArgs` fields
+    (dtype, max_model_len, max_num_seqs, kv_cache_memory, enable_prefix_caching, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.config = EngineArgs(model=model, **engine_args).create_config()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
+        self.engine = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._next_id = 0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.config.model.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos if eos is not None else self.tokenizer.eos_token_id
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        on_output: Callable[[str, str], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        `on_output(request_id, new_text)` sees text as it is produced (for streaming)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
+                             "sampling params")
+        request_ids = [self._add_request(p, sp) for p, sp in zip(prompts, sampling_params,
+                                                                  strict=True)]
+        results = self._run(len(request_ids), use_tqdm, on_output)
+        return [results[r] for r in request_ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        on_output: Callable[[str, str], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, on_output)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        for m in messages:
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(f"message role must be system, user or assistant, got "
+                                 f"{m.get('role')!r}")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _add_request(self, prompt: Prompt, params: SamplingParams) -> str:
+        params.validate()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate_prompt(token_ids)
+        request_id = str(self._next_id)
+        self._next_id += 1
+        now = time.monotonic()
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}"
+                                                         for i in range(params.n)]
+        output = new_request_output(request_id, text, token_ids, now)
+        self.output_processor.add_request(output, sample_ids, params)
+        for i, sample_id in enumerate(sample_ids):
+            sample_params = params
+            if params.n > 1 and params.seed is not None:
+                sample_params = SamplingParams(**{**vars(params), "n": 1, "seed": params.seed + i})
+            self.engine.add_request(Request(sample_id, token_ids, sample_params,
+                                            self.eos_token_id, now))
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{max_len}: no room to generate (shorten it or raise "
+                             "--max-model-len)")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+    def _run(self, num_requests: int, use_tqdm: bool,
+             on_output: Callable[[str, str], None] | None) -> dict[str, RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=num_requests, desc="generating", unit="req", disable=not use_tqdm)
+        num_tokens, start = 0, time.perf_counter()
+        try:
+            while self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                processed = self.output_processor.process(outputs)
+                if processed.to_abort:
+                    self.engine.abort_requests(processed.to_abort)
+                if on_output:
+                    for sample_id, text in processed.text_deltas:
+                        on_output(sample_id, text)
+                finished = processed.finished
+                num_tokens += len(outputs)
+                for output in finished:
+                    results[output.request_id] = output
+                if finished:
+                    bar.update(len(finished))
+                    bar.set_postfix(out_tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
+        except BaseException:
+            self.engine.abort_requests(list(self.output_processor.samples))
+            self.output_processor = OutputProcessor(self.tokenizer)
+            raise
+        finally:
+            bar.close()
+        return results

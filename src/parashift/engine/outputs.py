@@ -1,0 +1,81 @@
+"""Plain data passed between the scheduler, the model runner and the engine's clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parashift.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt and, after a preemption, the outputs so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for a request the runner already holds."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the distribution
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Only requests whose prompt is complete sample; partial prefill chunks do not.
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0

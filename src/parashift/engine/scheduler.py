@@ -1,0 +1,161 @@
+"""Continuous batching with chunked prefill.
+
+Each step has a token budget and a sequence cap. Running requests go first (a decode token, or
+the next chunk of an unfinished prefill); waiting requests are then admitted into what is
+left, starting after their longest cached prefix. When the KV pool runs dry the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from parashift.config import SchedulerConfig
+from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from parashift.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests whose runner-side state must be dropped at the next step.
+        self._freed_req_ids: set[str] = set()
+        # How many of each running request's tokens the model runner already holds.
+        self._num_synced_tokens: dict[str, int] = {}
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache.allocate_slots(req, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv_cache.allocate_slots(req, num_new)
+            if new_block_ids is None:
+                break
+            synced = self._num_synced_tokens[req.request_id]
+            cached_reqs.append(CachedRequestData(
+                req.request_id, req.all_token_ids[synced:], new_block_ids,
+                req.num_computed_tokens,
+            ))
+            self._num_synced_tokens[req.request_id] = req.num_tokens
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # No admissions in a step that had to preempt: the pool is already too tight.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            computed_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.config.enable_chunked_prefill and num_new < req.num_tokens - num_hit:
+                break
+            if self.kv_cache.allocate_slots(req, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.params,
+                self.kv_cache.block_ids(req.request_id), num_hit,
+            ))
+            self._num_synced_tokens[req.request_id] = req.num_tokens
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        for req_id, num_new in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_new
+        freed, self._freed_req_ids = self._freed_req_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                               sum(num_scheduled.values()), freed)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._forget(req.request_id)
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id, token_id in runner_output.sampled_token_ids.items():
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            req.append_output_token(token_id)
+            status = req.check_stop(self.config.max_model_len)
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(EngineCoreOutput(
+                req_id, [token_id],
+                runner_output.logprobs.get(req_id) if runner_output.logprobs else None,
+                status.value if status else None, req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+        return outputs
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED, already_removed=True)
+
+    def _finish(self, req: Request, status: RequestStatus, already_removed: bool = False) -> None:
+        if not already_removed:
+            self.running.remove(req)
+        req.status = status
+        self.kv_cache.free(req)
+        self._forget(req.request_id)
+        del self.requests[req.request_id]
+
+    def _forget(self, req_id: str) -> None:
+        self._freed_req_ids.add(req_id)
+        self._num_synced_tokens.pop(req_id, None)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.waiting), len(self.running), self.kv_cache.usage,
+                              self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens)

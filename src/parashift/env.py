@@ -1,0 +1,15 @@
+"""The one place that reads environment variables."""
+
+from __future__ import annotations
+
+import os
+
+
+def cache_dir() -> str:
+    """Where converted checkpoints are cached; PARASHIFT_CACHE_DIR overrides ~/.cache/parashift."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "parashift")
+    return os.environ.get("PARASHIFT_CACHE_DIR") or default
+
+
+def log_level() -> str:
+    return os.environ.get("PARASHIFT_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,178 @@
+"""Turns a scheduler step into one flat, unpadded batch, runs the model, samples.
+
+The runner keeps each request's tokens, blocks and sampling settings, updated from the
+scheduler's deltas, so a step command carries only what changed (what a remote worker needs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from parashift.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from parashift.engine.sampling_params import SamplingParams
+from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
+from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
+                 device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.vocab_size: int = model.config.vocab_size
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, kv in zip(self.model.attention_layers, kv_caches, strict=True):
+            layer.kv_cache = kv
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.freed_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_reqs:
+            self.requests[new.req_id] = RequestState(
+                list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for cached in out.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def profile_run(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` dummy tokens: the largest step the scheduler can send."""
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        request = NewRequestData("profile", [0] * num_tokens, num_tokens,
+                                 SamplingParams(max_tokens=1), blocks, 0)
+        self.execute_model(SchedulerOutput([request], [], {"profile": num_tokens}, num_tokens,
+                                           set()))
+        del self.requests["profile"]
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput({})
+        # Decodes (one query token) first: the attention backend batches them together.
+        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] > 1)
+        states = [self.requests[r] for r in order]
+        q_lens = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        input_ids, positions, step = self._prepare_inputs(states, q_lens, starts)
+        metadata = self.backend.build_metadata(step)
+
+        hidden = self.model(input_ids, positions, metadata)
+        # Rows that complete their prompt sample; partial prefill chunks only fill the cache.
+        seq_lens = starts + q_lens
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        for state, q_len in zip(states, q_lens, strict=True):
+            state.num_computed_tokens += int(q_len)
+        if not sample_rows:
+            return ModelRunnerOutput({})
+        last_token = torch.from_numpy(step.query_start_loc[1:][sample_rows] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last_token))
+        if logits is None:  # not the output rank
+            return ModelRunnerOutput({})
+        sampled_states = [states[i] for i in sample_rows]
+        tokens, logprobs = self.sampler(logits, self._sampling_metadata(sampled_states))
+        req_ids = [order[i] for i in sample_rows]
+        has_logprobs = any(lp is not None for lp in logprobs)
+        return ModelRunnerOutput(
+            dict(zip(req_ids, tokens, strict=True)),
+            {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
+            if has_logprobs else None,
+        )
+
+    def _prepare_inputs(self, states: list[RequestState], q_lens: np.ndarray,
+                        starts: np.ndarray):
+        bs = self.block_size
+        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
+        input_ids: list[int] = []
+        for state, start, q_len in zip(states, starts.tolist(), q_lens.tolist(), strict=True):
+            input_ids.extend(state.token_ids[start : start + q_len])
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        rows = np.repeat(np.arange(len(states)), q_lens)
+        slot_mapping = block_table[rows, positions // bs] * bs + positions % bs
+        num_decodes = int(np.searchsorted(q_lens > 1, True))
+        step = AttentionStepInputs(
+            query_start_loc=cu,
+            seq_lens=starts + q_lens,
+            num_computed_tokens=starts,
+            block_table=block_table,
+            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            num_decodes=num_decodes,
+            block_size=bs,
+            sliding_window=getattr(self.model, "sliding_window", None),
+            device=self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return ids, torch.from_numpy(positions).to(self.device), step
+
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        params = [s.params for s in states]
+        dev = self.device
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        temperature = column([0.0 if p.is_greedy else p.temperature for p in params],
+                             torch.float32)
+        all_greedy = all(p.is_greedy for p in params)
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        seeds = {
+            i: position_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
+            for i, (s, p) in enumerate(zip(states, params, strict=True))
+            if p.seed is not None and not p.is_greedy
+        }
+        penalties = any(p.has_penalties for p in params)
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            top_k=column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                         torch.int64) if use_top_k else None,
+            top_p=column([p.top_p for p in params], torch.float32) if use_top_p else None,
+            min_p=column([p.min_p for p in params], torch.float32) if use_min_p else None,
+            seeds=seeds,
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32)
+            if penalties else None,
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)
+            if penalties else None,
+            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)
+            if penalties else None,
+            prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
+            if penalties else None,
+            output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
+            if penalties else None,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        out = np.full((len(rows), width), self.vocab_size, dtype=np.int64)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return torch.from_numpy(out).to(self.device)

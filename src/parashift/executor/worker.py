@@ -1,0 +1,76 @@
+"""A worker owns one device: the model (or its shard), its slice of the KV cache, the runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from parashift.config import EngineConfig
+from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.executor.model_runner import ModelRunner
+from parashift.layers.attention.backend import get_attention_backend
+from parashift.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device.torch_device
+        if self.device.type == "cpu" and config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        mc = config.model
+        self.backend = get_attention_backend("torch")
+        self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
+                                mc.max_model_len)
+        self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V, on this worker."""
+        layer = self.model.attention_layers[0]
+        per_layer = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
+        itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
+        return per_layer * itemsize * len(self.model.attention_layers)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cpu":
+            budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        else:
+            budget = self._profile_free_gpu_memory()
+        return max(0, budget // self.kv_block_bytes())
+
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step once without a real cache; what is left of the utilisation
+        target after the peak goes to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.initialize_cache(-(-tokens // self.config.cache.block_size))
+        self.runner.profile_run(tokens)
+        self.initialize_cache(0)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.empty_cache()
+        return int(total * self.config.cache.gpu_memory_utilization) - peak
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        layers = self.model.attention_layers
+        shape = (num_blocks, self.config.cache.block_size, layers[0].num_kv_heads,
+                 layers[0].head_dim)
+        dtype = self.config.model.dtype
+        # Zeroed, not empty: masked-out padding positions must never hold NaNs.
+        kv = [(torch.zeros(shape, dtype=dtype, device=self.device),
+               torch.zeros(shape, dtype=dtype, device=self.device)) for _ in layers]
+        self.runner.bind_kv_cache(kv)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

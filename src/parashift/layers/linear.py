@@ -1,0 +1,157 @@
+"""Tensor-parallel linear layers. Each owns the sharding of its weights at load time and
+behaves as a plain `nn.Linear` when the tensor-parallel group has size 1."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parashift.distributed.parallel_state import get_tp_group
+from parashift.models.weights import WeightSource
+
+# Below this many rows a half-precision GEMM is cheaper than upcasting the weight.
+_UPCAST_MIN_ROWS = 32
+
+
+@functools.cache
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, except on CPUs without bf16 dot-product instructions: there a bf16 GEMM takes
+    a slow emulated path (5x below fp32 here), so for batches of rows we upcast the operands,
+    multiply in fp32 and round the result back. Weights stay bf16 in memory; the arithmetic is
+    what a native bf16 GEMM does (fp32 accumulation)."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.shape[0] >= _UPCAST_MIN_ROWS
+        and not _cpu_has_native_bf16()
+    ):
+        b = bias.float() if bias is not None else None
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+        param.data.copy_(source.load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split by columns (output features): each rank computes its slice of Y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_group().world_size
+        if output_size % tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tp={tp_size}")
+        super().__init__(input_size, output_size // tp_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+        rows = param.shape[0]
+        param.data.copy_(source.narrow(0, self.tp.rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stored as one weight (gate_up_proj).
+    Checkpoint shard `i` lands in rows of block `i` of every rank."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_group().world_size
+        for size in output_sizes:
+            if size % tp_size:
+                raise ValueError(f"output size {size} is not divisible by tp={tp_size}")
+        self.shard_sizes = [size // tp_size for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: int) -> None:
+        size = self.shard_sizes[shard_id]
+        offset = sum(self.shard_sizes[:shard_id])
+        param.data[offset : offset + size].copy_(source.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads. When there are fewer kv heads than ranks, each
+    kv head is replicated over tp_size // num_kv_heads consecutive ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_group().world_size
+        if num_heads % tp_size:
+            raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tp={tp_size}")
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) and tp={tp_size}: one must divide the other"
+            )
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp.rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp.rank // self.kv_replicas
+        param.data[offset : offset + size].copy_(source.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split by rows (input features): each rank multiplies its slice of X and
+    the partial sums are all-reduced. The bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_group().world_size
+        if input_size % tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tp={tp_size}")
+        super().__init__(input_size // tp_size, output_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+        if param.dim() == 1:  # bias: not sharded
+            param.data.copy_(source.load())
+            return
+        cols = param.shape[1]
+        param.data.copy_(source.narrow(1, self.tp.rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(linear(x, self.weight, None))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,176 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2), written once against the parallel layers.
+Qwen2 and Qwen3 are the same network with a few switches (see qwen2.py, qwen3.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from parashift.layers.activation import silu_and_mul
+from parashift.layers.attention.backend import AttentionBackend
+from parashift.layers.attention.layer import Attention
+from parashift.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from parashift.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from parashift.layers.norm import RMSNorm
+from parashift.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from parashift.models.weights import WeightSource
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
+                                          num_kv_heads, qkv_bias, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size,
+                                        o_bias, dtype)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
+                              backend)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple, metadata: Any) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias, dtype
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend, **attn_flags):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, **attn_flags)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+    def forward(self, hidden, residual, cos_sin, metadata):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our fused parameter, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    attn_flags: dict[str, bool] | None = None  # None: read attention_bias from the config
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        flags = self.attn_flags or {
+            "qkv_bias": bool(getattr(cfg, "attention_bias", False)),
+            "o_bias": bool(getattr(cfg, "attention_bias", False)),
+            "qk_norm": False,
+        }
+        self.sliding_window = self._sliding_window(cfg, max_position)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, backend, **flags) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+
+    @staticmethod
+    def _sliding_window(cfg: Any, max_position: int) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        return window if window and window < max_position else None
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any):
+        """[num_tokens] token ids and positions -> [num_tokens, hidden] final hidden states."""
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[WeightSource]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for source in weights:
+            name = source.name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard_id = None
+            for ckpt_name, (fused, shard) in self.packed_modules.items():
+                if f".{ckpt_name}." in name:
+                    name, shard_id = name.replace(ckpt_name, fused), shard
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {source.name!r} has no place in "
+                                 f"{type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if shard_id is not None:
+                loader(param, source, shard_id)
+            elif loader is not None:
+                loader(param, source)
+            else:
+                param.data.copy_(source.load())
+            loaded.add(name)
+        expected = {n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+

@@ -1,0 +1,61 @@
+"""From a user's model argument to a loaded, weight-filled model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from parashift.layers.attention.backend import AttentionBackend
+from parashift.models.gguf import converted_gguf_folder, embedded_default_gguf
+from parashift.models.registry import get_model_class
+from parashift.models.weights import iterate_weights
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A Hugging Face folder for `model`: None means the embedded SmolLM2; a .gguf file is
+    converted once and cached."""
+    if model is None:
+        return converted_gguf_folder(embedded_default_gguf())
+    if not os.path.exists(model):
+        raise ValueError(f"model path {model!r} does not exist (parashift never downloads "
+                         "weights: give a local Hugging Face folder or a .gguf file)")
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a .gguf file")
+        return converted_gguf_folder(model)
+    if not os.path.exists(os.path.join(model, "config.json")):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    return model
+
+
+def load_hf_config(path: str) -> Any:
+    return AutoConfig.from_pretrained(path)
+
+
+def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
+               backend: AttentionBackend, max_position: int) -> nn.Module:
+    model_cls = get_model_class(_architecture(hf_config))
+    start = time.perf_counter()
+    with torch.device(device):
+        model = model_cls(hf_config, dtype, backend, max_position)
+    model.load_weights(iterate_weights(path))
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", _architecture(hf_config),
+                num_params / 1e6, str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    return model
+
+
+def _architecture(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("config.json names no architecture ('architectures' is empty)")
+    return archs[0]

@@ -1,0 +1,28 @@
+"""Architecture name (config.json `architectures`) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module, cls = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(f"parashift.models.{module}"), cls)
