@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random-weight models saved as real Hugging Face folders, a byte-level
+tokenizer made in code, and the embedded SmolLM2 (converted once per cache directory)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 320  # 256 bytes + specials, padded
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return fast
+
+
+def tiny_config(arch: str, tie: bool = False, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=tie, bos_token_id=256, eos_token_id=257,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+                "rope_theta": 500000.0}
+        return LlamaConfig(**common, rope_parameters=rope)
+    if arch == "mistral":
+        return MistralConfig(**{**common, "sliding_window": 48})
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 32})
+    raise ValueError(arch)
+
+
+def save_tiny_model(folder: str, arch: str, tie: bool = False, seed: int = 0, **overrides) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch, tie, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is small; widen it so that logits are far from uniform and greedy is stable.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    made: dict[tuple, str] = {}
+
+    def make(arch: str = "llama", tie: bool = False, **overrides) -> str:
+        key = (arch, tie, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}-{'tied' if tie else 'untied'}")
+            made[key] = save_tiny_model(str(folder), arch, tie, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from parashift.models.loader import resolve_model_path
+
+    return resolve_model_path(None)
