@@ -17,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = get_tp_group()
         self.vocab_size = vocab_size
+        self.dtype = dtype
         per_rank = -(-vocab_size // self.tp.world_size)  # padded so every rank has equal rows
         self.vocab_start = self.tp.rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, vocab_size)
@@ -29,11 +30,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(source.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # .to(dtype): the weight may be prepacked to float32 when tied to the LM head
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         ids = torch.where(local, input_ids - self.vocab_start, 0)
-        out = F.embedding(ids, self.weight) * local.unsqueeze(-1).to(self.weight.dtype)
+        out = F.embedding(ids, self.weight).to(self.dtype) * local.unsqueeze(-1).to(self.dtype)
         return self.tp.all_reduce(out)
 
 

@@ -12,12 +12,9 @@ from torch import nn
 from parashift.distributed.parallel_state import get_tp_group
 from parashift.models.weights import WeightSource
 
-# Below this many rows a half-precision GEMM is cheaper than upcasting the weight.
-_UPCAST_MIN_ROWS = 32
-
 
 @functools.cache
-def _cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -27,19 +24,26 @@ def _cpu_has_native_bf16() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, except on CPUs without bf16 dot-product instructions: there a bf16 GEMM takes
-    a slow emulated path (5x below fp32 here), so for batches of rows we upcast the operands,
-    multiply in fp32 and round the result back. Weights stay bf16 in memory; the arithmetic is
-    what a native bf16 GEMM does (fp32 accumulation)."""
-    if (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and x.shape[0] >= _UPCAST_MIN_ROWS
-        and not _cpu_has_native_bf16()
-    ):
-        b = bias.float() if bias is not None else None
-        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    """`F.linear`; a weight prepacked to float32 (see `prepack_weights`) computes in float32
+    and rounds the result back to the activations' dtype."""
+    if weight.dtype != x.dtype:
+        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def prepack_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """On CPUs without bf16 dot-product instructions a bf16 GEMM takes an emulated path about
+    5x slower than float32. There the GEMM weights (linears and the LM head) are widened to
+    float32 once at load: the values stay exactly the bf16 ones, activations and the KV cache
+    stay bf16, and each GEMM rounds its fp32-accumulated result to bf16 -- the numerics of a
+    native bf16 kernel, at the cost of twice the weight memory."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or cpu_has_native_bf16():
+        return False
+    for module in model.modules():
+        if isinstance(module, LinearBase) or hasattr(module, "compute_logits"):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.float()
+    return True
 
 
 class LinearBase(nn.Module):

@@ -1,0 +1,126 @@
+"""The `parashift` command line. Only this module reads argv."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import Annotated
+
+import typer
+
+from parashift import env
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="parashift: LLM inference whose parallel layout is a plugin.")
+
+
+
+@app.callback()
+def _root() -> None:
+    """Subcommands: generate (more come with the serving and strategy issues)."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size like 2GiB or 512MiB", param_hint=flag)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=env.log_level(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    model: Annotated[str | None, typer.Argument(
+        help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    ] = None,
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="repeat for a batch")] = [],
+    chat: Annotated[bool, typer.Option(help="apply the model's chat template")] = False,
+    system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    temperature: float = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = -1,
+    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
+    n: int = 1,
+    seed: Annotated[int | None, typer.Option(help="per-request sampling seed")] = None,
+    stop: Annotated[list[str], typer.Option("--stop")] = [],
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
+    max_num_batched_tokens: Annotated[int | None, typer.Option("--max-num-batched-tokens")
+                                      ] = None,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    kv_cache_memory: Annotated[str | None, typer.Option(
+        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+    enable_prefix_caching: Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching")] = True,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for torch")] = None,
+) -> None:
+    """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
+    _setup_logging()
+    if not prompt:
+        _fail("give at least one --prompt")
+    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    from parashift import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                                ignore_eos=ignore_eos)
+        llm = LLM(model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                  kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                  enable_prefix_caching=enable_prefix_caching, num_threads=threads)
+    except ValueError as e:
+        _fail(str(e))
+    streaming = len(prompt) == 1 and n == 1
+
+    def show(_: str, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        if chat:
+            prefix = [{"role": "system", "content": system}] if system else []
+            conversations = [prefix + [{"role": "user", "content": p}] for p in prompt]
+            outputs = llm.chat(conversations, params, use_tqdm=not streaming,
+                               on_output=show if streaming else None)
+        else:
+            outputs = llm.generate(prompt, params, use_tqdm=not streaming,
+                                   on_output=show if streaming else None)
+    except ValueError as e:
+        _fail(str(e))
+    if streaming:
+        sys.stdout.write("\n")
+        return
+    for i, out in enumerate(outputs):
+        for sample in out.outputs:
+            label = f"[{i}]" if n == 1 else f"[{i}.{sample.index}]"
+            typer.secho(f"{label} {prompt[i]!r} ({sample.finish_reason})", bold=True)
+            typer.echo(sample.text)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
