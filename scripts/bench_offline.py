@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--hf-dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the transformers baseline (default: --dtype); float32 is its "
+                        "fastest setting on CPUs without bf16 dot-product instructions")
     p.add_argument("--device", default=None, help="cpu or cuda (default: parashift's default)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len-range", type=parse_range, default=(32, 256), metavar="LO:HI")
@@ -207,7 +210,7 @@ def bench_hf(args: argparse.Namespace, folder: str, w: Workload, device: torch.d
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.hf_dtype or args.dtype)
     t0 = time.perf_counter()
     model, tok, num_params = load_hf(folder, dtype, device)
     load_s = time.perf_counter() - t0
@@ -369,13 +372,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.input_len_range[1]}, out {args.output_len_range[0]}:"
           f"{args.output_len_range[1]}, total {w.total_tokens} tok "
           f"({w.output_tokens} out); repeat {args.repeat}")
-    hdr = (f"{'system':<12}{'min s':>9}{'median s':>10}{'req/s':>9}{'tot tok/s':>11}"
+    hdr = (f"{'system':<22}{'min s':>9}{'median s':>10}{'req/s':>9}{'tot tok/s':>11}"
            f"{'out tok/s':>11}{'GFLOP/s':>9}{'roofline':>10}")
     print(hdr)
     for name, r in systems.items():
         frac = f"{100 * r['fraction_of_roofline']:.1f}%" if roof else "-"
-        label = name if name != "hf" else f"hf (bs {r['batch_size']})"
-        print(f"{label:<12}{r['elapsed_min_s']:>9.3f}{r['elapsed_median_s']:>10.3f}"
+        label = name if name != "hf" else f"hf {args.hf_dtype or args.dtype} bs{r['batch_size']}"
+        print(f"{label:<22}{r['elapsed_min_s']:>9.3f}{r['elapsed_median_s']:>10.3f}"
               f"{r['requests_per_s']:>9.2f}{r['total_tokens_per_s']:>11.1f}"
               f"{r['output_tokens_per_s']:>11.1f}{r['model_gflops']:>9.1f}{frac:>10}")
     if roof:

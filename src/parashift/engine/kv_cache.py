@@ -135,9 +135,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queried_tokens += request.num_tokens
-        self.stats.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_admission(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a prefix lookup once, when its request is actually admitted."""
+        if self.enable_prefix_caching:
+            self.stats.queried_tokens += num_tokens
+            self.stats.hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:

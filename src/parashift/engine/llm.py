@@ -62,8 +62,12 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling params")
-        request_ids = [self._add_request(p, sp) for p, sp in zip(prompts, sampling_params,
-                                                                  strict=True)]
+        # Validate the whole batch before queueing any of it.
+        for sp in sampling_params:
+            sp.validate()
+        checked = [(*self._tokenize(p), sp) for p, sp in zip(prompts, sampling_params,
+                                                           strict=True)]
+        request_ids = [self._add_request(text, ids, sp) for text, ids, sp in checked]
         results = self._run(len(request_ids), use_tqdm, on_output)
         return [results[r] for r in request_ids]
 
@@ -92,13 +96,15 @@ class LLM:
                                                  tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def _add_request(self, prompt: Prompt, params: SamplingParams) -> str:
-        params.validate()
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         self._validate_prompt(token_ids)
+        return text, token_ids
+
+    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
         now = time.monotonic()

@@ -68,9 +68,10 @@ class OutputProcessor:
             if delta:
                 result.text_deltas.append((out.request_id, delta))
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if sample.detokenizer.stop_hit is not None and finish_reason is None:
+            if sample.detokenizer.stop_hit is not None:  # a stop string wins over length
+                if finish_reason is None:
+                    result.to_abort.append(out.request_id)
                 finish_reason, stop_reason = "stop", sample.detokenizer.stop_hit
-                result.to_abort.append(out.request_id)
             if finish_reason is None:
                 continue
             completion.finish_reason, completion.stop_reason = finish_reason, stop_reason

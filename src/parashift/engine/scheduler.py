@@ -87,6 +87,7 @@ class Scheduler:
             if self.kv_cache.allocate_slots(req, num_new, computed_blocks) is None:
                 break
             self.waiting.popleft()
+            self.kv_cache.record_admission(req.num_tokens, num_hit)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING

@@ -1,0 +1,349 @@
+"""Scheduler + KVCacheManager driven by a synthetic model runner: budgets, ordering, chunked
+prefill, preemption, aborts, and (property tests) that every request finishes without leaks.
+
+The fake runner mirrors the real ModelRunner's bookkeeping: it applies each SchedulerOutput's
+deltas to its own copy of every request, and samples a fixed token for every request whose
+prompt is complete after the step (num_computed_tokens == num_tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from parashift.config import SchedulerConfig
+from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.engine.request import Request, RequestStatus
+from parashift.engine.sampling_params import SamplingParams
+from parashift.engine.scheduler import Scheduler
+
+SAMPLED_TOKEN = 7
+
+
+@dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeRunner:
+    """The runner side of the protocol, without a model."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _RunnerState] = {}
+
+    def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in out.freed_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_reqs:
+            self.requests[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids),
+                                                     new.num_computed_tokens)
+        for cached in out.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        sampled = {}
+        for req_id, num in out.num_scheduled_tokens.items():
+            state, req = self.requests[req_id], sched.requests[req_id]
+            # The runner's view agrees with the scheduler's after applying the deltas.
+            assert state.token_ids == req.all_token_ids
+            assert state.block_ids == sched.kv_cache.block_ids(req_id)
+            assert state.num_computed_tokens + num == req.num_computed_tokens
+            assert req.num_computed_tokens <= req.num_tokens
+            assert len(state.block_ids) * sched.kv_cache.block_size >= req.num_computed_tokens
+            state.num_computed_tokens += num
+            if req.num_computed_tokens == req.num_tokens:
+                sampled[req_id] = SAMPLED_TOKEN
+        return ModelRunnerOutput(sampled)
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int = 8, max_model_len: int = 64,
+                   enable_prefix_caching: bool = False,
+                   enable_chunked_prefill: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
+                             enable_chunked_prefill)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int, first: int = 0) -> Request:
+    prompt = [(first + i) % 5 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=None)
+
+
+def step(sched: Scheduler, runner: FakeRunner):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, runner.execute(sched, out))
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    pool = sched.kv_cache.pool
+    assert not sched.has_unfinished_requests and sched.requests == {}
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert sched.kv_cache.req_blocks == {} and sched.kv_cache.num_cached_blocks == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain cases
+
+
+def test_single_request_prefill_then_decode_to_length():
+    sched, runner = make_scheduler(num_blocks=8), FakeRunner()
+    req = make_request("a", prompt_len=6, max_tokens=3)
+    sched.add_request(req)
+    out, outputs = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 6}
+    assert [o.new_token_ids for o in outputs] == [[SAMPLED_TOKEN]]
+    for expected_reason in (None, "length"):
+        out, outputs = step(sched, runner)
+        assert out.num_scheduled_tokens == {"a": 1}
+        assert outputs[0].finish_reason == expected_reason
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert req.output_token_ids == [SAMPLED_TOKEN] * 3
+    assert_no_leaks(sched)
+    assert sched.schedule().freed_req_ids == {"a"}  # the runner is told to drop it
+
+
+def test_duplicate_request_id_rejected():
+    sched = make_scheduler(num_blocks=8)
+    sched.add_request(make_request("a", 3, 1))
+    try:
+        sched.add_request(make_request("a", 3, 1))
+    except ValueError as e:
+        assert "already in use" in str(e)
+    else:
+        raise AssertionError("duplicate id accepted")
+
+
+def test_chunked_prefill_splits_long_prompt():
+    sched, runner = make_scheduler(num_blocks=8, max_num_batched_tokens=4), FakeRunner()
+    sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    chunks, sampled_at = [], []
+    for i in range(3):
+        out, outputs = step(sched, runner)
+        chunks.append(out.num_scheduled_tokens["a"])
+        if outputs:
+            sampled_at.append(i)
+    assert chunks == [4, 4, 2]
+    assert sampled_at == [2]  # only the step that completes the prompt samples
+
+
+def test_without_chunked_prefill_prompt_goes_whole():
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16, max_model_len=16,
+                           enable_chunked_prefill=False)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    sched.add_request(make_request("b", prompt_len=10, max_tokens=2))
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 10}  # b does not fit whole in the rest
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10}
+
+
+def test_decodes_scheduled_before_new_prefills():
+    sched, runner = make_scheduler(num_blocks=32, max_num_batched_tokens=8), FakeRunner()
+    sched.add_request(make_request("a", prompt_len=3, max_tokens=10))
+    sched.add_request(make_request("b", prompt_len=4, max_tokens=10))
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 3, "b": 4}
+    sched.add_request(make_request("c", prompt_len=20, max_tokens=10))
+    out, _ = step(sched, runner)
+    # Both decodes first, then c's prefill gets only what is left of the budget.
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 6)]
+    assert [r.req_id for r in out.cached_reqs] == ["a", "b"]
+    assert [r.req_id for r in out.new_reqs] == ["c"]
+    out, _ = step(sched, runner)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 6)]
+
+
+def test_max_num_seqs_caps_running():
+    sched, runner = make_scheduler(num_blocks=32, max_num_seqs=2), FakeRunner()
+    for i in range(3):
+        sched.add_request(make_request(str(i), prompt_len=3, max_tokens=2))
+    out, _ = step(sched, runner)
+    assert set(out.num_scheduled_tokens) == {"0", "1"}
+    assert [r.request_id for r in sched.waiting] == ["2"]
+    step(sched, runner)  # 0 and 1 finish
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"2": 3}
+
+
+def test_preemption_frees_last_admitted_and_recomputes_from_zero():
+    # 4 blocks of 4 tokens; two requests of 6 prompt tokens each hold 2 blocks; the first
+    # one's growth past 8 tokens needs a third block, so the second is preempted.
+    sched, runner = make_scheduler(num_blocks=4, max_model_len=16), FakeRunner()
+    a, b = make_request("a", 6, 8), make_request("b", 6, 8, first=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    step(sched, runner)
+    step(sched, runner)  # both at 8 tokens computed... a now needs its 3rd block
+    out, _ = step(sched, runner)
+    assert b.status == RequestStatus.PREEMPTED and b.num_preemptions == 1
+    assert b.num_computed_tokens == 0 and "b" not in sched.kv_cache.req_blocks
+    assert "b" in out.freed_req_ids and list(sched.waiting) == [b]
+    assert out.num_scheduled_tokens == {"a": 1}
+    outputs_before = list(b.output_token_ids)
+    while a.request_id in sched.requests:
+        out, _ = step(sched, runner)
+    # b resumes with its prompt and outputs so far, recomputed from position 0.
+    while not out.new_reqs:
+        out, _ = step(sched, runner)
+    (new,) = out.new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 0
+    assert new.token_ids == b.prompt_token_ids + outputs_before
+    assert out.num_scheduled_tokens["b"] == len(new.token_ids)
+    while sched.has_unfinished_requests:
+        step(sched, runner)
+    assert b.output_token_ids == [SAMPLED_TOKEN] * 8
+    assert_no_leaks(sched)
+
+
+def test_abort_waiting_running_and_unknown():
+    sched, runner = make_scheduler(num_blocks=16, max_num_seqs=1), FakeRunner()
+    sched.add_request(make_request("a", 5, 10))
+    sched.add_request(make_request("b", 5, 10))
+    step(sched, runner)
+    sched.abort_requests(["a", "b", "nope"])
+    assert_no_leaks(sched)
+    out, outputs = step(sched, runner)
+    assert out.is_empty and outputs == [] and out.freed_req_ids == {"a", "b"}
+    assert runner.requests == {}
+
+
+def test_prefix_hit_at_admission():
+    sched = make_scheduler(num_blocks=16, enable_prefix_caching=True)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 10, 1))
+    step(sched, runner)
+    b = make_request("b", 10, 1)
+    sched.add_request(b)
+    out, _ = step(sched, runner)
+    (new,) = out.new_reqs
+    assert new.num_computed_tokens == 8 and out.num_scheduled_tokens == {"b": 2}
+    assert b.num_cached_tokens == 8
+    assert sched.stats().prefix_cache_hit_tokens == 8
+
+
+def test_prefix_stats_count_each_admission_once():
+    sched = make_scheduler(num_blocks=4, enable_prefix_caching=True)
+    runner = FakeRunner()
+    sched.add_request(make_request("p", 8, 1))
+    step(sched, runner)  # p fills and frees 2 cached blocks
+    sched.add_request(make_request("a", 9, 3, first=2))  # takes 3 of 4 blocks, keeps p's first
+    b = make_request("b", 8, 1)  # hits p's first block but needs one more: must wait for a
+    sched.add_request(b)
+    waited = 0
+    while b.status == RequestStatus.WAITING:
+        step(sched, runner)
+        waited += 1
+    assert waited >= 2 and b.num_cached_tokens == 4
+    # One admission with 4 cached tokens; p and a had none.
+    assert sched.stats().prefix_cache_hit_tokens == 4
+    assert sched.stats().prefix_cache_queried_tokens == 8 + 9 + 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Property test
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(4, 40))
+    min_blocks = -(-max_model_len // block_size)
+    num_blocks = draw(st.integers(min_blocks, min_blocks + 6))  # tiny: forces preemption
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(1, 48))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    requests = draw(st.lists(
+        st.tuples(st.integers(1, max_model_len - 1),  # prompt length
+                  st.integers(1, 30),  # max_tokens
+                  st.integers(0, 2),  # prompt content variant (shared prefixes)
+                  st.integers(0, 6)),  # arrival step
+        min_size=1, max_size=10))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=4))
+    return dict(block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+                chunked=chunked, budget=budget, max_num_seqs=draw(st.integers(1, 6)),
+                prefix_caching=draw(st.booleans()), requests=requests, aborts=aborts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(w=workloads())
+def test_random_workloads_respect_budgets_and_finish_without_leaks(w):
+    sched = make_scheduler(w["num_blocks"], w["block_size"], w["budget"], w["max_num_seqs"],
+                           w["max_model_len"], w["prefix_caching"], w["chunked"])
+    runner = FakeRunner()
+    reqs = [make_request(str(i), plen, max_tokens, first=variant)
+            for i, (plen, max_tokens, variant, _) in enumerate(w["requests"])]
+    by_id = {r.request_id: r for r in reqs}
+    arrivals = [arrival for *_, arrival in w["requests"]]
+    aborted: set[str] = set()
+    preemptions = {r.request_id: 0 for r in reqs}
+    max_steps = 50 + 20 * sum(p + m for p, m, *_ in w["requests"])
+
+    for step_no in range(max_steps):
+        for req, arrival in zip(reqs, arrivals, strict=True):
+            if arrival == step_no:
+                sched.add_request(req)
+        for abort_step, which in w["aborts"]:
+            if abort_step == step_no and which < len(reqs):
+                req = reqs[which]
+                if req.request_id in sched.requests:
+                    aborted.add(req.request_id)
+                sched.abort_requests([req.request_id])
+        if step_no > max(arrivals) and not sched.has_unfinished_requests:
+            break
+
+        had_work = sched.has_unfinished_requests
+        out, _ = step(sched, runner)
+        # Progress: some request runs whenever any is unfinished (no livelock, no stall).
+        assert out.is_empty != had_work
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= w["budget"]
+        assert all(n > 0 for n in out.num_scheduled_tokens.values())
+        assert len(sched.running) <= w["max_num_seqs"]
+        assert len(out.num_scheduled_tokens) <= w["max_num_seqs"]
+        for new in out.new_reqs:
+            req = by_id[new.req_id]
+            assert new.token_ids[:new.num_prompt_tokens] == req.prompt_token_ids
+            assert new.num_computed_tokens % w["block_size"] == 0
+            if not w["prefix_caching"]:
+                assert new.num_computed_tokens == 0
+        for req in reqs:
+            if req.num_preemptions > preemptions[req.request_id]:
+                preemptions[req.request_id] = req.num_preemptions
+                # Preempted this step: blocks freed, back in the queue, to recompute from 0.
+                assert req.request_id in out.freed_req_ids
+                assert req.status == RequestStatus.PREEMPTED
+                assert req.num_computed_tokens == 0
+                assert req in sched.waiting
+                assert req.request_id not in sched.kv_cache.req_blocks
+    else:
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    for req, (plen, max_tokens, *_) in zip(reqs, w["requests"], strict=True):
+        assert req.is_finished
+        if req.request_id in aborted:
+            assert req.status == RequestStatus.FINISHED_ABORTED
+        else:
+            assert req.status == RequestStatus.FINISHED_LENGTH
+            # No token lost or sampled twice across preemptions.
+            expected = min(max_tokens, w["max_model_len"] - plen)
+            assert req.output_token_ids == [SAMPLED_TOKEN] * expected
+    event(f"preempted: {any(r.num_preemptions for r in reqs)}")
+    event(f"prefix hits: {sched.stats().prefix_cache_hit_tokens > 0}")
+    event(f"aborted: {bool(aborted)}")
+    assert_no_leaks(sched)
+    # The next step tells the runner to drop everything it still holds.
+    out = sched.schedule()
+    assert out.is_empty
+    runner.execute(sched, out)
+    assert runner.requests == {}
