@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parashift.distributed.parallel_state import get_tp_group
-from parashift.layers.linear import linear
+from parashift.layers.gemm import linear
 from parashift.models.weights import WeightSource
 
 
@@ -48,11 +48,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("an LM head with bias is not supported")
 
+        self.packed_weight: torch.Tensor | None = None  # see layers/gemm.py
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # [num_rows, hidden] -> [num_rows, vocab]
-        logits = linear(hidden, self.weight, None)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         logits = self.tp.gather(logits, dim=-1)
         return logits[:, : self.vocab_size] if logits is not None else None

@@ -3,47 +3,12 @@ behaves as a plain `nn.Linear` when the tensor-parallel group has size 1."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parashift.distributed.parallel_state import get_tp_group
+from parashift.layers.gemm import linear
 from parashift.models.weights import WeightSource
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`; a weight prepacked to float32 (see `prepack_weights`) computes in float32
-    and rounds the result back to the activations' dtype."""
-    if weight.dtype != x.dtype:
-        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
-    return F.linear(x, weight, bias)
-
-
-def prepack_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """On CPUs without bf16 dot-product instructions a bf16 GEMM takes an emulated path about
-    5x slower than float32. There the GEMM weights (linears and the LM head) are widened to
-    float32 once at load: the values stay exactly the bf16 ones, activations and the KV cache
-    stay bf16, and each GEMM rounds its fp32-accumulated result to bf16 -- the numerics of a
-    native bf16 kernel, at the cost of twice the weight memory."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or cpu_has_native_bf16():
-        return False
-    for module in model.modules():
-        if isinstance(module, LinearBase) or hasattr(module, "compute_logits"):
-            for param in module.parameters(recurse=False):
-                param.data = param.data.float()
-    return True
 
 
 class LinearBase(nn.Module):
@@ -55,6 +20,7 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # see layers/gemm.py
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -70,7 +36,7 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(source.load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -87,7 +53,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(source.narrow(0, self.tp.rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -157,5 +123,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(source.narrow(1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y + self.bias if self.bias is not None else y

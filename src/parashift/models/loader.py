@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from parashift.layers.attention.backend import AttentionBackend
-from parashift.layers.linear import prepack_weights
+from parashift.layers.gemm import prepare_gemm_weights
 from parashift.models.gguf import converted_gguf_folder, embedded_default_gguf
 from parashift.models.registry import get_model_class
 from parashift.models.weights import iterate_weights
@@ -48,9 +48,8 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     with torch.device(device):
         model = model_cls(hf_config, dtype, backend, max_position)
     model.load_weights(iterate_weights(path))
-    if prepack_weights(model, dtype, device):
-        logger.info("this CPU has no bf16 dot-product instructions: GEMM weights prepacked "
-                    "to float32 (bf16 values, bf16 activations and KV cache)")
+    for note in prepare_gemm_weights(model, device):
+        logger.info(note)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", _architecture(hf_config),
