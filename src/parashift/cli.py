@@ -18,7 +18,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.callback()
 def _root() -> None:
-    """Subcommands: generate (more come with the serving and strategy issues)."""
+    """Subcommands: run (OpenAI-compatible server), generate (offline)."""
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -116,6 +116,58 @@ def generate(
             label = f"[{i}]" if n == 1 else f"[{i}.{sample.index}]"
             typer.secho(f"{label} {prompt[i]!r} ({sample.finish_reason})", bold=True)
             typer.echo(sample.text)
+
+
+@app.command()
+def run(
+    model: Annotated[str | None, typer.Argument(
+        help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    ] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: int = 8000,
+    api_server_count: Annotated[int, typer.Option("--api-server-count")] = 1,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="bearer key for /v1/*")
+                       ] = None,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
+                                                    help="seconds to drain on SIGTERM")] = 10.0,
+    startup_timeout: Annotated[float, typer.Option("--startup-timeout")] = 600.0,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
+    max_num_batched_tokens: Annotated[int | None, typer.Option("--max-num-batched-tokens")
+                                      ] = None,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    kv_cache_memory: Annotated[str | None, typer.Option(
+        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+    enable_prefix_caching: Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching")] = True,
+    seed: int = 0,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for torch")] = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
+    _setup_logging()
+    if api_server_count < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
+    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    from parashift.engine.args import EngineArgs
+    from parashift.serve.launcher import ServeArgs
+    from parashift.serve.launcher import run as run_server
+
+    engine = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        block_size=block_size, kv_cache_memory=kv_bytes,
+                        gpu_memory_utilization=gpu_memory_utilization,
+                        enable_prefix_caching=enable_prefix_caching, seed=seed,
+                        num_threads=threads)
+    args = ServeArgs(engine, host, port, api_server_count, served_model_name, api_key,
+                     shutdown_timeout, startup_timeout, env.log_level())
+    try:
+        code = run_server(args)
+    except ValueError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -42,15 +42,16 @@ class LlamaAttention(nn.Module):
                               backend)
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple, metadata: Any) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        num_tokens, num_heads, num_kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        # [num_tokens, heads + 2 * kv_heads, head_dim]: q, k and v heads side by side
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        v = qkv[:, num_heads + num_kv_heads :]
+        if self.q_norm is None:  # rotate q and k heads in one pass
+            qk = apply_rotary(qkv[:, : num_heads + num_kv_heads], *cos_sin)
+            q, k = qk[:, :num_heads], qk[:, num_heads:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :num_heads]), *cos_sin)
+            k = apply_rotary(self.k_norm(qkv[:, num_heads : num_heads + num_kv_heads]), *cos_sin)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 

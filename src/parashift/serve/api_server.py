@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP server (aiohttp + uvloop). One process per --api-server-count;
+all accept on one listening socket and reach every engine through their own broker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from parashift.serve import responses
+from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
+from parashift.serve.generation import Generation
+from parashift.serve.metrics import Metrics
+from parashift.serve.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_messages,
+    parse,
+    sampling_params,
+)
+from parashift.serve.process_util import set_process_name, setup_child_logging
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ApiServerArgs:
+    index: int
+    request_address: str
+    output_address: str
+    num_engines: int
+    tokenizer_path: str
+    served_model_name: str
+    max_model_len: int
+    eos_token_id: int | None
+    vocab_size: int
+    api_key: str | None = None
+    log_level: str = "INFO"
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status,
+                        content_type="application/json")
+
+
+class ApiServer:
+    def __init__(self, args: ApiServerArgs):
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.broker = Broker(args.index, args.request_address, args.output_address,
+                             args.num_engines)
+        self.metrics = Metrics()
+        self.broker.on_outputs = self.metrics.on_engine_outputs
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=32 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except OpenAIError as e:
+            return _json(e.body(), e.status)
+        except EngineUnavailableError as e:
+            return _json(OpenAIError(503, str(e), "service_unavailable").body(), 503)
+        except EngineDeadError as e:
+            return _json(OpenAIError(500, str(e), "engine_error").body(), 500)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _json(OpenAIError(e.status, e.reason, "invalid_request_error").body(),
+                             e.status)
+            raise
+        except Exception as e:  # a bug must fail its request only, never the server
+            logger.exception("internal error on %s", request.path)
+            return _json(OpenAIError(500, f"internal error: {e}", "internal_error").body(), 500)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.args.api_key
+        if key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                raise OpenAIError(401, "invalid or missing API key", "authentication_error",
+                                  code="invalid_api_key")
+        return await handler(request)
+
+    # --- endpoints ---------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.args.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "parashift", "max_model_len": self.args.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok, reason = self.broker.health()
+        return _json({"status": "ok" if ok else "unavailable", "detail": reason},
+                     200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        for rank in range(self.args.num_engines):
+            self.metrics.engine_up.labels(f"dp{rank}").set(
+                1 if rank in self.broker.ready and rank not in self.broker.dead else 0)
+        return web.Response(body=self.metrics.render(),
+                            content_type="text/plain", charset="utf-8")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        results = {f"dp{r}": await self.broker.utility("reset_prefix_cache", r)
+                   for r in self.broker.alive_engines()}
+        return _json({"reset": results})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(await request.read(), CompletionRequest)
+        self._check_model(req.model)
+        if req.suffix is not None:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(400, "echo together with logprobs is not supported", param="echo")
+        prompts = self._completion_prompts(req.prompt)
+        return await self._generate(request, req, prompts, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(await request.read(), ChatCompletionRequest)
+        self._check_model(req.model)
+        messages = chat_messages(req)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+        except Exception as e:
+            raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from e
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return await self._generate(request, req, [ids], chat=True)
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.args.served_model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                              f"{self.args.served_model_name!r}", "invalid_request_error",
+                              param="model", code="model_not_found")
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        kinds = {type(x) for x in prompt} if isinstance(prompt, list) else {str}
+        if len(kinds) > 1:
+            raise OpenAIError(400, "prompt must be a string, a list of strings, a list of token "
+                              "ids or a list of token-id lists, not a mix", param="prompt")
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif kinds == {str}:
+            prompts = [self.tokenizer.encode(t) for t in prompt]
+        elif kinds == {int}:
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        if not prompts or any(not p for p in prompts):
+            raise OpenAIError(400, "the prompt must not be empty", param="prompt")
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary",
+                                  param="prompt")
+        return prompts
+
+    def _rank(self, request: web.Request) -> int | None:
+        pinned = request.headers.get("X-data-parallel-rank")
+        if pinned is None:
+            return None
+        if not pinned.isdigit() or int(pinned) >= self.args.num_engines:
+            raise OpenAIError(400, f"X-data-parallel-rank must be 0..{self.args.num_engines - 1}")
+        return int(pinned)
+
+    async def _generate(self, request: web.Request, req: Any, prompts: list[list[int]],
+                        chat: bool) -> web.StreamResponse:
+        params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
+        gen = Generation(self.broker, self.tokenizer, request_id, prompts, params,
+                         self.args.eos_token_id, self._rank(request))
+        fmt = responses.ChatFormatter if chat else responses.CompletionFormatter
+        formatter = fmt(request_id, self.args.served_model_name, self.tokenizer, gen, req)
+        status = "error"
+        try:
+            if req.stream:
+                response = await self._stream(request, gen, formatter)
+            else:
+                async for _ in gen.stream():
+                    pass
+                response = _json(formatter.full_response())
+            status = "ok"
+            return response
+        except asyncio.CancelledError:
+            status = "disconnected"
+            raise
+        finally:
+            t = gen.timing
+            self.metrics.observe_request(status, gen.num_prompt_tokens, gen.num_output_tokens,
+                                         t.arrival, t.first_token, time.monotonic())
+
+    async def _stream(self, request: web.Request, gen: Generation,
+                      formatter: responses.Formatter) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            for chunk in formatter.stream_start():
+                await response.write(responses.sse(chunk))
+            async for delta in gen.stream():
+                await response.write(responses.sse(formatter.stream_chunk(delta)))
+            usage = formatter.stream_usage()
+            if usage is not None:
+                await response.write(responses.sse(usage))
+        except (EngineDeadError, OpenAIError) as e:
+            err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
+            await response.write(responses.sse(err.body()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
+    server = ApiServer(args)
+    server.broker.start()
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    shutdown = asyncio.create_task(server.broker.shutdown_requested.wait())
+    await asyncio.wait([asyncio.create_task(stop.wait()), shutdown],
+                       return_when=asyncio.FIRST_COMPLETED)
+    # Stop accepting, let in-flight requests drain within the timeout, then abort the rest.
+    await site.stop()
+    deadline = time.monotonic() + server.broker.shutdown_timeout
+    while server.broker.queues and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await server.broker.close()
+
+
+def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:
+    """Process entry point (multiprocessing target)."""
+    set_process_name(f"parashift-api-{args.index}")
+    setup_child_logging(args.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_serve(args, sock))

@@ -1,0 +1,200 @@
+"""The async ZMQ broker inside each API server process: it owns the sockets to every engine,
+picks the engine for a request, and fans each engine's outputs back to per-request queues.
+There is no broker process: one hop less, no single point of failure."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from parashift.engine.outputs import EngineCoreOutput, SchedulerStats
+from parashift.engine.sampling_params import SamplingParams
+from parashift.serve import protocol as p
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine serving a request died; the request cannot finish."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine can take a request right now (still starting, or all dead)."""
+
+
+class Broker:
+    def __init__(self, client_index: int, request_address: str, output_address: str,
+                 num_engines: int):
+        self.client_index = client_index
+        self.num_engines = num_engines
+        self.ctx = zmq.asyncio.Context()
+        self.requests = self.ctx.socket(zmq.ROUTER)
+        self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown engine raises, not drops
+        self.requests.setsockopt(zmq.SNDHWM, 0)
+        self.requests.setsockopt(zmq.RCVHWM, 0)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.bind(request_address)
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.RCVHWM, 0)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.bind(output_address)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.engine_of: dict[str, int] = {}
+        self.ready: dict[int, p.EngineReady] = {}
+        self.dead: dict[int, str] = {}
+        self.stats: dict[int, SchedulerStats] = {}
+        self.in_flight: dict[int, int] = {}
+        self.shutdown_requested = asyncio.Event()
+        self.shutdown_timeout = 0.0
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._rotation = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.on_outputs = None  # optional hook(rank, EngineOutputs) for metrics
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_outputs()),
+                       asyncio.create_task(self._recv_control())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.ctx.destroy(linger=0)
+
+    # --- health and routing ------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        if self.dead:
+            return False, "; ".join(f"engine dp{r} is down: {why}" for r, why in
+                                    sorted(self.dead.items()))
+        missing = [r for r in range(self.num_engines) if r not in self.ready]
+        if missing:
+            return False, f"engine(s) {', '.join(f'dp{r}' for r in missing)} not ready yet"
+        return True, "ok"
+
+    def alive_engines(self) -> list[int]:
+        return [r for r in sorted(self.ready) if r not in self.dead]
+
+    def pick_engine(self, pinned: int | None = None) -> int:
+        alive = self.alive_engines()
+        if pinned is not None:
+            if pinned not in alive:
+                raise EngineUnavailableError(f"engine dp{pinned} is not available")
+            return pinned
+        if not alive:
+            raise EngineUnavailableError(self.health()[1])
+        # Fewest in flight from this server; ties rotate so equal engines share the load.
+        turn = next(self._rotation)
+        return min(alive, key=lambda r: (self.in_flight.get(r, 0),
+                                         (r - turn) % self.num_engines))
+
+    # --- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_id: int | None, rank: int) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
+                           self.client_index, time.monotonic())
+        try:
+            self.requests.send_multipart([str(rank).encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
+        self.queues[request_id] = queue
+        self.engine_of[request_id] = rank
+        self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
+        return queue
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for req_id in request_ids:
+            rank = self._forget(req_id)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(req_id)
+        for rank, ids in by_rank.items():
+            if rank in self.dead:
+                continue
+            try:
+                self.requests.send_multipart([str(rank).encode(),
+                                              p.encode(p.AbortRequests(ids))], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                logger.warning("could not send an abort to engine dp%d", rank)
+
+    def _forget(self, request_id: str) -> int | None:
+        self.queues.pop(request_id, None)
+        rank = self.engine_of.pop(request_id, None)
+        if rank is not None:
+            self.in_flight[rank] -= 1
+        return rank
+
+    async def utility(self, method: str, rank: int) -> Any:
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self.requests.send_multipart([str(rank).encode(), p.encode(
+                p.UtilityCall(call_id, method, self.client_index))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._calls.pop(call_id)
+            raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
+        return await future
+
+    # --- receiving ---------------------------------------------------------------------------
+    async def _recv_outputs(self) -> None:
+        while True:
+            msg = p.decode(await self.outputs.recv(), p.Outputs)
+            if isinstance(msg, p.EngineOutputs):
+                self.stats[msg.rank] = msg.stats
+                for out in msg.outputs:
+                    self._deliver(out)
+                if self.on_outputs is not None:
+                    self.on_outputs(msg)
+            elif isinstance(msg, p.UtilityResult):
+                future = self._calls.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    if msg.error:
+                        future.set_exception(RuntimeError(msg.error))
+                    else:
+                        future.set_result(msg.result)
+            elif isinstance(msg, p.EngineDead):
+                self.mark_dead(msg.rank, msg.reason)
+
+    def _deliver(self, out: EngineCoreOutput) -> None:
+        queue = self.queues.get(out.request_id)
+        if queue is None:  # aborted on our side already
+            return
+        queue.put_nowait(out)
+        if out.finished:
+            self._forget(out.request_id)
+
+    async def _recv_control(self) -> None:
+        while True:
+            identity, frame = await self.requests.recv_multipart()
+            msg = p.decode(frame, p.Control)
+            if isinstance(msg, p.EngineReady):
+                self.ready[msg.rank] = msg
+                logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
+            elif isinstance(msg, p.EngineDead):
+                self.mark_dead(msg.rank, msg.reason)
+            elif isinstance(msg, p.Shutdown):
+                self.shutdown_timeout = msg.timeout_s
+                self.shutdown_requested.set()
+
+    def mark_dead(self, rank: int, reason: str) -> None:
+        if rank in self.dead:
+            return
+        logger.error("engine dp%d is down: %s", rank, reason)
+        self.dead[rank] = reason
+        error = EngineDeadError(f"engine dp{rank} died: {reason}")
+        for req_id, r in list(self.engine_of.items()):
+            if r == rank:
+                queue = self.queues.get(req_id)
+                if queue is not None:
+                    queue.put_nowait(error)
+                self._forget(req_id)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)

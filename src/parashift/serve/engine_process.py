@@ -1,0 +1,174 @@
+"""The engine-core process: handshake with the launcher, then a busy loop of
+input sockets -> scheduler step -> outputs, blocking on its sockets when there is no work."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from parashift.engine.args import EngineArgs
+from parashift.engine.core import EngineCore
+from parashift.engine.outputs import EngineCoreOutput
+from parashift.engine.request import Request
+from parashift.serve import protocol as p
+from parashift.serve.process_util import set_process_name, setup_child_logging
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_MS = 60_000
+IDLE_POLL_MS = 1_000  # blocking poll; wakes only to notice a shutdown signal
+
+
+class EngineProcess:
+    def __init__(self, rank: int, handshake_address: str):
+        self.rank = rank
+        self.ctx = zmq.Context()
+        self.handshake = self.ctx.socket(zmq.DEALER)
+        self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self.handshake.setsockopt(zmq.LINGER, 1000)
+        self.handshake.connect(handshake_address)
+        self.inputs: list[zmq.Socket] = []
+        self.outputs: list[zmq.Socket] = []
+        self.client_of: dict[str, int] = {}  # request id -> API server index
+        self.stopping = False
+        self.core: EngineCore | None = None
+
+    def _send_handshake(self, msg: p._Msg) -> None:
+        self.handshake.send(p.encode(msg))
+
+    def start(self) -> None:
+        self._send_handshake(p.Hello(self.rank, os.getpid()))
+        if not self.handshake.poll(HANDSHAKE_TIMEOUT_MS):
+            raise TimeoutError("the launcher never answered the handshake")
+        init = p.decode(self.handshake.recv(), p.EngineInit)
+        args = EngineArgs(**init.engine_args)
+        if init.num_threads:
+            args.num_threads = init.num_threads
+        self.core = EngineCore(args.create_config())
+        for address in init.request_addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.inputs.append(sock)
+        for address in init.output_addresses:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop outputs; in-flight work is bounded
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            self.outputs.append(sock)
+        cfg = self.core.config
+        ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks)
+        for sock in self.inputs:
+            sock.send(p.encode(ready))
+        self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
+                                     cfg.model.max_model_len))
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.inputs:
+            poller.register(sock, zmq.POLLIN)
+        core = self.core
+        while not self.stopping:
+            busy = core.has_unfinished_requests()
+            for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(p.decode(frame, p.ToEngine))
+            if core.has_unfinished_requests():
+                self._publish(core.step())
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, p.AddRequest):
+            self.client_of[msg.request_id] = msg.client_index
+            try:
+                self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                              msg.eos_token_id, msg.arrival_time))
+            except ValueError as e:  # a bad request fails alone
+                self._send_outputs(msg.client_index, [EngineCoreOutput(
+                    msg.request_id, [], finish_reason="error", stop_reason=str(e))])
+                self.client_of.pop(msg.request_id, None)
+        elif isinstance(msg, p.AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            by_client: dict[int, list[EngineCoreOutput]] = {}
+            for req_id in msg.request_ids:
+                client = self.client_of.pop(req_id, None)
+                if client is not None:
+                    by_client.setdefault(client, []).append(
+                        EngineCoreOutput(req_id, [], finish_reason="abort"))
+            for client, outs in by_client.items():
+                self._send_outputs(client, outs)
+        elif isinstance(msg, p.UtilityCall):
+            self._utility(msg)
+
+    def _utility(self, call: p.UtilityCall) -> None:
+        result, error = None, None
+        if call.method == "reset_prefix_cache":
+            result = self.core.reset_prefix_cache()
+        elif call.method == "stats":
+            result = self.core.stats()
+        else:
+            error = f"unknown utility method {call.method!r}"
+        self.outputs[call.client_index].send(p.encode(
+            p.UtilityResult(self.rank, call.call_id, result, error)))
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            client = self.client_of.get(out.request_id)
+            if client is None:
+                continue
+            by_client.setdefault(client, []).append(out)
+            if out.finished:
+                del self.client_of[out.request_id]
+        for client, outs in by_client.items():
+            self._send_outputs(client, outs)
+
+    def _send_outputs(self, client: int, outputs: list[EngineCoreOutput]) -> None:
+        self.outputs[client].send(p.encode(p.EngineOutputs(self.rank, outputs,
+                                                           self.core.stats())))
+
+    def report_fatal(self, error: str) -> None:
+        for sock in self.outputs:
+            sock.send(p.encode(p.EngineDead(self.rank, error)), zmq.NOBLOCK)
+        if self.core is None:
+            try:
+                self._send_handshake(p.StartupFailed(self.rank, error))
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
+
+
+def run_engine(rank: int, handshake_address: str, log_level: str) -> None:
+    """Process entry point (multiprocessing target)."""
+    set_process_name(f"parashift-engine-dp{rank}")
+    setup_child_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
+    engine = EngineProcess(rank, handshake_address)
+
+    def on_term(*_: Any) -> None:
+        engine.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        engine.start()
+        engine.run()
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("engine dp%d failed:\n%s", rank, error)
+        engine.report_fatal(error.strip().splitlines()[-1])
+        time.sleep(0.2)  # let the error reach the API servers
+        engine.close()
+        raise SystemExit(1) from None
+    engine.close()

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one API server (its own registry, served at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from parashift.serve import protocol as p
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("parashift_requests", "Finished HTTP generation requests",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter("parashift_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("parashift_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.ttft = Histogram("parashift_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("parashift_time_per_output_token_seconds",
+                              "Time per output token after the first", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("parashift_e2e_request_latency_seconds", "End-to-end latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("parashift_num_requests_running", "Running requests", ["engine"],
+                             registry=r)
+        self.waiting = Gauge("parashift_num_requests_waiting", "Waiting requests", ["engine"],
+                             registry=r)
+        self.kv_usage = Gauge("parashift_kv_cache_usage_ratio", "Share of KV blocks in use",
+                              ["engine"], registry=r)
+        self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
+                                     "Prompt tokens served by the prefix cache / queried",
+                                     ["engine"], registry=r)
+        self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
+                               registry=r)
+
+    def on_engine_outputs(self, msg: p.EngineOutputs) -> None:
+        engine, s = f"dp{msg.rank}", msg.stats
+        self.running.labels(engine).set(s.num_running)
+        self.waiting.labels(engine).set(s.num_waiting)
+        self.kv_usage.labels(engine).set(s.kv_cache_usage)
+        if s.prefix_cache_queried_tokens:
+            self.prefix_hit_rate.labels(engine).set(
+                s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
+
+    def observe_request(self, status: str, num_prompt: int, num_output: int,
+                        arrival: float, first_token: float | None, finished: float) -> None:
+        self.requests.labels(status).inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_output)
+        self.e2e.observe(finished - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_output > 1:
+                self.tpot.observe((finished - first_token) / (num_output - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,28 @@
+"""Small helpers shared by the launcher's child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+
+def set_process_name(name: str) -> None:
+    """So that `ps` tells what is running (parashift-engine-dp0, parashift-api-0)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(name)
+    except ImportError:
+        pass
+    try:  # the kernel's short name too (ps -o comm, top)
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def setup_child_logging(level: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)

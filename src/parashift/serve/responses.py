@@ -1,0 +1,159 @@
+"""OpenAI response bodies for completions and chat completions, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from parashift.engine.outputs import TokenLogprobs
+from parashift.serve.generation import Choice, Delta, Generation
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+class Formatter:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Any, gen: Generation, req: Any):
+        self.id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.gen = gen
+        self.req = req
+        self.created = int(time.time())
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self.gen.num_prompt_tokens, self.gen.num_output_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def full_response(self) -> dict[str, Any]:
+        body = self._envelope([self._full_choice(c) for c in self._ordered()], chunk=False)
+        body["usage"] = self.usage()
+        return body
+
+    def _ordered(self) -> list[Choice]:
+        return sorted(self.gen.choices.values(), key=lambda c: c.index)
+
+    def stream_start(self) -> list[dict]:
+        return []
+
+    def stream_usage(self) -> dict | None:
+        options = self.req.stream_options
+        if options is None or not options.include_usage:
+            return None
+        body = self._envelope([], chunk=True)
+        body["usage"] = self.usage()
+        return body
+
+    def _full_choice(self, choice: Choice) -> dict:
+        raise NotImplementedError
+
+    def stream_chunk(self, delta: Delta) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormatter(Formatter):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._echoed: set[int] = set()
+
+    def _logprobs(self, entries: list[TokenLogprobs], text_start: int) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = text_start
+        for lp in entries:
+            token = self._token(lp.token_ids[0])
+            tokens.append(token)
+            token_logprobs.append(lp.logprobs[0])
+            top.append({self._token(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:],
+                                                          strict=True)})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _prompt_text(self, choice: Choice) -> str:
+        if not self.req.echo:
+            return ""
+        prompt = self.req.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[choice.prompt_index], str):
+            return prompt[choice.prompt_index]
+        return self.tokenizer.decode(self.gen.prompts[choice.prompt_index])
+
+    def _full_choice(self, choice: Choice) -> dict:
+        echo = self._prompt_text(choice)
+        return {"index": choice.index, "text": echo + choice.text,
+                "logprobs": self._logprobs(choice.logprobs, len(echo)),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def stream_chunk(self, delta: Delta) -> dict:
+        choice = delta.choice
+        text = delta.text
+        if self.req.echo and choice.index not in self._echoed:
+            text = self._prompt_text(choice) + text
+            self._echoed.add(choice.index)
+        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
+        return self._envelope([{
+            "index": choice.index, "text": text, "logprobs": self._logprobs(new, 0),
+            "finish_reason": choice.finish_reason if delta.finished else None,
+            "stop_reason": choice.stop_reason if delta.finished else None,
+        }], chunk=True)
+
+
+class ChatFormatter(Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        content = []
+        for lp in entries:
+            item = self._entry(lp.token_ids[0], lp.logprobs[0])
+            item["top_logprobs"] = [self._entry(t, v) for t, v in
+                                    zip(lp.token_ids[1:], lp.logprobs[1:], strict=True)]
+            content.append(item)
+        return {"content": content}
+
+    def _full_choice(self, choice: Choice) -> dict:
+        return {"index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def stream_start(self) -> list[dict]:
+        return [self._envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], chunk=True)
+                for c in self._ordered()]
+
+    def stream_chunk(self, delta: Delta) -> dict:
+        choice = delta.choice
+        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
+        return self._envelope([{
+            "index": choice.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(new),
+            "finish_reason": choice.finish_reason if delta.finished else None,
+        }], chunk=True)
