@@ -1,5 +1,6 @@
 """Incremental detokenization: text grows token by token, correct across multi-byte
-characters and tokenizers that merge spaces; stop strings are matched across token borders."""
+characters and tokenizers that merge spaces; stop strings are matched across token borders.
+For streaming, `take` hands out only text that no stop string can still claim."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
         self.stop_hit: str | None = None
+        self.emitted = 0  # characters handed out by `take`
+        self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int]) -> str:
-        """Append tokens; returns the newly final text (empty while a character is incomplete
-        or after a stop string ended the output)."""
+    def update(self, new_token_ids: list[int]) -> None:
+        """Append tokens (ignored once a stop string has ended the output)."""
         if self.stop_hit is not None:
-            return ""
+            return
         before = len(self.text)
         for token in new_token_ids:
             self.tokens.append(token)
@@ -38,7 +40,14 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             if self.stop and self._check_stop(before):
                 break
-        return self.text[before:]
+
+    def take(self, finished: bool) -> str:
+        """The text not handed out yet, minus a tail that could still start a stop string."""
+        end = len(self.text)
+        if not finished and self.stop_hit is None:
+            end = max(self.emitted, end - self.holdback)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta
 
     def _check_stop(self, before: int) -> bool:
         longest = max(len(s) for s in self.stop)

@@ -63,15 +63,16 @@ class OutputProcessor:
                 lp = out.new_logprobs
                 completion.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
                 completion.cumulative_logprob += lp.logprobs[0]
-            delta = sample.detokenizer.update(out.new_token_ids)
+            sample.detokenizer.update(out.new_token_ids)
             completion.text = sample.detokenizer.text
-            if delta:
-                result.text_deltas.append((out.request_id, delta))
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if sample.detokenizer.stop_hit is not None:  # a stop string wins over length
                 if finish_reason is None:
                     result.to_abort.append(out.request_id)
                 finish_reason, stop_reason = "stop", sample.detokenizer.stop_hit
+            delta = sample.detokenizer.take(finished=finish_reason is not None)
+            if delta:
+                result.text_deltas.append((out.request_id, delta))
             if finish_reason is None:
                 continue
             completion.finish_reason, completion.stop_reason = finish_reason, stop_reason

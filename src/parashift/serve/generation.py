@@ -22,10 +22,8 @@ class Choice:
     index: int
     prompt_index: int
     detokenizer: IncrementalDetokenizer
-    holdback: int  # characters kept back while streaming (longest stop string - 1)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    emitted: int = 0  # characters of text already handed out
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -68,10 +66,9 @@ class Generation:
                 sample = sp if sp.n == 1 else SamplingParams(**{
                     **vars(sp), "n": 1, "seed": None if sp.seed is None else sp.seed + i})
                 child_id = f"{request_id}-{prompt_index}-{i}"
-                holdback = max((len(s) for s in sp.stop), default=1) - 1
                 detok = IncrementalDetokenizer(tokenizer, prompt, sp.skip_special_tokens,
                                                sp.stop, sp.include_stop_str_in_output)
-                choice = Choice(len(self.choices), prompt_index, detok, holdback)
+                choice = Choice(len(self.choices), prompt_index, detok)
                 self.choices[child_id] = choice
                 queue = broker.add_request(child_id, prompt, sample, eos_token_id, engine)
                 self._pumps.append(asyncio.create_task(self._pump(child_id, queue)))
@@ -128,10 +125,7 @@ class Generation:
         finished = finish_reason is not None
         if finished:
             choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
-        limit = len(choice.text) if finished else max(choice.emitted,
-                                                      len(choice.text) - choice.holdback)
-        text = choice.text[choice.emitted : limit]
-        choice.emitted = limit
+        text = choice.detokenizer.take(finished)
         return Delta(choice, text, 1 if out.new_logprobs is not None else 0, finished)
 
     def abort_unfinished(self) -> None:
