@@ -44,11 +44,37 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+# Engine flags shared by `generate` and `run` (vLLM's names).
+ModelArg = Annotated[str | None, typer.Argument(
+    help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")]
+Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
+MaxModelLen = Annotated[int | None, typer.Option("--max-model-len")]
+MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs")]
+MaxBatchedTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens")]
+BlockSize = Annotated[int, typer.Option("--block-size")]
+KvCacheMemory = Annotated[str | None, typer.Option(
+    "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")]
+GpuMemoryUtilization = Annotated[float, typer.Option("--gpu-memory-utilization")]
+PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")]
+Threads = Annotated[int | None, typer.Option(help="CPU threads for torch")]
+
+
+def _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+                 kv_cache_memory, gpu_memory_utilization, enable_prefix_caching, threads,
+                 seed: int = 0):
+    from parashift.engine.args import EngineArgs
+
+    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    return EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      block_size=block_size, kv_cache_memory=kv_bytes,
+                      gpu_memory_utilization=gpu_memory_utilization,
+                      enable_prefix_caching=enable_prefix_caching, seed=seed, num_threads=threads)
+
+
 @app.command()
 def generate(
-    model: Annotated[str | None, typer.Argument(
-        help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    ] = None,
+    model: ModelArg = None,
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="repeat for a batch")] = [],
     chat: Annotated[bool, typer.Option(help="apply the model's chat template")] = False,
     system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
@@ -61,34 +87,30 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="per-request sampling seed")] = None,
     stop: Annotated[list[str], typer.Option("--stop")] = [],
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
-    max_num_batched_tokens: Annotated[int | None, typer.Option("--max-num-batched-tokens")
-                                      ] = None,
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
-    kv_cache_memory: Annotated[str | None, typer.Option(
-        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
-    enable_prefix_caching: Annotated[bool, typer.Option(
-        "--enable-prefix-caching/--no-enable-prefix-caching")] = True,
-    threads: Annotated[int | None, typer.Option(help="CPU threads for torch")] = None,
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = 128,
+    max_num_batched_tokens: MaxBatchedTokens = None,
+    block_size: BlockSize = 16,
+    kv_cache_memory: KvCacheMemory = None,
+    gpu_memory_utilization: GpuMemoryUtilization = 0.9,
+    enable_prefix_caching: PrefixCaching = True,
+    threads: Threads = None,
 ) -> None:
     """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
     _setup_logging()
     if not prompt:
         _fail("give at least one --prompt")
-    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+                               block_size, kv_cache_memory, gpu_memory_utilization,
+                               enable_prefix_caching, threads)
     from parashift import LLM, SamplingParams
 
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                                 ignore_eos=ignore_eos)
-        llm = LLM(model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                  kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                  enable_prefix_caching=enable_prefix_caching, num_threads=threads)
+        llm = LLM.from_engine_args(engine_args)
     except ValueError as e:
         _fail(str(e))
     streaming = len(prompt) == 1 and n == 1
@@ -120,9 +142,7 @@ def generate(
 
 @app.command()
 def run(
-    model: Annotated[str | None, typer.Argument(
-        help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    ] = None,
+    model: ModelArg = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: int = 8000,
     api_server_count: Annotated[int, typer.Option("--api-server-count")] = 1,
@@ -132,36 +152,28 @@ def run(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
                                                     help="seconds to drain on SIGTERM")] = 10.0,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout")] = 600.0,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
-    max_num_batched_tokens: Annotated[int | None, typer.Option("--max-num-batched-tokens")
-                                      ] = None,
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
-    kv_cache_memory: Annotated[str | None, typer.Option(
-        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
-    enable_prefix_caching: Annotated[bool, typer.Option(
-        "--enable-prefix-caching/--no-enable-prefix-caching")] = True,
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = 128,
+    max_num_batched_tokens: MaxBatchedTokens = None,
+    block_size: BlockSize = 16,
+    kv_cache_memory: KvCacheMemory = None,
+    gpu_memory_utilization: GpuMemoryUtilization = 0.9,
+    enable_prefix_caching: PrefixCaching = True,
     seed: int = 0,
-    threads: Annotated[int | None, typer.Option(help="CPU threads for torch")] = None,
+    threads: Threads = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     _setup_logging()
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
-    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
-    from parashift.engine.args import EngineArgs
+    engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+                               block_size, kv_cache_memory, gpu_memory_utilization,
+                               enable_prefix_caching, threads, seed)
     from parashift.serve.launcher import ServeArgs
     from parashift.serve.launcher import run as run_server
 
-    engine = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        block_size=block_size, kv_cache_memory=kv_bytes,
-                        gpu_memory_utilization=gpu_memory_utilization,
-                        enable_prefix_caching=enable_prefix_caching, seed=seed,
-                        num_threads=threads)
-    args = ServeArgs(engine, host, port, api_server_count, served_model_name, api_key,
+    args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
                      shutdown_timeout, startup_timeout, env.log_level())
     try:
         code = run_server(args)

@@ -28,7 +28,16 @@ class LLM:
     (dtype, max_model_len, max_num_seqs, kv_cache_memory, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.config = EngineArgs(model=model, **engine_args).create_config()
+        self._init(EngineArgs(model=model, **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(engine_args)
+        return llm
+
+    def _init(self, engine_args: EngineArgs) -> None:
+        self.config = engine_args.create_config()
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)

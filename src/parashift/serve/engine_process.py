@@ -10,6 +10,7 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from parashift.engine.args import EngineArgs
@@ -83,7 +84,12 @@ class EngineProcess:
                         frame = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(p.decode(frame, p.ToEngine))
+                    try:
+                        msg = p.decode(frame, p.ToEngine)
+                    except msgspec.ValidationError as e:  # one bad message, not a dead engine
+                        logger.error("dropped a malformed message: %s", e)
+                        continue
+                    self._handle(msg)
             if core.has_unfinished_requests():
                 self._publish(core.step())
 
