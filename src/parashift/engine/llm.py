@@ -122,10 +122,7 @@ class LLM:
         output = new_request_output(request_id, text, token_ids, now)
         self.output_processor.add_request(output, sample_ids, params)
         for i, sample_id in enumerate(sample_ids):
-            sample_params = params
-            if params.n > 1 and params.seed is not None:
-                sample_params = SamplingParams(**{**vars(params), "n": 1, "seed": params.seed + i})
-            self.engine.add_request(Request(sample_id, token_ids, sample_params,
+            self.engine.add_request(Request(sample_id, token_ids, params.for_sample(i),
                                             self.eos_token_id, now))
         return request_id
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -56,6 +57,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of the index-th of n independent samples (each its own seed)."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

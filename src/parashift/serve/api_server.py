@@ -27,7 +27,11 @@ from parashift.serve.openai_protocol import (
     parse,
     sampling_params,
 )
-from parashift.serve.process_util import set_process_name, setup_child_logging
+from parashift.serve.process_util import (
+    die_with_parent,
+    set_process_name,
+    setup_child_logging,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +262,7 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
 def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name(f"parashift-api-{args.index}")
+    die_with_parent()
     setup_child_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
     try:

@@ -18,7 +18,11 @@ from parashift.engine.core import EngineCore
 from parashift.engine.outputs import EngineCoreOutput
 from parashift.engine.request import Request
 from parashift.serve import protocol as p
-from parashift.serve.process_util import set_process_name, setup_child_logging
+from parashift.serve.process_util import (
+    die_with_parent,
+    set_process_name,
+    setup_child_logging,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +163,7 @@ class EngineProcess:
 def run_engine(rank: int, handshake_address: str, log_level: str) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name(f"parashift-engine-dp{rank}")
+    die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
     engine = EngineProcess(rank, handshake_address)

@@ -61,16 +61,23 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         engine = broker.pick_engine(rank)
-        for prompt_index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        try:
+            self._add_all(tokenizer, params, eos_token_id, engine)
+        except BaseException:
+            self.abort_unfinished()  # never leave half a request in flight
+            raise
+
+    def _add_all(self, tokenizer: Any, params: list[SamplingParams], eos_token_id: int | None,
+                 engine: int) -> None:
+        broker, request_id = self.broker, self.request_id
+        for prompt_index, (prompt, sp) in enumerate(zip(self.prompts, params, strict=True)):
             for i in range(sp.n):
-                sample = sp if sp.n == 1 else SamplingParams(**{
-                    **vars(sp), "n": 1, "seed": None if sp.seed is None else sp.seed + i})
                 child_id = f"{request_id}-{prompt_index}-{i}"
                 detok = IncrementalDetokenizer(tokenizer, prompt, sp.skip_special_tokens,
                                                sp.stop, sp.include_stop_str_in_output)
                 choice = Choice(len(self.choices), prompt_index, detok)
                 self.choices[child_id] = choice
-                queue = broker.add_request(child_id, prompt, sample, eos_token_id, engine)
+                queue = broker.add_request(child_id, prompt, sp.for_sample(i), eos_token_id, engine)
                 self._pumps.append(asyncio.create_task(self._pump(child_id, queue)))
 
     async def _pump(self, child_id: str, queue: asyncio.Queue) -> None:

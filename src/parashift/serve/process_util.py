@@ -22,6 +22,15 @@ def set_process_name(name: str) -> None:
         pass
 
 
+def die_with_parent() -> None:
+    """Linux: get SIGTERM if the launcher dies without cleaning up (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, 15, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
 def setup_child_logging(level: str) -> None:
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
