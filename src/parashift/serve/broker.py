@@ -61,6 +61,8 @@ class Broker:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_outputs()),
                        asyncio.create_task(self._recv_control())]
+        for task in self._tasks:
+            task.add_done_callback(_log_failure)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -177,11 +179,24 @@ class Broker:
             if isinstance(msg, p.EngineReady):
                 self.ready[msg.rank] = msg
                 logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
+                if len(self.ready) == self.num_engines:
+                    await self._tell_launcher_ready()
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason)
             elif isinstance(msg, p.Shutdown):
                 self.shutdown_timeout = msg.timeout_s
                 self.shutdown_requested.set()
+
+    async def _tell_launcher_ready(self) -> None:
+        # The launcher's connection may still be completing its handshake: retry briefly.
+        msg = [b"launcher", p.encode(p.ApiServerReady(self.client_index))]
+        for _ in range(200):
+            try:
+                await self.requests.send_multipart(msg, flags=zmq.NOBLOCK)
+                return
+            except zmq.ZMQError:
+                await asyncio.sleep(0.05)
+        logger.error("could not tell the launcher that this API server is ready")
 
     def mark_dead(self, rank: int, reason: str) -> None:
         if rank in self.dead:
@@ -198,3 +213,8 @@ class Broker:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("broker task failed", exc_info=task.exception())

@@ -119,6 +119,23 @@ class Launcher:
             self._handshake(handshake)
         finally:
             handshake.close()
+        self._wait_api_servers_ready()
+
+    def _wait_api_servers_ready(self) -> None:
+        """Engines are up; the URL is printed only once every API server has seen them."""
+        deadline = time.monotonic() + self.args.startup_timeout
+        pending = set(range(len(self.controls)))
+        while pending:
+            self._check_children_alive()
+            if self.stopping:
+                raise StartupError("interrupted during start-up")
+            if time.monotonic() > deadline:
+                raise StartupError(f"API server(s) {sorted(pending)} did not see the engines "
+                                   f"within {self.args.startup_timeout:.0f} s")
+            for i in list(pending):
+                if self.controls[i].poll(50):
+                    msg = p.decode(self.controls[i].recv(), p.ApiServerReady)
+                    pending.discard(msg.index)
 
     def _handshake(self, sock: zmq.Socket) -> None:
         engine_args = dataclasses.asdict(self.args.engine)

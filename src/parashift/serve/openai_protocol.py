@@ -123,6 +123,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, num_prompt_t
         if num_logprobs is not None and not 0 <= num_logprobs <= 20:
             raise OpenAIError(400, "logprobs must be between 0 and 20", param="logprobs")
     room = max_model_len - num_prompt_tokens
+    if room < 1 and max_tokens is None:
+        raise OpenAIError(400, f"this model's maximum context length is {max_model_len} "
+                          f"tokens; the prompt has {num_prompt_tokens} tokens, which leaves no "
+                          "room to generate", param="messages" if isinstance(
+                              req, ChatCompletionRequest) else "prompt")
     if max_tokens is None:
         max_tokens = room
     if num_prompt_tokens + max_tokens > max_model_len:

@@ -4,7 +4,7 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
   handshake   launcher ROUTER  <- engine DEALER (identity = rank): Hello -> EngineInit -> Ready
   requests    API server ROUTER <- engine DEALER (identity = rank): AddRequest, AbortRequests,
               UtilityCall down; EngineReady up. The launcher's DEALER (identity b"launcher")
-              sends EngineDead / Shutdown on the same socket.
+              sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
   outputs     API server PULL   <- engine PUSH: EngineOutputs, UtilityResult, EngineDead
 """
 
@@ -97,6 +97,12 @@ class EngineDead(_Msg):
 
     rank: int
     reason: str
+
+
+class ApiServerReady(_Msg):
+    """API server -> launcher: every engine has joined; it can serve."""
+
+    index: int
 
 
 class Shutdown(_Msg):

@@ -71,6 +71,7 @@ class CompletionFormatter(Formatter):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next streamed token
 
     def _logprobs(self, entries: list[TokenLogprobs], text_start: int) -> dict | None:
         if self.req.logprobs is None:
@@ -111,8 +112,13 @@ class CompletionFormatter(Formatter):
             text = self._prompt_text(choice) + text
             self._echoed.add(choice.index)
         new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
+        logprobs = self._logprobs(new, self._offsets.get(choice.index, len(text) - len(
+            delta.text)))
+        if logprobs is not None and logprobs["tokens"]:
+            self._offsets[choice.index] = logprobs["text_offset"][-1] + len(
+                logprobs["tokens"][-1])
         return self._envelope([{
-            "index": choice.index, "text": text, "logprobs": self._logprobs(new, 0),
+            "index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason if delta.finished else None,
             "stop_reason": choice.stop_reason if delta.finished else None,
         }], chunk=True)

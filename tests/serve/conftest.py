@@ -1,0 +1,228 @@
+"""Real `parashift run` servers for the end-to-end tests: a subprocess on a free port, ready once
+it prints "is serving", always torn down (SIGTERM, then SIGKILL of whatever is left of its
+process tree), with a check that no process of the tree survives."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import pytest
+
+STARTUP_TIMEOUT = 120.0  # seconds until "is serving"; a tiny model needs ~10 s here
+SHUTDOWN_TIMEOUT = 10.0  # --shutdown-timeout of every test server (the default)
+# The launcher waits up to shutdown + 5 s for the API servers and 10 s for the engines.
+EXIT_TIMEOUT = SHUTDOWN_TIMEOUT + 20.0
+TINY_MAX_MODEL_LEN = 256
+# A small KV cache: the default budget makes the engine allocate GiBs and start slower.
+TINY_ARGS = ["--dtype", "float32", "--max-model-len", str(TINY_MAX_MODEL_LEN),
+             "--kv-cache-memory", "32MiB"]
+# The tiny model makes ~650 tokens/s here, so a request within 256 tokens is over in 0.4 s.
+# Tests that must catch a request in flight (client disconnect, engine killed) use the same
+# weights with a long context: 8000 tokens take ~20 s, far longer than those tests wait.
+LONG_MAX_MODEL_LEN = 8192
+LONG_ARGS = ["--dtype", "float32", "--max-model-len", str(LONG_MAX_MODEL_LEN),
+             "--kv-cache-memory", "32MiB"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running; a zombie has exited (and pid 1 here may never reap orphans)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Waits until none of `procs` runs (zombies count as gone); returns those still alive."""
+    deadline = time.monotonic() + timeout
+    while (alive := live(procs)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT (no /v1)
+    proc: subprocess.Popen
+    model_name: str
+    lines: list[str] = field(default_factory=list)  # stdout + stderr so far
+    tree: list[psutil.Process] = field(default_factory=list)  # launcher + children at start
+    health_at_start: tuple[int, bytes] = (0, b"")  # GET /health right after "is serving"
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, api_key: str = "unused", **kwargs: Any):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def async_client(self, api_key: str = "unused", **kwargs: Any):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+                                  timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def current_tree(self) -> list[psutil.Process]:
+        """The launcher and all its descendants now, plus those seen at start-up."""
+        procs = {p.pid: p for p in self.tree}
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                procs.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+        return list(procs.values())
+
+    def engine_process(self, rank: int = 0) -> psutil.Process:
+        name = f"parashift-engine-dp{rank}"
+        for p in live(self.current_tree()):
+            with contextlib.suppress(psutil.Error):
+                if name in p.name() or name in " ".join(p.cmdline()):
+                    return p
+        raise AssertionError(f"no {name} process among the launcher's children:\n"
+                             + self.output()[-4000:])
+
+    # --- plain HTTP ---------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None,
+                headers: dict[str, str] | None = None, timeout: float = 30.0
+                ) -> tuple[int, bytes]:
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def get_json(self, path: str) -> tuple[int, Any]:
+        status, raw = self.request("GET", path)
+        return status, json.loads(raw)
+
+    def metric(self, name: str, labels: str = "") -> float | None:
+        """One sample of GET /metrics, e.g. metric("parashift_num_requests_running",
+        'engine="dp0"'); None while the series does not exist."""
+        status, raw = self.request("GET", "/metrics")
+        assert status == 200, raw
+        pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "")
+        m = re.search(r"^" + pattern + r" (\S+)$", raw.decode(), re.MULTILINE)
+        return None if m is None else float(m.group(1))
+
+
+def _start(model: str, args: list[str], model_name: str) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1",
+           "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, model_name)
+    serving = threading.Event()
+
+    def drain() -> None:  # keeps reading so that the child never blocks on a full pipe
+        for line in proc.stdout:
+            server.lines.append(line)
+            if "is serving" in line:
+                serving.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not serving.wait(0.1):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                   else f"did not print 'is serving' within {STARTUP_TIMEOUT:.0f} s")
+            stop(server)
+            pytest.fail(f"`{' '.join(cmd)}` {why}; output:\n{server.output()}")
+    server.tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    # "is serving" can come before the API server has heard that the engine is ready (see
+    # test_lifecycle.py::test_health_is_ok_once_is_serving_is_printed): keep the first answer
+    # for that test, and give the others a server that really is ready.
+    try:
+        server.health_at_start = server.request("GET", "/health", timeout=60)
+    except OSError as e:
+        server.health_at_start = (0, repr(e).encode())
+    deadline = time.monotonic() + 30
+    status = server.health_at_start[0]
+    while status != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(server)
+            pytest.fail(f"/health never became 200 after 'is serving'; output:\n"
+                        f"{server.output()}")
+        time.sleep(0.05)
+        status = server.request("GET", "/health")[0]
+    return server
+
+
+def stop(server: Server) -> int | None:
+    """SIGTERM, wait, then SIGKILL whatever is left of the tree; asserts nothing survives.
+    Returns the launcher's exit code (None if it had to be killed)."""
+    proc = server.proc
+    tree = server.current_tree()
+    code = proc.poll()
+    if code is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(EXIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            code = None
+    leftovers = live(tree)
+    for p in leftovers:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    survivors = wait_gone(tree, 10)
+    assert not survivors, f"processes left after stopping the server: {survivors}"
+    return code
+
+
+@contextlib.contextmanager
+def running_server(model: str, *args: str, model_name: str | None = None) -> Iterator[Server]:
+    name = model_name or os.path.basename(model.rstrip("/"))
+    server = _start(model, list(args), name)
+    try:
+        yield server
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tiny_model_factory) -> str:
+    """tiny_llama's weights (same seed and shapes) with room for LONG_MAX_MODEL_LEN tokens."""
+    return tiny_model_factory("llama", max_position_embeddings=LONG_MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)
