@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -97,8 +98,16 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if "is serving" in line:
+            # Keep draining the server's output so that it never blocks on a full pipe.
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()
             return proc, f"http://127.0.0.1:{port}"
     raise RuntimeError("the server did not start")
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if "WARNING" in line or "ERROR" in line:
+            print("server:", line, end="", flush=True)
 
 
 def main() -> int:
