@@ -160,7 +160,7 @@ def bench_parashift(args: argparse.Namespace, w: Workload) -> tuple[dict[str, An
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     got = [len(t) for t in token_ids]
     if got != w.output_lens:
-        bad = next(i for i, (g, e) in enumerate(zip(got, w.output_lens)) if g != e)
+        bad = next(i for i, (g, e) in enumerate(zip(got, w.output_lens, strict=True)) if g != e)
         raise SystemExit(f"parashift request {bad} produced {got[bad]} tokens, "
                          f"expected {w.output_lens[bad]}")
     result = summarize(times, w)
@@ -197,7 +197,7 @@ def hf_generate_batch(model: Any, tok: Any, prompts: list[list[int]], out_lens: 
                              max_new_tokens=n, min_new_tokens=n, pad_token_id=tok.pad_token_id,
                              temperature=None, top_p=None, top_k=None)
     new = out[:, input_ids.shape[1]:].tolist()
-    for i, (row, k) in enumerate(zip(new, out_lens)):
+    for i, (row, k) in enumerate(zip(new, out_lens, strict=True)):
         if len(row) < k:
             raise SystemExit(f"HF produced {len(row)} tokens for a request that asked for {k}")
         new[i] = row[:k]
@@ -313,7 +313,7 @@ def machine_info() -> dict[str, Any]:
 def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of output tokens inside the common greedy prefix of the two systems."""
     same = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         k = 0
         while k < min(len(x), len(y)) and x[k] == y[k]:
             k += 1

@@ -75,7 +75,8 @@ def _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_toke
 @app.command()
 def generate(
     model: ModelArg = None,
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="repeat for a batch")] = [],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p",
+                                                     help="repeat for a batch")] = None,
     chat: Annotated[bool, typer.Option(help="apply the model's chat template")] = False,
     system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
@@ -85,7 +86,7 @@ def generate(
     min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
     n: int = 1,
     seed: Annotated[int | None, typer.Option(help="per-request sampling seed")] = None,
-    stop: Annotated[list[str], typer.Option("--stop")] = [],
+    stop: Annotated[list[str] | None, typer.Option("--stop")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
     dtype: Dtype = "auto",
     max_model_len: MaxModelLen = None,
@@ -108,7 +109,7 @@ def generate(
 
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                                top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
                                 ignore_eos=ignore_eos)
         llm = LLM.from_engine_args(engine_args)
     except ValueError as e:

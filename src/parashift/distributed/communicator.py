@@ -36,7 +36,9 @@ class GroupCommunicator:
         """Concatenate every rank's tensor on rank 0; other ranks get None."""
         if self.world_size == 1:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
+        parts = None
+        if self.rank == 0:
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.gather(tensor.contiguous(), parts, dst=dist.get_global_rank(self.group, 0),
                     group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
