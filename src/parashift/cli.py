@@ -57,11 +57,17 @@ KvCacheMemory = Annotated[str | None, typer.Option(
 GpuMemoryUtilization = Annotated[float, typer.Option("--gpu-memory-utilization")]
 PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch")]
+Strategy = Annotated[str | None, typer.Option(
+    help="parallel layout: axes joined by x, e.g. dp2, dp4xtp2 (dp runs today)")]
+DataParallel = Annotated[int | None, typer.Option("--data-parallel-size", "-dp")]
+TensorParallel = Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp")]
+PipelineParallel = Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp")]
+ExpertParallel = Annotated[bool, typer.Option("--enable-expert-parallel")]
 
 
 def _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
                  kv_cache_memory, gpu_memory_utilization, enable_prefix_caching, threads,
-                 seed: int = 0):
+                 strategy, dp, tp, pp, ep, seed: int = 0):
     from parashift.engine.args import EngineArgs
 
     kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
@@ -69,7 +75,9 @@ def _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_toke
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       block_size=block_size, kv_cache_memory=kv_bytes,
                       gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=enable_prefix_caching, seed=seed, num_threads=threads)
+                      enable_prefix_caching=enable_prefix_caching, seed=seed, num_threads=threads,
+                      strategy=strategy, data_parallel_size=dp, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp, enable_expert_parallel=ep)
 
 
 @app.command()
@@ -97,6 +105,11 @@ def generate(
     gpu_memory_utilization: GpuMemoryUtilization = 0.9,
     enable_prefix_caching: PrefixCaching = True,
     threads: Threads = None,
+    strategy: Strategy = None,
+    data_parallel_size: DataParallel = None,
+    tensor_parallel_size: TensorParallel = None,
+    pipeline_parallel_size: PipelineParallel = None,
+    enable_expert_parallel: ExpertParallel = False,
 ) -> None:
     """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
     _setup_logging()
@@ -104,7 +117,9 @@ def generate(
         _fail("give at least one --prompt")
     engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                                block_size, kv_cache_memory, gpu_memory_utilization,
-                               enable_prefix_caching, threads)
+                               enable_prefix_caching, threads, strategy, data_parallel_size,
+                               tensor_parallel_size, pipeline_parallel_size,
+                               enable_expert_parallel)
     from parashift import LLM, SamplingParams
 
     try:
@@ -163,6 +178,11 @@ def run(
     enable_prefix_caching: PrefixCaching = True,
     seed: int = 0,
     threads: Threads = None,
+    strategy: Strategy = None,
+    data_parallel_size: DataParallel = None,
+    tensor_parallel_size: TensorParallel = None,
+    pipeline_parallel_size: PipelineParallel = None,
+    enable_expert_parallel: ExpertParallel = False,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     _setup_logging()
@@ -170,7 +190,9 @@ def run(
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
     engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                                block_size, kv_cache_memory, gpu_memory_utilization,
-                               enable_prefix_caching, threads, seed)
+                               enable_prefix_caching, threads, strategy, data_parallel_size,
+                               tensor_parallel_size, pipeline_parallel_size,
+                               enable_expert_parallel, seed)
     from parashift.serve.launcher import ServeArgs
     from parashift.serve.launcher import run as run_server
 

@@ -128,24 +128,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of each parallel axis. Only size 1 runs today; the strategy issues lift that."""
+    """Sizes of each parallel axis, from the strategy (strategies/spec.py). Data parallel runs
+    one engine process per rank (`parashift run`); the other axes arrive with their issues and
+    are refused by their strategy classes until then."""
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
             size = getattr(self, name)
             if size < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {size}")
-        if self.world_size > 1 or self.data_parallel_size > 1:
-            raise ValueError(
-                "parallel sizes > 1 are not available yet: this engine runs one device "
-                f"(got dp={self.data_parallel_size}, tp={self.tensor_parallel_size}, "
-                f"pp={self.pipeline_parallel_size})"
-            )
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data parallel rank {self.data_parallel_rank} is outside "
+                             f"0..{self.data_parallel_size - 1}")
 
     @property
     def world_size(self) -> int:

@@ -18,6 +18,7 @@ from parashift.config import (
 )
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import get_model_class
+from parashift.strategies.spec import StrategySpec
 
 
 @dataclass
@@ -37,16 +38,41 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None
     num_threads: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
+    data_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
+    data_parallel_rank: int = 0
+
+    def strategy_spec(self) -> StrategySpec:
+        """`--strategy` and vLLM's explicit flags are interchangeable; a conflict is an error
+        naming both."""
+        explicit = {"dp": ("--data-parallel-size", self.data_parallel_size),
+                    "tp": ("--tensor-parallel-size", self.tensor_parallel_size),
+                    "pp": ("--pipeline-parallel-size", self.pipeline_parallel_size)}
+        ep = self.enable_expert_parallel
+        if self.strategy is None:
+            return StrategySpec.from_sizes(*(v or 1 for _, v in explicit.values()),
+                                           ep=bool(ep))
+        spec = StrategySpec.parse(self.strategy)
+        for name, (flag, value) in explicit.items():
+            if value is not None and value != spec.size(name):
+                raise ValueError(f"--strategy {spec} sets {name}={spec.size(name)} but {flag} "
+                                 f"is {value}")
+        if ep and not spec.size("ep"):
+            raise ValueError(f"--strategy {spec} has no ep axis but --enable-expert-parallel "
+                             "is given")
+        return spec
 
     def create_config(self) -> EngineConfig:
-        parallel = ParallelConfig(self.data_parallel_size, self.tensor_parallel_size,
-                                  self.pipeline_parallel_size)
+        spec = self.strategy_spec()
+        parallel = ParallelConfig(spec.size("dp"), spec.size("tp"), spec.size("pp"),
+                                  bool(spec.size("ep")), self.data_parallel_rank)
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
         get_model_class((getattr(hf_config, "architectures", None) or ["<none>"])[0])
+        spec.validate(hf_config)
         device = DeviceConfig(self.device) if self.device else DeviceConfig()
         if self.num_threads is not None:
             device = DeviceConfig(device.device, self.num_threads)

@@ -42,7 +42,12 @@ class IncrementalDetokenizer:
                 break
 
     def take(self, finished: bool) -> str:
-        """The text not handed out yet, minus a tail that could still start a stop string."""
+        """The text not handed out yet, minus a tail that could still start a stop string.
+        When finished, bytes still waiting to complete a character are flushed as they are."""
+        if finished and self.stop_hit is None and self.read_offset < len(self.tokens):
+            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.tokens[self.prefix_offset :])[len(prefix) :]
+            self.read_offset = len(self.tokens)
         end = len(self.text)
         if not finished and self.stop_hit is None:
             end = max(self.emitted, end - self.holdback)

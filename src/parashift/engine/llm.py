@@ -38,6 +38,9 @@ class LLM:
 
     def _init(self, engine_args: EngineArgs) -> None:
         self.config = engine_args.create_config()
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError("offline generation runs one engine: data parallel (dp > 1) is "
+                             "served by `parashift run --strategy dpN`")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)

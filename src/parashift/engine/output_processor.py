@@ -64,13 +64,13 @@ class OutputProcessor:
                 completion.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
                 completion.cumulative_logprob += lp.logprobs[0]
             sample.detokenizer.update(out.new_token_ids)
-            completion.text = sample.detokenizer.text
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if sample.detokenizer.stop_hit is not None:  # a stop string wins over length
                 if finish_reason is None:
                     result.to_abort.append(out.request_id)
                 finish_reason, stop_reason = "stop", sample.detokenizer.stop_hit
             delta = sample.detokenizer.take(finished=finish_reason is not None)
+            completion.text = sample.detokenizer.text
             if delta:
                 result.text_deltas.append((out.request_id, delta))
             if finish_reason is None:

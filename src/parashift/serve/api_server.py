@@ -196,6 +196,7 @@ class ApiServer:
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.broker, self.tokenizer, request_id, prompts, params,
                          self.args.eos_token_id, self._rank(request))
+        self.metrics.routed.labels(f"dp{gen.engine}").inc()
         fmt = responses.ChatFormatter if chat else responses.CompletionFormatter
         formatter = fmt(request_id, self.args.served_model_name, self.tokenizer, gen, req)
         status = "error"

@@ -11,6 +11,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from parashift.engine.args import EngineArgs
@@ -53,8 +54,12 @@ class EngineProcess:
             raise TimeoutError("the launcher never answered the handshake")
         init = p.decode(self.handshake.recv(), p.EngineInit)
         args = EngineArgs(**init.engine_args)
+        if init.cpu_ids:  # this rank's own cores, so ranks do not fight over them
+            os.sched_setaffinity(0, init.cpu_ids)
         if init.num_threads:
             args.num_threads = init.num_threads
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         self.core = EngineCore(args.create_config())
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)

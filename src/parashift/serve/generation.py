@@ -60,7 +60,7 @@ class Generation:
         self.choices: dict[str, Choice] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
-        engine = broker.pick_engine(rank)
+        self.engine = engine = broker.pick_engine(rank)
         try:
             self._add_all(tokenizer, params, eos_token_id, engine)
         except BaseException:

@@ -140,7 +140,6 @@ class Launcher:
     def _handshake(self, sock: zmq.Socket) -> None:
         engine_args = dataclasses.asdict(self.args.engine)
         engine_args["model"] = self.config.model.path  # resolved: no second GGUF lookup
-        init = p.EngineInit(engine_args, self.request_addresses, self.output_addresses)
         ready: dict[int, p.Ready] = {}
         deadline = time.monotonic() + self.args.startup_timeout
         while len(ready) < self.num_engines:
@@ -156,6 +155,10 @@ class Launcher:
             identity, frame = sock.recv_multipart()
             msg = p.decode(frame, p.Handshake)
             if isinstance(msg, p.Hello):
+                cpu_ids, threads = self._cpu_share(msg.rank)
+                init = p.EngineInit({**engine_args, "data_parallel_rank": msg.rank},
+                                    self.request_addresses, self.output_addresses, threads,
+                                    cpu_ids)
                 sock.send_multipart([identity, p.encode(init)])
             elif isinstance(msg, p.StartupFailed):
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")
@@ -163,6 +166,17 @@ class Launcher:
                 ready[msg.rank] = msg
                 logger.info("engine dp%d ready: %d KV blocks of %d tokens, max_model_len %d",
                             msg.rank, msg.num_blocks, msg.block_size, msg.max_model_len)
+
+    def _cpu_share(self, rank: int) -> tuple[list[int], int | None]:
+        """On CPU each data-parallel rank gets its own slice of this process's cores."""
+        if self.config.device.device != "cpu" or self.num_engines == 1:
+            return [], self.args.engine.num_threads
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = len(cores) // self.num_engines
+        if per_rank == 0:  # more ranks than cores: share them round-robin, one thread each
+            return [cores[rank % len(cores)]], 1
+        share = cores[rank * per_rank : (rank + 1) * per_rank]
+        return share, self.args.engine.num_threads or len(share)
 
     def _check_children_alive(self) -> None:
         for i, proc in enumerate(self.api_procs):

@@ -33,6 +33,8 @@ class Metrics:
         self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
                                      "Prompt tokens served by the prefix cache / queried",
                                      ["engine"], registry=r)
+        self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
+                              ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 

@@ -36,6 +36,7 @@ class EngineInit(_Msg):
     request_addresses: list[str]
     output_addresses: list[str]
     num_threads: int | None = None
+    cpu_ids: list[int] = []  # CPU cores this rank may use (empty: no pinning)
 
 
 class Ready(_Msg):

@@ -1,0 +1,29 @@
+"""The strategy plugin interface: one class per parallel axis."""
+
+from __future__ import annotations
+
+from abc import ABC
+from typing import Any
+
+
+class Strategy(ABC):
+    """One parallel axis (data, tensor, pipeline, expert). `name` is its token in a strategy
+    spec (`dp` in `dp4xtp2`); `is_flag` axes (like `ep`) take no size."""
+
+    name: str = ""
+    axis: str = ""
+    is_flag: bool = False
+    available: bool = True
+
+    def __init__(self, size: int = 1):
+        self.size = size
+
+    def validate(self, hf_config: Any) -> list[str]:
+        """Errors a user can act on, for this axis against the model ([] when it fits)."""
+        if not self.available and self.size > 1:
+            return [f"{self.token}: {self.axis} parallel is not available yet"]
+        return []
+
+    @property
+    def token(self) -> str:
+        return self.name if self.is_flag else f"{self.name}{self.size}"

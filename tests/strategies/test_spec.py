@@ -1,0 +1,119 @@
+"""The strategy grammar, validation against a model, flags vs --strategy, and plugins."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from parashift.engine.args import EngineArgs
+from parashift.strategies.spec import StrategySpec
+
+from conftest import tiny_config
+
+
+@pytest.mark.parametrize("text,canonical", [
+    ("dp4xtp2", "dp4xtp2"), ("tp2xdp4", "dp4xtp2"), ("TP8", "tp8"), ("dp8xep", "dp8xep"),
+    ("ep x dp2".replace(" ", ""), "dp2xep"), ("dp2xtp2xpp2", "dp2xpp2xtp2"), ("dp1", "dp1"),
+    ("dp1xtp1", "dp1"), ("dp2xtp1", "dp2"),
+])
+def test_good_specs_round_trip(text, canonical):
+    spec = StrategySpec.parse(text)
+    assert spec.canonical == canonical
+    assert StrategySpec.parse(spec.canonical).canonical == canonical
+
+
+def test_sizes_and_world_size():
+    spec = StrategySpec.parse("dp4xtp2xpp2")
+    assert (spec.size("dp"), spec.size("tp"), spec.size("pp"), spec.size("ep")) == (4, 2, 2, 0)
+    assert spec.world_size == 16
+    assert StrategySpec.from_sizes(dp=2, tp=1).canonical == "dp2"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "empty"), ("dp0", "size >= 1"), ("dp", "size >= 1"), ("tp2xtp4", "given twice"),
+    ("ep2", "flag and takes no size"), ("cp2", "unknown axis 'cp2'; known: dpN, ppN, tpN, ep"),
+    ("dp2-tp2", "unknown axis"),
+])
+def test_bad_specs(text, message):
+    with pytest.raises(ValueError, match=message):
+        StrategySpec.parse(text)
+
+
+def test_validation_against_the_model():
+    cfg = tiny_config("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
+                      intermediate_size=96)
+    StrategySpec.parse("dp4").validate(cfg)  # data parallel fits any model
+    with pytest.raises(ValueError, match=r"tp4 needs num_attention_heads \(9\) divisible by 4"):
+        StrategySpec.parse("tp4").validate(cfg)
+    with pytest.raises(ValueError, match="tensor parallel is not available yet"):
+        StrategySpec.parse("tp3").validate(cfg)
+    with pytest.raises(ValueError, match="pp4 needs at least 4 layers"):
+        StrategySpec.parse("pp4").validate(cfg)
+    with pytest.raises(ValueError, match="no experts"):
+        StrategySpec.parse("dp2xep").validate(cfg)
+
+
+def test_flags_and_strategy_are_interchangeable(tiny_llama):
+    by_flag = EngineArgs(model=tiny_llama, data_parallel_size=2).create_config().parallel
+    by_spec = EngineArgs(model=tiny_llama, strategy="dp2").create_config().parallel
+    assert by_flag == by_spec and by_spec.data_parallel_size == 2
+    agreeing = EngineArgs(model=tiny_llama, strategy="dp2", data_parallel_size=2)
+    assert agreeing.create_config().parallel.data_parallel_size == 2
+    with pytest.raises(ValueError, match="--strategy dp2 sets dp=2 but --data-parallel-size is 4"):
+        EngineArgs(model=tiny_llama, strategy="dp2", data_parallel_size=4).create_config()
+    with pytest.raises(ValueError, match="--enable-expert-parallel"):
+        EngineArgs(model=tiny_llama, strategy="dp2", enable_expert_parallel=True).strategy_spec()
+
+
+def test_offline_llm_refuses_data_parallel(tiny_llama):
+    from parashift import LLM
+
+    with pytest.raises(ValueError, match="parashift run --strategy dpN"):
+        LLM(tiny_llama, strategy="dp2")
+
+
+PLUGIN = '''
+from parashift.strategies.base import Strategy
+
+
+class ContextParallel(Strategy):
+    name, axis = "cp", "context"
+
+    def validate(self, hf_config):
+        return [] if self.size <= 4 else [f"cp{self.size}: at most 4"]
+'''
+
+
+@pytest.fixture
+def plugin_package(tmp_path, monkeypatch):
+    """A package installed the way pip would: a module plus dist-info with an entry point."""
+    (tmp_path / "fake_cp_plugin.py").write_text(PLUGIN)
+    dist = tmp_path / "fake_cp_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-cp-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [parashift.strategies]
+        cp = fake_cp_plugin:ContextParallel
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("fake_cp_plugin", None)
+
+
+def test_entry_point_plugin_is_found_and_used(plugin_package):
+    spec = StrategySpec.parse("cp2xdp2")
+    assert spec.canonical == "dp2xcp2"
+    assert spec.size("cp") == 2
+    with pytest.raises(ValueError, match="cp8: at most 4"):
+        StrategySpec.parse("cp8").validate(tiny_config("llama"))
+
+
+def test_module_class_plugin(tmp_path, monkeypatch):
+    (tmp_path / "direct_cp_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = StrategySpec.parse("cp3", extra=["direct_cp_plugin:ContextParallel"])
+    assert spec.canonical == "cp3"
+    with pytest.raises(ValueError, match="cannot load strategy"):
+        StrategySpec.parse("dp2", extra=["no_such_module:X"])
