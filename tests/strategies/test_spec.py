@@ -6,11 +6,10 @@ import sys
 import textwrap
 
 import pytest
+from conftest import tiny_config
 
 from parashift.engine.args import EngineArgs
 from parashift.strategies.spec import StrategySpec
-
-from conftest import tiny_config
 
 
 @pytest.mark.parametrize("text,canonical", [

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from abc import ABC
 from typing import Any
 
 
-class Strategy(ABC):
+class Strategy:
     """One parallel axis (data, tensor, pipeline, expert). `name` is its token in a strategy
     spec (`dp` in `dp4xtp2`); `is_flag` axes (like `ep`) take no size."""
 
