@@ -87,3 +87,21 @@ def test_killed_rank_is_reported_and_the_other_serves(tiny_llama):
         status, raw = s.request("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2},
                                 headers={"X-data-parallel-rank": "1"})
         assert status == 503 and b"dp1" in raw
+
+
+def test_two_api_servers_share_the_port_and_route_outputs_back(tiny_llama, expected):
+    with running_server(tiny_llama, *ARGS, "--api-server-count", "2") as s:
+        names = set()
+        for p in s.current_tree():
+            try:
+                names.add(p.name())
+            except Exception:
+                continue
+        assert {"parashift-api-0", "parashift-api-1"} <= names, names
+        # Separate connections (urllib opens one per request) land on both servers.
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            bodies = list(pool.map(lambda p: complete(s, p), PROMPTS))
+        for body, want in zip(bodies, expected, strict=True):
+            assert body["choices"][0]["text"] == want
+        ids = {b["id"].split("-")[1] for b in bodies}  # cmpl-<server index>-<uuid>
+        assert ids == {"0", "1"}, ids
