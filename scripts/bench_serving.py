@@ -92,7 +92,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "parashift.cli", "run", "--port", str(port),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, *args.server_args.split()]
     if args.model:
         cmd.insert(4, args.model)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -120,6 +120,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-args", default="",
+                    help="extra `parashift run` flags, e.g. '--strategy dp2' or '--threads 1'")
+    ap.add_argument("--skip-offline", action="store_true", help="measure the server only")
     args = ap.parse_args()
 
     from transformers import AutoConfig
@@ -131,8 +134,10 @@ def main() -> int:
                       args.seed)
     print(f"workload: {len(w.prompts)} requests, {w.total_tokens} tokens "
           f"({w.output_tokens} output); dtype {args.dtype}", flush=True)
-    print("offline ...", flush=True)
-    off_times = offline(args, w)
+    off_times = []
+    if not args.skip_offline:
+        print("offline ...", flush=True)
+        off_times = offline(args, w)
     print("server ...", flush=True)
     proc, url = start_server(args)
     try:
@@ -146,22 +151,29 @@ def main() -> int:
         proc.wait(60)
     serve_times = [t for t, _ in runs]
     records = runs[statistics.median_low(range(len(runs)))][1] if runs else []
-    off_med, srv_med = statistics.median(off_times), statistics.median(serve_times)
+    srv_med = statistics.median(serve_times)
+    off_med = statistics.median(off_times) if off_times else None
     result = {
-        "offline": {"elapsed_s": off_times, "total_tokens_per_s": w.total_tokens / off_med},
+        "server_args": args.server_args,
         "serve": {"elapsed_s": serve_times, "total_tokens_per_s": w.total_tokens / srv_med,
+                  "output_tokens_per_s": w.output_tokens / srv_med,
                   "ttft": percentiles([r["ttft"] for r in records]),
                   "tpot": percentiles([r["tpot"] for r in records]),
                   "e2e": percentiles([r["e2e"] for r in records])},
-        "ratio_serve_over_offline": off_med / srv_med,
         "workload": {"num_requests": len(w.prompts), "total_tokens": w.total_tokens,
                      "output_tokens": w.output_tokens},
     }
-    print(f"offline : median {off_med:.2f} s (min {min(off_times):.2f}), "
-          f"{result['offline']['total_tokens_per_s']:.1f} tok/s")
+    if off_med is not None:
+        result["offline"] = {"elapsed_s": off_times,
+                             "total_tokens_per_s": w.total_tokens / off_med}
+        result["ratio_serve_over_offline"] = off_med / srv_med
+        print(f"offline : median {off_med:.2f} s (min {min(off_times):.2f}), "
+              f"{result['offline']['total_tokens_per_s']:.1f} tok/s")
     print(f"serving : median {srv_med:.2f} s (min {min(serve_times):.2f}), "
-          f"{result['serve']['total_tokens_per_s']:.1f} tok/s")
-    print(f"serving / offline throughput: {result['ratio_serve_over_offline']:.3f}")
+          f"{result['serve']['total_tokens_per_s']:.1f} tok/s, "
+          f"{result['serve']['output_tokens_per_s']:.1f} output tok/s")
+    if off_med is not None:
+        print(f"serving / offline throughput: {result['ratio_serve_over_offline']:.3f}")
     for name in ("ttft", "tpot", "e2e"):
         v = result["serve"][name]
         print(f"{name:5s} mean {v['mean_ms']:.0f} ms  p50 {v['p50_ms']:.0f}  p90 {v['p90_ms']:.0f}"

@@ -16,9 +16,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from parashift.engine.args import EngineArgs
+from parashift.mesh import DeviceMesh
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.serve import protocol as p
 from parashift.serve.api_server import ApiServerArgs, run_api_server
@@ -87,6 +89,12 @@ class Launcher:
         return os.path.basename(self.args.engine.model.rstrip("/")).removesuffix(".gguf")
 
     def start(self) -> None:
+        device = self.config.device.device
+        units = len(os.sched_getaffinity(0)) if device == "cpu" else max(
+            1, torch.cuda.device_count())
+        mesh = DeviceMesh(self.args.engine.strategy_spec(), devices_per_node=units,
+                          device_type=device)
+        logger.info("strategy %s on this node:\n%s", mesh.spec, mesh.table())
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
         handshake = self.ctx.socket(zmq.ROUTER)
