@@ -150,7 +150,8 @@ def main() -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     serve_times = [t for t, _ in runs]
-    records = runs[statistics.median_low(range(len(runs)))][1] if runs else []
+    # Latency percentiles of the run whose time is the median.
+    records = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2][1]
     srv_med = statistics.median(serve_times)
     off_med = statistics.median(off_times) if off_times else None
     result = {

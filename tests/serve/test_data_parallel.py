@@ -52,6 +52,16 @@ def test_both_ranks_up_with_their_own_process(server):
     assert len(pids) == 2
     for rank in (0, 1):
         assert server.metric("parashift_engine_up", f'engine="dp{rank}"') == 1.0
+    names = set()
+    for proc in server.current_tree():
+        try:
+            names.add(proc.name())
+        except Exception:
+            continue
+    assert "parashift-dp-coo" in {n[:16] for n in names}  # the DP coordinator (comm: 15 chars)
+    # The coordinator's load vector gives this API server a gauge for every rank.
+    for rank in (0, 1):
+        assert server.metric("parashift_num_requests_running", f'engine="dp{rank}"') is not None
 
 
 def test_concurrent_requests_match_dp1_and_share_the_load(server, expected):

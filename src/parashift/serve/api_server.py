@@ -49,6 +49,7 @@ class ApiServerArgs:
     vocab_size: int
     api_key: str | None = None
     log_level: str = "INFO"
+    coordinator_address: str | None = None  # the DP coordinator's PUB (dp > 1)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -63,9 +64,10 @@ class ApiServer:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.broker = Broker(args.index, args.request_address, args.output_address,
-                             args.num_engines)
+                             args.num_engines, args.coordinator_address)
         self.metrics = Metrics()
         self.broker.on_outputs = self.metrics.on_engine_outputs
+        self.broker.on_load = self.metrics.on_load_vector
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=32 << 20)

@@ -30,7 +30,7 @@ class EngineUnavailableError(RuntimeError):
 
 class Broker:
     def __init__(self, client_index: int, request_address: str, output_address: str,
-                 num_engines: int):
+                 num_engines: int, coordinator_address: str | None = None):
         self.client_index = client_index
         self.num_engines = num_engines
         self.ctx = zmq.asyncio.Context()
@@ -50,6 +50,15 @@ class Broker:
         self.dead: dict[int, str] = {}
         self.stats: dict[int, SchedulerStats] = {}
         self.in_flight: dict[int, int] = {}
+        self.load: dict[int, p.EngineLoad] = {}  # every rank's load, from the coordinator
+        self.sent_since_update: dict[int, int] = {}
+        self.on_load = None  # optional hook(LoadVector) for metrics
+        self.load_in = None
+        if coordinator_address is not None:
+            self.load_in = self.ctx.socket(zmq.SUB)
+            self.load_in.setsockopt(zmq.SUBSCRIBE, b"")
+            self.load_in.setsockopt(zmq.LINGER, 0)
+            self.load_in.connect(coordinator_address)
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
         self._calls: dict[int, asyncio.Future] = {}
@@ -61,6 +70,8 @@ class Broker:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_outputs()),
                        asyncio.create_task(self._recv_control())]
+        if self.load_in is not None:
+            self._tasks.append(asyncio.create_task(self._recv_load()))
         for task in self._tasks:
             task.add_done_callback(_log_failure)
 
@@ -87,13 +98,31 @@ class Broker:
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")
-            return pinned
-        if not alive:
+            rank = pinned
+        elif not alive:
             raise EngineUnavailableError(self.health()[1])
-        # Fewest in flight from this server; ties rotate so equal engines share the load.
-        turn = next(self._rotation)
-        return min(alive, key=lambda r: (self.in_flight.get(r, 0),
-                                         (r - turn) % self.num_engines))
+        else:  # lowest load score; ties rotate so that equal engines share the load
+            turn = next(self._rotation)
+            rank = min(alive, key=lambda r: (self._score(r), (r - turn) % self.num_engines))
+        self.sent_since_update[rank] = self.sent_since_update.get(rank, 0) + 1
+        return rank
+
+    def _score(self, rank: int) -> int:
+        """Waiting requests weigh more than running ones (they have not even started), plus
+        what this server sent since the coordinator's last update. Without a coordinator
+        (dp1, or before its first update): this server's requests in flight."""
+        load = self.load.get(rank)
+        if load is None:
+            return self.in_flight.get(rank, 0)
+        return 4 * load.num_waiting + load.num_running + self.sent_since_update.get(rank, 0)
+
+    async def _recv_load(self) -> None:
+        while True:
+            vector = p.decode(await self.load_in.recv(), p.LoadVector)
+            self.load = {load.rank: load for load in vector.loads}
+            self.sent_since_update.clear()
+            if self.on_load is not None:
+                self.on_load(vector)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

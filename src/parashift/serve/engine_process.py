@@ -44,6 +44,8 @@ class EngineProcess:
         self.client_of: dict[str, int] = {}  # request id -> API server index
         self.stopping = False
         self.core: EngineCore | None = None
+        self.load_out: zmq.Socket | None = None  # to the DP coordinator
+        self._last_load: tuple[int, int] | None = None
 
     def _send_handshake(self, msg: p._Msg) -> None:
         self.handshake.send(p.encode(msg))
@@ -73,6 +75,10 @@ class EngineProcess:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
             self.outputs.append(sock)
+        if init.coordinator_address:
+            self.load_out = self.ctx.socket(zmq.PUSH)
+            self.load_out.setsockopt(zmq.LINGER, 0)
+            self.load_out.connect(init.coordinator_address)
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks)
         for sock in self.inputs:
@@ -101,6 +107,16 @@ class EngineProcess:
                     self._handle(msg)
             if core.has_unfinished_requests():
                 self._publish(core.step())
+            self._report_load()
+
+    def _report_load(self) -> None:
+        if self.load_out is None:
+            return
+        stats = self.core.stats()
+        load = (stats.num_waiting, stats.num_running)
+        if load != self._last_load:
+            self._last_load = load
+            self.load_out.send(p.encode(p.EngineLoad(self.rank, *load, stats.kv_cache_usage)))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

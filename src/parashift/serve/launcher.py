@@ -24,6 +24,7 @@ from parashift.mesh import DeviceMesh
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.serve import protocol as p
 from parashift.serve.api_server import ApiServerArgs, run_api_server
+from parashift.serve.coordinator import run_coordinator
 from parashift.serve.engine_process import run_engine
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class Launcher:
         n = args.api_server_count
         self.request_addresses = [f"ipc://{self.ipc_dir}/api{i}-requests" for i in range(n)]
         self.output_addresses = [f"ipc://{self.ipc_dir}/api{i}-outputs" for i in range(n)]
+        # The DP coordinator, only with several engines: engines push load, API servers listen.
+        self.coordinator_addresses = (f"ipc://{self.ipc_dir}/coordinator-load",
+                                      f"ipc://{self.ipc_dir}/coordinator-pub")
+        self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.engine_procs: list[multiprocessing.Process] = []
         self.controls: list[zmq.Socket] = []
@@ -102,12 +107,20 @@ class Launcher:
         handshake.bind(self.handshake_address)
         mc = self.config.model
         eos = getattr(mc.hf_config, "eos_token_id", None)
+        coordinator_pub = None
+        if self.num_engines > 1:
+            self.coordinator = mp.Process(
+                target=run_coordinator,
+                args=(self.num_engines, *self.coordinator_addresses, self.args.log_level),
+                name="parashift-dp-coordinator")
+            self.coordinator.start()
+            coordinator_pub = self.coordinator_addresses[1]
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.request_addresses[i], self.output_addresses[i], self.num_engines,
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
                 eos[0] if isinstance(eos, list) else eos, mc.vocab_size, self.args.api_key,
-                self.args.log_level)
+                self.args.log_level, coordinator_pub)
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()
@@ -166,7 +179,7 @@ class Launcher:
                 cpu_ids, threads = self._cpu_share(msg.rank)
                 init = p.EngineInit({**engine_args, "data_parallel_rank": msg.rank},
                                     self.request_addresses, self.output_addresses, threads,
-                                    cpu_ids)
+                                    cpu_ids, self._coordinator_load_address())
                 sock.send_multipart([identity, p.encode(init)])
             elif isinstance(msg, p.StartupFailed):
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")
@@ -174,6 +187,9 @@ class Launcher:
                 ready[msg.rank] = msg
                 logger.info("engine dp%d ready: %d KV blocks of %d tokens, max_model_len %d",
                             msg.rank, msg.num_blocks, msg.block_size, msg.max_model_len)
+
+    def _coordinator_load_address(self) -> str | None:
+        return self.coordinator_addresses[0] if self.coordinator is not None else None
 
     def _cpu_share(self, rank: int) -> tuple[list[int], int | None]:
         """On CPU each data-parallel rank gets its own slice of this process's cores."""
@@ -187,6 +203,8 @@ class Launcher:
         return share, self.args.engine.num_threads or len(share)
 
     def _check_children_alive(self) -> None:
+        if self.coordinator is not None and self.coordinator.exitcode is not None:
+            raise StartupError(f"the DP coordinator exited with code {self.coordinator.exitcode}")
         for i, proc in enumerate(self.api_procs):
             if proc.exitcode is not None:
                 raise StartupError(f"API server {i} exited with code {proc.exitcode}")
@@ -200,7 +218,13 @@ class Launcher:
         dead_engines: set[int] = set()
         while not self.stopping:
             sentinels = [proc.sentinel for proc in self.api_procs + self.engine_procs]
+            if self.coordinator is not None:
+                sentinels.append(self.coordinator.sentinel)
             multiprocessing.connection.wait(sentinels, timeout=0.5)
+            if self.coordinator is not None and self.coordinator.exitcode is not None:
+                logger.error("the DP coordinator exited with code %s; shutting down",
+                             self.coordinator.exitcode)
+                return 1
             for i, proc in enumerate(self.api_procs):
                 if proc.exitcode is not None:
                     logger.error("API server %d exited with code %s; shutting down", i,
@@ -223,10 +247,11 @@ class Launcher:
             except zmq.ZMQError:
                 pass
         _join_all(self.api_procs, timeout + 5)
-        for proc in self.engine_procs:
+        others = self.engine_procs + ([self.coordinator] if self.coordinator else [])
+        for proc in others:
             if proc.is_alive():
                 proc.terminate()
-        _join_all(self.engine_procs, 10)
+        _join_all(others, 10)
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=0)

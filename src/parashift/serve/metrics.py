@@ -47,6 +47,13 @@ class Metrics:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
 
+    def on_load_vector(self, vector: p.LoadVector) -> None:
+        for load in vector.loads:
+            engine = f"dp{load.rank}"
+            self.running.labels(engine).set(load.num_running)
+            self.waiting.labels(engine).set(load.num_waiting)
+            self.kv_usage.labels(engine).set(load.kv_cache_usage)
+
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:
         self.requests.labels(status).inc()

@@ -6,6 +6,8 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               UtilityCall down; EngineReady up. The launcher's DEALER (identity b"launcher")
               sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
   outputs     API server PULL   <- engine PUSH: EngineOutputs, UtilityResult, EngineDead
+  load        coordinator PULL  <- engine PUSH: EngineLoad;
+              coordinator PUB   -> API server SUB: LoadVector (dp > 1 only)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class EngineInit(_Msg):
     output_addresses: list[str]
     num_threads: int | None = None
     cpu_ids: list[int] = []  # CPU cores this rank may use (empty: no pinning)
+    coordinator_address: str | None = None  # where to push load (dp > 1)
 
 
 class Ready(_Msg):
@@ -104,6 +107,22 @@ class ApiServerReady(_Msg):
     """API server -> launcher: every engine has joined; it can serve."""
 
     index: int
+
+
+class EngineLoad(_Msg):
+    """Engine -> coordinator whenever its load changes."""
+
+    rank: int
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
+class LoadVector(_Msg):
+    """Coordinator -> every API server: all ranks' load (at most every 100 ms)."""
+
+    seq: int
+    loads: list[EngineLoad]
 
 
 class Shutdown(_Msg):

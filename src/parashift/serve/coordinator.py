@@ -1,0 +1,81 @@
+"""The DP coordinator process (dp > 1): engines push their load whenever it changes; the
+coordinator publishes the whole vector to every API server at most every 100 ms, and a
+heartbeat once a second when nothing changes, so that every API server routes on the same,
+fresh view of all ranks -- not just on the requests it sent itself."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from parashift.serve import protocol as p
+from parashift.serve.process_util import die_with_parent, set_process_name, setup_child_logging
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class Coordinator:
+    def __init__(self, num_engines: int, stats_address: str, publish_address: str):
+        self.ctx = zmq.Context()
+        self.stats = self.ctx.socket(zmq.PULL)
+        self.stats.setsockopt(zmq.LINGER, 0)
+        self.stats.bind(stats_address)
+        self.publish = self.ctx.socket(zmq.PUB)
+        self.publish.setsockopt(zmq.LINGER, 0)
+        self.publish.bind(publish_address)
+        self.load = [p.EngineLoad(rank, 0, 0, 0.0) for rank in range(num_engines)]
+        self.stopping = False
+
+    def run(self) -> None:
+        seq, changed, last_sent = 0, False, 0.0
+        while not self.stopping:
+            due = last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S)
+            if self.stats.poll(max(0, int((due - time.monotonic()) * 1000))):
+                changed |= self._drain()
+            # A change brings the next publication forward to 100 ms after the last one.
+            due = last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S)
+            if time.monotonic() < due:
+                continue
+            seq += 1
+            self.publish.send(p.encode(p.LoadVector(seq, list(self.load))))
+            last_sent, changed = time.monotonic(), False
+
+    def _drain(self) -> bool:
+        changed = False
+        while True:
+            try:
+                msg = p.decode(self.stats.recv(zmq.NOBLOCK), p.EngineLoad)
+            except zmq.Again:
+                return changed
+            if 0 <= msg.rank < len(self.load) and self.load[msg.rank] != msg:
+                self.load[msg.rank] = msg
+                changed = True
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def run_coordinator(num_engines: int, stats_address: str, publish_address: str,
+                    log_level: str) -> None:
+    """Process entry point (multiprocessing target)."""
+    set_process_name("parashift-dp-coordinator")
+    die_with_parent()
+    setup_child_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    coordinator = Coordinator(num_engines, stats_address, publish_address)
+
+    def on_term(*_: Any) -> None:
+        coordinator.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        coordinator.run()
+    finally:
+        coordinator.close()
