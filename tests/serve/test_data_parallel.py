@@ -59,9 +59,15 @@ def test_both_ranks_up_with_their_own_process(server):
         except Exception:
             continue
     assert "parashift-dp-coo" in {n[:16] for n in names}  # the DP coordinator (comm: 15 chars)
-    # The coordinator's load vector gives this API server a gauge for every rank.
+    # The coordinator's load vector (a heartbeat at least every second) gives this API server
+    # a gauge for every rank, even before any request.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+            server.metric("parashift_num_requests_running", f'engine="dp{r}"') is None
+            for r in (0, 1)):
+        time.sleep(0.1)
     for rank in (0, 1):
-        assert server.metric("parashift_num_requests_running", f'engine="dp{rank}"') is not None
+        assert server.metric("parashift_num_requests_running", f'engine="dp{rank}"') == 0.0
 
 
 def test_concurrent_requests_match_dp1_and_share_the_load(server, expected):
