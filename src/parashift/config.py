@@ -53,28 +53,6 @@ class ModelConfig:
             )
 
     @property
-    def architecture(self) -> str:
-        archs = getattr(self.hf_config, "architectures", None) or []
-        return archs[0] if archs else type(self.hf_config).__name__
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.num_attention_heads
-
-    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

@@ -16,10 +16,6 @@ class GroupCommunicator:
         self.rank = rank
         self.world_size = world_size
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.group)

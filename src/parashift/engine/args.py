@@ -17,7 +17,7 @@ from parashift.config import (
     resolve_dtype,
 )
 from parashift.models.loader import load_hf_config, resolve_model_path
-from parashift.models.registry import get_model_class
+from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.spec import StrategySpec
 
 
@@ -71,7 +71,7 @@ class EngineArgs:
                                   bool(spec.size("ep")), self.data_parallel_rank)
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
-        get_model_class((getattr(hf_config, "architectures", None) or ["<none>"])[0])
+        get_model_class(architecture_of(hf_config))
         spec.validate(hf_config)
         device = DeviceConfig(self.device) if self.device else DeviceConfig()
         if self.num_threads is not None:

@@ -31,14 +31,6 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
-        param.data.copy_(source.load())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
-
-
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by columns (output features): each rank computes its slice of Y."""
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from parashift.layers.attention.backend import AttentionBackend
 from parashift.layers.gemm import prepare_gemm_weights
 from parashift.models.gguf import converted_gguf_folder, embedded_default_gguf
-from parashift.models.registry import get_model_class
+from parashift.models.registry import architecture_of, get_model_class
 from parashift.models.weights import iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def load_hf_config(path: str) -> Any:
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int) -> nn.Module:
-    model_cls = get_model_class(_architecture(hf_config))
+    model_cls = get_model_class(architecture_of(hf_config))
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(hf_config, dtype, backend, max_position)
@@ -52,13 +52,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         logger.info(note)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", _architecture(hf_config),
+    logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", architecture_of(hf_config),
                 num_params / 1e6, str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model
 
-
-def _architecture(hf_config: Any) -> str:
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise ValueError("config.json names no architecture ('architectures' is empty)")
-    return archs[0]

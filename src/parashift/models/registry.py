@@ -18,6 +18,13 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def architecture_of(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("config.json names no architecture ('architectures' is empty)")
+    return archs[0]
+
+
 def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
         raise ValueError(
