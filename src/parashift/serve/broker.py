@@ -40,6 +40,9 @@ class Broker:
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
         self.requests.bind(request_address)
+        # Sends are non-blocking and must raise here (an asyncio socket would park the error
+        # in a future nobody awaits): a plain socket shadowing the same one, same thread.
+        self._send = zmq.Socket.shadow(self.requests.underlying)
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
@@ -131,7 +134,7 @@ class Broker:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
         try:
-            self.requests.send_multipart([str(rank).encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+            self._send.send_multipart([str(rank).encode(), p.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
         self.queues[request_id] = queue
@@ -149,8 +152,8 @@ class Broker:
             if rank in self.dead:
                 continue
             try:
-                self.requests.send_multipart([str(rank).encode(),
-                                              p.encode(p.AbortRequests(ids))], flags=zmq.NOBLOCK)
+                self._send.send_multipart([str(rank).encode(), p.encode(p.AbortRequests(ids))],
+                                          flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 logger.warning("could not send an abort to engine dp%d", rank)
 
@@ -166,7 +169,7 @@ class Broker:
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self.requests.send_multipart([str(rank).encode(), p.encode(
+            self._send.send_multipart([str(rank).encode(), p.encode(
                 p.UtilityCall(call_id, method, self.client_index))], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._calls.pop(call_id)
@@ -221,7 +224,7 @@ class Broker:
         msg = [b"launcher", p.encode(p.ApiServerReady(self.client_index))]
         for _ in range(200):
             try:
-                await self.requests.send_multipart(msg, flags=zmq.NOBLOCK)
+                self._send.send_multipart(msg, flags=zmq.NOBLOCK)
                 return
             except zmq.ZMQError:
                 await asyncio.sleep(0.05)
