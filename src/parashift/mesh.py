@@ -18,6 +18,7 @@ class RankPlacement:
     pp: int
     tp: int
     process_name: str
+    cpu_indices: tuple[int, ...] = ()  # CPU: which of the node's cores (indexes) it owns
 
 
 class DeviceMesh:
@@ -42,9 +43,12 @@ class DeviceMesh:
             dp, rest = divmod(rank, self.pp * self.tp)
             pp, tp = divmod(rest, self.tp)
             node, local = divmod(rank, per_node)
-            device = self._device(device_type, local, devices_per_node, per_node)
+            cpus = self._cpu_indices(local, devices_per_node, per_node)
+            device = (f"{device_type}:{local}" if device_type != "cpu" else
+                      f"cpu[{cpus[0]}]" if len(cpus) == 1 else f"cpu[{cpus[0]}-{cpus[-1]}]")
             self.ranks.append(RankPlacement(rank, node, device, dp, pp, tp,
-                                            self._process_name(dp, pp, tp)))
+                                            self._process_name(dp, pp, tp),
+                                            cpus if device_type == "cpu" else ()))
 
     def _process_name(self, dp: int, pp: int, tp: int) -> str:
         """A rank that is a whole engine is named for the engine; otherwise it is a worker."""
@@ -54,12 +58,12 @@ class DeviceMesh:
                 + (f"-tp{tp}" if self.tp > 1 else ""))
 
     @staticmethod
-    def _device(device_type: str, local: int, devices_per_node: int, per_node: int) -> str:
-        if device_type != "cpu":
-            return f"{device_type}:{local}"
-        cores = max(1, devices_per_node // per_node)  # devices_per_node = cores on CPU
-        first = (local * cores) % devices_per_node
-        return f"cpu[{first}]" if cores == 1 else f"cpu[{first}-{first + cores - 1}]"
+    def _cpu_indices(local: int, cores_per_node: int, per_node: int) -> tuple[int, ...]:
+        """An equal slice of the node's cores; with more ranks than cores, one core each,
+        round-robin."""
+        count = max(1, cores_per_node // per_node)
+        first = (local * count) % cores_per_node
+        return tuple(range(first, first + count))
 
     def group(self, axis: str) -> list[list[int]]:
         """The ranks of every process group of `axis` ("dp", "pp" or "tp")."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from parashift import LLM, SamplingParams
@@ -42,6 +44,14 @@ def complete(server, prompt, rank=None):
     return json.loads(raw)
 
 
+def process_names(server) -> set[str]:
+    names = set()
+    for proc in server.current_tree():
+        with contextlib.suppress(psutil.Error):
+            names.add(proc.name())
+    return names
+
+
 def routed(server, rank):
     return server.metric("parashift_engine_requests_total", f'engine="dp{rank}"') or 0.0
 
@@ -52,12 +62,7 @@ def test_both_ranks_up_with_their_own_process(server):
     assert len(pids) == 2
     for rank in (0, 1):
         assert server.metric("parashift_engine_up", f'engine="dp{rank}"') == 1.0
-    names = set()
-    for proc in server.current_tree():
-        try:
-            names.add(proc.name())
-        except Exception:
-            continue
+    names = process_names(server)
     assert "parashift-dp-coo" in {n[:16] for n in names}  # the DP coordinator (comm: 15 chars)
     # The coordinator's load vector (a heartbeat at least every second) gives this API server
     # a gauge for every rank, even before any request.
@@ -107,12 +112,7 @@ def test_killed_rank_is_reported_and_the_other_serves(tiny_llama):
 
 def test_two_api_servers_share_the_port_and_route_outputs_back(tiny_llama, expected):
     with running_server(tiny_llama, *ARGS, "--api-server-count", "2") as s:
-        names = set()
-        for p in s.current_tree():
-            try:
-                names.add(p.name())
-            except Exception:
-                continue
+        names = process_names(s)
         assert {"parashift-api-0", "parashift-api-1"} <= names, names
         # Separate connections (urllib opens one per request) land on both servers.
         with concurrent.futures.ThreadPoolExecutor(16) as pool:

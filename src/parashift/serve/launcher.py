@@ -69,6 +69,11 @@ class Launcher:
         self.args = args
         self.config = args.engine.create_config()  # validates flags, converts a GGUF once
         self.num_engines = self.config.parallel.data_parallel_size
+        device = self.config.device.device
+        units = len(os.sched_getaffinity(0)) if device == "cpu" else max(
+            1, torch.cuda.device_count())
+        self.mesh = DeviceMesh(self.args.engine.strategy_spec(), devices_per_node=units,
+                               device_type=device)
         self.ipc_dir = tempfile.mkdtemp(prefix="parashift-")
         self.ctx = zmq.Context()
         self.handshake_address = f"ipc://{self.ipc_dir}/handshake"
@@ -94,12 +99,7 @@ class Launcher:
         return os.path.basename(self.args.engine.model.rstrip("/")).removesuffix(".gguf")
 
     def start(self) -> None:
-        device = self.config.device.device
-        units = len(os.sched_getaffinity(0)) if device == "cpu" else max(
-            1, torch.cuda.device_count())
-        mesh = DeviceMesh(self.args.engine.strategy_spec(), devices_per_node=units,
-                          device_type=device)
-        logger.info("strategy %s on this node:\n%s", mesh.spec, mesh.table())
+        logger.info("strategy %s on this node:\n%s", self.mesh.spec, self.mesh.table())
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
         handshake = self.ctx.socket(zmq.ROUTER)
@@ -193,13 +193,11 @@ class Launcher:
 
     def _cpu_share(self, rank: int) -> tuple[list[int], int | None]:
         """On CPU each data-parallel rank gets its own slice of this process's cores."""
-        if self.config.device.device != "cpu" or self.num_engines == 1:
+        placement = self.mesh.ranks[rank]  # dp only today: worker rank == dp rank
+        if not placement.cpu_indices or self.num_engines == 1:
             return [], self.args.engine.num_threads
         cores = sorted(os.sched_getaffinity(0))
-        per_rank = len(cores) // self.num_engines
-        if per_rank == 0:  # more ranks than cores: share them round-robin, one thread each
-            return [cores[rank % len(cores)]], 1
-        share = cores[rank * per_rank : (rank + 1) * per_rank]
+        share = [cores[i] for i in placement.cpu_indices]
         return share, self.args.engine.num_threads or len(share)
 
     def _check_children_alive(self) -> None:
