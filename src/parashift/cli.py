@@ -183,6 +183,20 @@ def run(
     tensor_parallel_size: TensorParallel = None,
     pipeline_parallel_size: PipelineParallel = None,
     enable_expert_parallel: ExpertParallel = False,
+    data_parallel_size_local: Annotated[int | None, typer.Option(
+        "--data-parallel-size-local", "-dpl", help="dp ranks on this node (multi-node)")] = None,
+    data_parallel_start_rank: Annotated[int, typer.Option(
+        "--data-parallel-start-rank", "-dpr", help="first dp rank of a --headless node")] = 0,
+    data_parallel_address: Annotated[str | None, typer.Option(
+        "--data-parallel-address", "-dpa", help="the head node's address (multi-node)")] = None,
+    data_parallel_rpc_port: Annotated[int, typer.Option(
+        "--data-parallel-rpc-port", "-dpp", help="the head's handshake port")] = 29550,
+    headless: Annotated[bool, typer.Option(
+        help="run only engines, for the head at --data-parallel-address")] = False,
+    restart_dead_engines: Annotated[bool, typer.Option(
+        "--restart-dead-engines", help="start a dead engine rank again")] = False,
+    heartbeat_timeout: Annotated[float, typer.Option(
+        "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     _setup_logging()
@@ -197,7 +211,9 @@ def run(
     from parashift.serve.launcher import run as run_server
 
     args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
-                     shutdown_timeout, startup_timeout, env.log_level())
+                     shutdown_timeout, startup_timeout, env.log_level(),
+                     data_parallel_size_local, data_parallel_start_rank, data_parallel_address,
+                     data_parallel_rpc_port, headless, restart_dead_engines, heartbeat_timeout)
     try:
         code = run_server(args)
     except ValueError as e:

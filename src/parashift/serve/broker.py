@@ -36,6 +36,7 @@ class Broker:
         self.ctx = zmq.asyncio.Context()
         self.requests = self.ctx.socket(zmq.ROUTER)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown engine raises, not drops
+        self.requests.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its identity
         self.requests.setsockopt(zmq.SNDHWM, 0)
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
@@ -62,6 +63,7 @@ class Broker:
             self.load_in.setsockopt(zmq.SUBSCRIBE, b"")
             self.load_in.setsockopt(zmq.LINGER, 0)
             self.load_in.connect(coordinator_address)
+        self._told_launcher = False
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
         self._calls: dict[int, asyncio.Future] = {}
@@ -121,7 +123,10 @@ class Broker:
 
     async def _recv_load(self) -> None:
         while True:
-            vector = p.decode(await self.load_in.recv(), p.LoadVector)
+            vector = p.decode(await self.load_in.recv(), p.FromCoordinator)
+            if isinstance(vector, p.EngineDead):  # a rank stopped sending heartbeats
+                self.mark_dead(vector.rank, vector.reason, vector.incarnation)
+                continue
             self.load = {load.rank: load for load in vector.loads}
             self.sent_since_update.clear()
             if self.on_load is not None:
@@ -194,7 +199,7 @@ class Broker:
                     else:
                         future.set_result(msg.result)
             elif isinstance(msg, p.EngineDead):
-                self.mark_dead(msg.rank, msg.reason)
+                self.mark_dead(msg.rank, msg.reason, msg.incarnation)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
         queue = self.queues.get(out.request_id)
@@ -210,11 +215,15 @@ class Broker:
             msg = p.decode(frame, p.Control)
             if isinstance(msg, p.EngineReady):
                 self.ready[msg.rank] = msg
-                logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
-                if len(self.ready) == self.num_engines:
+                if self.dead.pop(msg.rank, None) is not None:
+                    logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
+                else:
+                    logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
+                if len(self.ready) == self.num_engines and not self._told_launcher:
+                    self._told_launcher = True
                     await self._tell_launcher_ready()
             elif isinstance(msg, p.EngineDead):
-                self.mark_dead(msg.rank, msg.reason)
+                self.mark_dead(msg.rank, msg.reason, msg.incarnation)
             elif isinstance(msg, p.Shutdown):
                 self.shutdown_timeout = msg.timeout_s
                 self.shutdown_requested.set()
@@ -230,9 +239,12 @@ class Broker:
                 await asyncio.sleep(0.05)
         logger.error("could not tell the launcher that this API server is ready")
 
-    def mark_dead(self, rank: int, reason: str) -> None:
+    def mark_dead(self, rank: int, reason: str, incarnation: int = 0) -> None:
         if rank in self.dead:
             return
+        ready = self.ready.get(rank)
+        if incarnation and ready is not None and ready.incarnation != incarnation:
+            return  # news about an earlier incarnation; the rank has been restarted since
         logger.error("engine dp%d is down: %s", rank, reason)
         self.dead[rank] = reason
         error = EngineDeadError(f"engine dp{rank} died: {reason}")

@@ -1,7 +1,12 @@
 """The DP coordinator process (dp > 1): engines push their load whenever it changes; the
 coordinator publishes the whole vector to every API server at most every 100 ms, and a
 heartbeat once a second when nothing changes, so that every API server routes on the same,
-fresh view of all ranks -- not just on the requests it sent itself."""
+fresh view of all ranks -- not just on the requests it sent itself.
+
+It also watches the engines' own heartbeats: a rank that has joined and then stays silent for
+`heartbeat_timeout` seconds is declared dead to every API server. That is how the death of an
+engine on another node (or of the whole node) is noticed; local deaths are seen sooner by the
+launcher, through the process sentinel."""
 
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 class Coordinator:
-    def __init__(self, num_engines: int, stats_address: str, publish_address: str):
+    def __init__(self, num_engines: int, stats_address: str, publish_address: str,
+                 heartbeat_timeout: float = 5.0):
         self.ctx = zmq.Context()
         self.stats = self.ctx.socket(zmq.PULL)
         self.stats.setsockopt(zmq.LINGER, 0)
@@ -31,6 +37,8 @@ class Coordinator:
         self.publish.setsockopt(zmq.LINGER, 0)
         self.publish.bind(publish_address)
         self.load = [p.EngineLoad(rank, 0, 0, 0.0) for rank in range(num_engines)]
+        self.heartbeat_timeout = heartbeat_timeout
+        self.last_seen: dict[int, tuple[float, int]] = {}  # rank -> (time, incarnation)
         self.stopping = False
 
     def run(self) -> None:
@@ -39,6 +47,7 @@ class Coordinator:
             due = last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S)
             if self.stats.poll(max(0, int((due - time.monotonic()) * 1000))):
                 changed |= self._drain()
+            changed |= self._declare_silent_ranks_dead()
             # A change brings the next publication forward to 100 ms after the last one.
             due = last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S)
             if time.monotonic() < due:
@@ -51,25 +60,43 @@ class Coordinator:
         changed = False
         while True:
             try:
-                msg = p.decode(self.stats.recv(zmq.NOBLOCK), p.EngineLoad)
+                msg = p.decode(self.stats.recv(zmq.NOBLOCK), p.ToEngineLoad)
             except zmq.Again:
                 return changed
-            if 0 <= msg.rank < len(self.load) and self.load[msg.rank] != msg:
+            if not 0 <= msg.rank < len(self.load):
+                continue
+            if isinstance(msg, p.Heartbeat):
+                if msg.rank not in self.last_seen:
+                    logger.info("engine dp%d is sending heartbeats", msg.rank)
+                self.last_seen[msg.rank] = (time.monotonic(), msg.incarnation)
+            elif self.load[msg.rank] != msg:
                 self.load[msg.rank] = msg
                 changed = True
+
+    def _declare_silent_ranks_dead(self) -> bool:
+        now = time.monotonic()
+        silent = [(rank, incarnation) for rank, (seen, incarnation) in self.last_seen.items()
+                  if now - seen > self.heartbeat_timeout]
+        for rank, incarnation in silent:
+            reason = f"no heartbeat for {self.heartbeat_timeout:g} s"
+            logger.error("engine dp%d: %s; declaring it dead", rank, reason)
+            self.publish.send(p.encode(p.EngineDead(rank, reason, incarnation)))
+            del self.last_seen[rank]  # until a new incarnation heartbeats
+            self.load[rank] = p.EngineLoad(rank, 0, 0, 0.0)
+        return bool(silent)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str,
-                    log_level: str) -> None:
+                    heartbeat_timeout: float, log_level: str) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name("parashift-dp-coordinator")
     die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    coordinator = Coordinator(num_engines, stats_address, publish_address)
+    coordinator = Coordinator(num_engines, stats_address, publish_address, heartbeat_timeout)
 
     def on_term(*_: Any) -> None:
         coordinator.stopping = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -27,13 +28,18 @@ from parashift.serve.process_util import (
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_MS = 60_000
 IDLE_POLL_MS = 1_000  # blocking poll; wakes only to notice a shutdown signal
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineProcess:
-    def __init__(self, rank: int, handshake_address: str):
+    def __init__(self, rank: int, handshake_address: str, cpu_ids: list[int] | None = None,
+                 num_threads: int | None = None, handshake_timeout: float = 600.0):
         self.rank = rank
+        self.handshake_timeout = handshake_timeout
+        self.incarnation = os.getpid()
+        self.cpu_ids = cpu_ids or []  # this rank's share of its node's cores (empty: no pinning)
+        self.num_threads = num_threads
         self.ctx = zmq.Context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
@@ -46,20 +52,23 @@ class EngineProcess:
         self.core: EngineCore | None = None
         self.load_out: zmq.Socket | None = None  # to the DP coordinator
         self._last_load: tuple[int, int] | None = None
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def _send_handshake(self, msg: p._Msg) -> None:
         self.handshake.send(p.encode(msg))
 
     def start(self) -> None:
         self._send_handshake(p.Hello(self.rank, os.getpid()))
-        if not self.handshake.poll(HANDSHAKE_TIMEOUT_MS):
-            raise TimeoutError("the launcher never answered the handshake")
+        if not self.handshake.poll(int(self.handshake_timeout * 1000)):
+            raise TimeoutError(f"no launcher answered the handshake within "
+                               f"{self.handshake_timeout:.0f} s")
         init = p.decode(self.handshake.recv(), p.EngineInit)
         args = EngineArgs(**init.engine_args)
-        if init.cpu_ids:  # this rank's own cores, so ranks do not fight over them
-            os.sched_setaffinity(0, init.cpu_ids)
-        if init.num_threads:
-            args.num_threads = init.num_threads
+        if self.cpu_ids:  # this rank's own cores, so ranks do not fight over them
+            os.sched_setaffinity(0, self.cpu_ids)
+        if self.num_threads:
+            args.num_threads = self.num_threads
         if torch.cuda.is_available():
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         self.core = EngineCore(args.create_config())
@@ -79,12 +88,30 @@ class EngineProcess:
             self.load_out = self.ctx.socket(zmq.PUSH)
             self.load_out.setsockopt(zmq.LINGER, 0)
             self.load_out.connect(init.coordinator_address)
+            self._heartbeat = threading.Thread(target=self._heartbeats, name="heartbeat",
+                                               args=(init.coordinator_address,), daemon=True)
+            self._heartbeat.start()
         cfg = self.core.config
-        ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks)
+        ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
+                              self.incarnation)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
                                      cfg.model.max_model_len))
+
+    def _heartbeats(self, address: str) -> None:
+        """From a thread with its own socket, so that a long step never looks like death."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        beat = p.encode(p.Heartbeat(self.rank, self.incarnation))
+        while not self._heartbeat_stop.is_set():
+            try:
+                sock.send(beat, zmq.NOBLOCK)
+            except zmq.ZMQError:  # not connected yet, or the context is closing
+                pass
+            self._heartbeat_stop.wait(HEARTBEAT_INTERVAL_S)
+        sock.close()
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -168,26 +195,37 @@ class EngineProcess:
         self.outputs[client].send(p.encode(p.EngineOutputs(self.rank, outputs,
                                                            self.core.stats())))
 
-    def report_fatal(self, error: str) -> None:
+    def report_down(self, reason: str) -> None:
+        """Tell every API server at once (the rank may be on another node, where no launcher
+        of theirs watches it)."""
         for sock in self.outputs:
-            sock.send(p.encode(p.EngineDead(self.rank, error)), zmq.NOBLOCK)
+            try:
+                sock.send(p.encode(p.EngineDead(self.rank, reason, self.incarnation)),
+                          zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         if self.core is None:
             try:
-                self._send_handshake(p.StartupFailed(self.rank, error))
+                self._send_handshake(p.StartupFailed(self.rank, reason))
             except zmq.ZMQError:
                 pass
 
     def close(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None:  # it closes its own socket (sockets are per thread)
+            self._heartbeat.join(2 * HEARTBEAT_INTERVAL_S)
         self.ctx.destroy(linger=1000)
 
 
-def run_engine(rank: int, handshake_address: str, log_level: str) -> None:
+def run_engine(rank: int, handshake_address: str, log_level: str,
+               cpu_ids: list[int] | None = None, num_threads: int | None = None,
+               handshake_timeout: float = 600.0) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name(f"parashift-engine-dp{rank}")
     die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
-    engine = EngineProcess(rank, handshake_address)
+    engine = EngineProcess(rank, handshake_address, cpu_ids, num_threads, handshake_timeout)
 
     def on_term(*_: Any) -> None:
         engine.stopping = True
@@ -199,8 +237,9 @@ def run_engine(rank: int, handshake_address: str, log_level: str) -> None:
     except Exception:
         error = traceback.format_exc()
         logger.error("engine dp%d failed:\n%s", rank, error)
-        engine.report_fatal(error.strip().splitlines()[-1])
+        engine.report_down(error.strip().splitlines()[-1])
         time.sleep(0.2)  # let the error reach the API servers
         engine.close()
         raise SystemExit(1) from None
+    engine.report_down("the engine was stopped (SIGTERM)")
     engine.close()

@@ -1,22 +1,20 @@
-"""`parashift run`: starts the API servers and engine cores, waits for every engine's READY
-(with a deadline that names the rank that never came up), watches the children, and on
-SIGINT/SIGTERM drains, stops every child and removes the ipc files. No orphans."""
+"""`parashift run`: starts the API servers, the DP coordinator and this node's engine cores,
+waits for every engine's READY (with a deadline that names the rank that never came up),
+watches the children, and on SIGINT/SIGTERM drains, stops every child and removes the ipc
+files. No orphans. Engines of other nodes (`--headless` launchers) join through the same
+handshake socket, which stays open so that restarted ranks can join again."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
 import zmq
 
 from parashift.engine.args import EngineArgs
@@ -25,7 +23,9 @@ from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.serve import protocol as p
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.serve.coordinator import run_coordinator
-from parashift.serve.engine_process import run_engine
+from parashift.serve.endpoints import Endpoints
+from parashift.serve.local_engines import CpuShare, LocalEngines, join_all
+from parashift.strategies.spec import StrategySpec
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,36 @@ class ServeArgs:
     shutdown_timeout: float = 10.0
     startup_timeout: float = 600.0
     log_level: str = "INFO"
+    # Multi-node data parallel (vLLM's flags) and failure handling.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
+    headless: bool = False
+    restart_dead_engines: bool = False
+    heartbeat_timeout: float = 5.0
+
+    def local_ranks(self, dp_size: int) -> list[int]:
+        """The data-parallel ranks this node runs; checks the multi-node flags."""
+        start = self.data_parallel_start_rank
+        if self.headless and start < 1:
+            raise ValueError("--headless needs --data-parallel-start-rank >= 1: the head node "
+                             "runs the ranks from 0")
+        if not self.headless and start != 0:
+            raise ValueError(f"--data-parallel-start-rank {start} is for --headless nodes; "
+                             "the head node runs the ranks from 0")
+        local = dp_size - start if self.data_parallel_size_local is None else (
+            self.data_parallel_size_local)
+        if local < 1 or start + local > dp_size:
+            raise ValueError(f"--data-parallel-start-rank {start} and --data-parallel-size-local "
+                             f"{local} do not fit in --data-parallel-size {dp_size}")
+        if self.heartbeat_timeout <= 1.0:
+            raise ValueError("--heartbeat-timeout must be above 1 second (the heartbeat period)")
+        return list(range(start, start + local))
+
+    def multi_node(self, dp_size: int) -> bool:
+        return (self.headless or self.data_parallel_address is not None
+                or len(self.local_ranks(dp_size)) < dp_size)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -64,29 +94,42 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def local_cpu_shares(ranks: list[int], device: str, num_threads: int | None
+                     ) -> dict[int, CpuShare]:
+    """On CPU each data-parallel rank of this node gets its own slice of this process's cores
+    (the device mesh's rule); alone on its node, a rank keeps them all."""
+    if device != "cpu" or len(ranks) == 1:
+        return {rank: CpuShare([], num_threads) for rank in ranks}
+    cores = sorted(os.sched_getaffinity(0))
+    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks)), devices_per_node=len(cores))
+    shares = {}
+    for rank, placement in zip(ranks, mesh.ranks, strict=True):
+        ids = [cores[i] for i in placement.cpu_indices]
+        shares[rank] = CpuShare(ids, num_threads or len(ids))
+    return shares
+
+
 class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = args.engine.create_config()  # validates flags, converts a GGUF once
         self.num_engines = self.config.parallel.data_parallel_size
-        device = self.config.device.device
-        units = len(os.sched_getaffinity(0)) if device == "cpu" else max(
-            1, torch.cuda.device_count())
-        self.mesh = DeviceMesh(self.args.engine.strategy_spec(), devices_per_node=units,
-                               device_type=device)
-        self.ipc_dir = tempfile.mkdtemp(prefix="parashift-")
-        self.ctx = zmq.Context()
-        self.handshake_address = f"ipc://{self.ipc_dir}/handshake"
+        self.local_ranks = args.local_ranks(self.num_engines)
         n = args.api_server_count
-        self.request_addresses = [f"ipc://{self.ipc_dir}/api{i}-requests" for i in range(n)]
-        self.output_addresses = [f"ipc://{self.ipc_dir}/api{i}-outputs" for i in range(n)]
-        # The DP coordinator, only with several engines: engines push load, API servers listen.
-        self.coordinator_addresses = (f"ipc://{self.ipc_dir}/coordinator-load",
-                                      f"ipc://{self.ipc_dir}/coordinator-pub")
+        self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
+                                        args.data_parallel_rpc_port, n)
+                          if args.multi_node(self.num_engines) else Endpoints.local(n))
+        self.ctx = zmq.Context()
+        self.handshake: zmq.Socket | None = None
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
-        self.engine_procs: list[multiprocessing.Process] = []
+        self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
+                                    local_cpu_shares(self.local_ranks, self.config.device.device,
+                                                     args.engine.num_threads), args.log_level,
+                                    args.startup_timeout, args.restart_dead_engines)
         self.controls: list[zmq.Socket] = []
+        self.nodes: set[bytes] = set()  # identities of headless launchers
+        self.ready: dict[int, p.Ready] = {}
         self.stopping = False
         self.listener: socket.socket | None = None
 
@@ -98,26 +141,38 @@ class Launcher:
             return DEFAULT_MODEL_NAME
         return os.path.basename(self.args.engine.model.rstrip("/")).removesuffix(".gguf")
 
+    def banner(self) -> str:
+        host = f"[{self.args.host}]" if ":" in self.args.host else self.args.host
+        return f"parashift is serving {self.model_name!r} at http://{host}:{self.args.port}/v1"
+
     def start(self) -> None:
-        logger.info("strategy %s on this node:\n%s", self.mesh.spec, self.mesh.table())
+        spec = self.args.engine.strategy_spec()
+        logger.info("strategy %s; this node runs %s", spec,
+                    ", ".join(f"dp{r}" for r in self.local_ranks))
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
-        handshake = self.ctx.socket(zmq.ROUTER)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(self.handshake_address)
+        self.handshake = self.ctx.socket(zmq.ROUTER)
+        self.handshake.setsockopt(zmq.LINGER, 0)
+        self.handshake.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank reuses its name
+        try:
+            self.handshake.bind(self.endpoints.handshake)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot bind the handshake at {self.endpoints.handshake} "
+                               f"(--data-parallel-address/--data-parallel-rpc-port): {e}") from e
         mc = self.config.model
         eos = getattr(mc.hf_config, "eos_token_id", None)
         coordinator_pub = None
         if self.num_engines > 1:
             self.coordinator = mp.Process(
-                target=run_coordinator,
-                args=(self.num_engines, *self.coordinator_addresses, self.args.log_level),
-                name="parashift-dp-coordinator")
+                target=run_coordinator, name="parashift-dp-coordinator",
+                args=(self.num_engines, self.endpoints.coordinator_load,
+                      self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
+                      self.args.log_level))
             self.coordinator.start()
-            coordinator_pub = self.coordinator_addresses[1]
+            coordinator_pub = self.endpoints.coordinator_publish
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
-                i, self.request_addresses[i], self.output_addresses[i], self.num_engines,
+                i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
                 eos[0] if isinstance(eos, list) else eos, mc.vocab_size, self.args.api_key,
                 self.args.log_level, coordinator_pub)
@@ -128,19 +183,25 @@ class Launcher:
             control = self.ctx.socket(zmq.DEALER)
             control.setsockopt(zmq.IDENTITY, b"launcher")
             control.setsockopt(zmq.LINGER, 0)
-            control.connect(self.request_addresses[i])
+            control.connect(self.endpoints.requests[i])
             self.controls.append(control)
-        for rank in range(self.num_engines):
-            proc = mp.Process(target=run_engine,
-                              args=(rank, self.handshake_address, self.args.log_level),
-                              name=f"parashift-engine-dp{rank}")
-            proc.start()
-            self.engine_procs.append(proc)
-        try:
-            self._handshake(handshake)
-        finally:
-            handshake.close()
+        self.engines.start()
+        self._wait_engines_ready()
         self._wait_api_servers_ready()
+
+    def _wait_engines_ready(self) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        while len(self.ready) < self.num_engines:
+            if self.stopping:
+                raise StartupError("interrupted during start-up")
+            self._check_children_alive()
+            for death in self.engines.reap():
+                raise StartupError(f"engine dp{death.rank} {death.reason} during start-up")
+            if time.monotonic() > deadline:
+                missing = [f"dp{r}" for r in range(self.num_engines) if r not in self.ready]
+                raise StartupError(f"engine {', '.join(missing)} did not become ready within "
+                                   f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
+            self._serve_handshake(200, starting=True)
 
     def _wait_api_servers_ready(self) -> None:
         """Engines are up; the URL is printed only once every API server has seen them."""
@@ -158,47 +219,45 @@ class Launcher:
                     msg = p.decode(self.controls[i].recv(), p.ApiServerReady)
                     pending.discard(msg.index)
 
-    def _handshake(self, sock: zmq.Socket) -> None:
-        engine_args = dataclasses.asdict(self.args.engine)
-        engine_args["model"] = self.config.model.path  # resolved: no second GGUF lookup
-        ready: dict[int, p.Ready] = {}
-        deadline = time.monotonic() + self.args.startup_timeout
-        while len(ready) < self.num_engines:
-            if self.stopping:
-                raise StartupError("interrupted during start-up")
-            self._check_children_alive()
-            if time.monotonic() > deadline:
-                missing = [f"dp{r}" for r in range(self.num_engines) if r not in ready]
-                raise StartupError(f"engine {', '.join(missing)} did not become ready within "
-                                   f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
-            if not sock.poll(200):
-                continue
-            identity, frame = sock.recv_multipart()
-            msg = p.decode(frame, p.Handshake)
-            if isinstance(msg, p.Hello):
-                cpu_ids, threads = self._cpu_share(msg.rank)
-                init = p.EngineInit({**engine_args, "data_parallel_rank": msg.rank},
-                                    self.request_addresses, self.output_addresses, threads,
-                                    cpu_ids, self._coordinator_load_address())
-                sock.send_multipart([identity, p.encode(init)])
-            elif isinstance(msg, p.StartupFailed):
+    def _serve_handshake(self, timeout_ms: int, starting: bool = False) -> None:
+        """Engines (first start, restarts, other nodes) and headless launchers."""
+        if not self.handshake.poll(timeout_ms):
+            return
+        identity, frame = self.handshake.recv_multipart()
+        msg = p.decode(frame, p.Handshake)
+        if isinstance(msg, p.Hello):
+            engine_args = dataclasses.asdict(self.args.engine)
+            if msg.rank in self.local_ranks:  # resolved here: no second GGUF lookup
+                engine_args["model"] = self.config.model.path
+            engine_args["data_parallel_rank"] = msg.rank
+            coordinator = self.endpoints.coordinator_load if self.coordinator else None
+            self.handshake.send_multipart([identity, p.encode(p.EngineInit(
+                engine_args, self.endpoints.requests, self.endpoints.outputs, coordinator))])
+        elif isinstance(msg, p.Ready):
+            again = msg.rank in self.ready
+            self.ready[msg.rank] = msg
+            logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d",
+                        msg.rank, "ready again" if again else "ready", msg.num_blocks,
+                        msg.block_size, msg.max_model_len)
+        elif isinstance(msg, p.StartupFailed):
+            if starting:
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")
-            elif isinstance(msg, p.Ready):
-                ready[msg.rank] = msg
-                logger.info("engine dp%d ready: %d KV blocks of %d tokens, max_model_len %d",
-                            msg.rank, msg.num_blocks, msg.block_size, msg.max_model_len)
+            logger.error("engine dp%d failed to start again: %s", msg.rank, msg.error)
+        elif isinstance(msg, p.NodeHello):
+            self.nodes.add(identity)
+            logger.info("a headless node joined with ranks dp%d-dp%d", msg.start_rank,
+                        msg.start_rank + msg.size - 1)
+            self.handshake.send_multipart([identity, p.encode(
+                p.NodeInit(self.endpoints.coordinator_publish))])
+        elif isinstance(msg, p.EngineDead):  # a headless launcher saw one of its ranks die
+            if starting:
+                raise StartupError(f"engine dp{msg.rank} died during start-up: {msg.reason}")
+            self._announce_dead(msg)
 
-    def _coordinator_load_address(self) -> str | None:
-        return self.coordinator_addresses[0] if self.coordinator is not None else None
-
-    def _cpu_share(self, rank: int) -> tuple[list[int], int | None]:
-        """On CPU each data-parallel rank gets its own slice of this process's cores."""
-        placement = self.mesh.ranks[rank]  # dp only today: worker rank == dp rank
-        if not placement.cpu_indices or self.num_engines == 1:
-            return [], self.args.engine.num_threads
-        cores = sorted(os.sched_getaffinity(0))
-        share = [cores[i] for i in placement.cpu_indices]
-        return share, self.args.engine.num_threads or len(share)
+    def _announce_dead(self, death: p.EngineDead) -> None:
+        logger.error("engine dp%d died: %s", death.rank, death.reason)
+        for control in self.controls:
+            control.send(p.encode(death), zmq.NOBLOCK)
 
     def _check_children_alive(self) -> None:
         if self.coordinator is not None and self.coordinator.exitcode is not None:
@@ -206,35 +265,21 @@ class Launcher:
         for i, proc in enumerate(self.api_procs):
             if proc.exitcode is not None:
                 raise StartupError(f"API server {i} exited with code {proc.exitcode}")
-        for rank, proc in enumerate(self.engine_procs):
-            if proc.exitcode is not None:
-                raise StartupError(f"engine dp{rank} exited with code {proc.exitcode} "
-                                   "during start-up")
 
     def serve_forever(self) -> int:
-        """Watch the children until a signal or a fatal failure; returns the exit code."""
-        dead_engines: set[int] = set()
+        """Watch the children until a signal or a fatal failure; returns the exit code.
+        A dead engine is announced to the API servers (which then route around it) and, with
+        --restart-dead-engines, started again."""
         while not self.stopping:
-            sentinels = [proc.sentinel for proc in self.api_procs + self.engine_procs]
-            if self.coordinator is not None:
-                sentinels.append(self.coordinator.sentinel)
-            multiprocessing.connection.wait(sentinels, timeout=0.5)
-            if self.coordinator is not None and self.coordinator.exitcode is not None:
-                logger.error("the DP coordinator exited with code %s; shutting down",
-                             self.coordinator.exitcode)
+            try:
+                self._check_children_alive()
+            except StartupError as e:
+                logger.error("%s; shutting down", e)
                 return 1
-            for i, proc in enumerate(self.api_procs):
-                if proc.exitcode is not None:
-                    logger.error("API server %d exited with code %s; shutting down", i,
-                                 proc.exitcode)
-                    return 1
-            for rank, proc in enumerate(self.engine_procs):
-                if proc.exitcode is not None and rank not in dead_engines:
-                    dead_engines.add(rank)
-                    reason = f"process exited with code {proc.exitcode}"
-                    logger.error("engine dp%d died: %s", rank, reason)
-                    for control in self.controls:
-                        control.send(p.encode(p.EngineDead(rank, reason)), zmq.NOBLOCK)
+            for death in self.engines.reap():
+                self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
+            self.engines.restart_due()
+            self._serve_handshake(200)
         return 0
 
     def shutdown(self) -> None:
@@ -244,31 +289,30 @@ class Launcher:
                 control.send(p.encode(p.Shutdown(timeout)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        _join_all(self.api_procs, timeout + 5)
-        others = self.engine_procs + ([self.coordinator] if self.coordinator else [])
-        for proc in others:
-            if proc.is_alive():
-                proc.terminate()
-        _join_all(others, 10)
+        for node in self.nodes:  # headless launchers stop their engines
+            try:
+                self.handshake.send_multipart([node, p.encode(p.Shutdown(timeout))],
+                                              zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        join_all(self.api_procs, timeout + 5)
+        self.engines.stop()
+        if self.coordinator is not None:
+            self.coordinator.terminate()
+            join_all([self.coordinator], 10)
         if self.listener is not None:
             self.listener.close()
-        self.ctx.destroy(linger=0)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _join_all(procs: list[multiprocessing.Process], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            logger.warning("%s did not stop in time; killing it", proc.name)
-            proc.kill()
-            proc.join(5)
+        self.ctx.destroy(linger=500 if self.nodes else 0)
+        self.endpoints.remove()
 
 
 def run(args: ServeArgs) -> int:
-    launcher = Launcher(args)
+    if args.headless:
+        from parashift.serve.headless import HeadlessLauncher
+
+        launcher: Launcher | HeadlessLauncher = HeadlessLauncher(args)
+    else:
+        launcher = Launcher(args)
 
     def on_signal(signum, _frame) -> None:
         logger.info("received %s, shutting down", signal.Signals(signum).name)
@@ -279,9 +323,7 @@ def run(args: ServeArgs) -> int:
     code = 0
     try:
         launcher.start()
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"parashift is serving {launcher.model_name!r} at http://{host}:{args.port}/v1",
-              flush=True)
+        print(launcher.banner(), flush=True)
         code = launcher.serve_forever()
     except StartupError as e:
         logger.error("%s", e)

@@ -6,8 +6,14 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               UtilityCall down; EngineReady up. The launcher's DEALER (identity b"launcher")
               sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
   outputs     API server PULL   <- engine PUSH: EngineOutputs, UtilityResult, EngineDead
-  load        coordinator PULL  <- engine PUSH: EngineLoad;
-              coordinator PUB   -> API server SUB: LoadVector (dp > 1 only)
+  load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second;
+              coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank)
+  nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
+              (identity b"node-<start rank>"): NodeHello -> NodeInit; EngineDead up;
+              Shutdown down.
+
+An engine's `incarnation` (its pid) tells a restarted rank from the one that died: a late
+EngineDead about an earlier incarnation never takes a revived rank down again.
 """
 
 from __future__ import annotations
@@ -37,9 +43,7 @@ class EngineInit(_Msg):
     engine_args: dict[str, Any]
     request_addresses: list[str]
     output_addresses: list[str]
-    num_threads: int | None = None
-    cpu_ids: list[int] = []  # CPU cores this rank may use (empty: no pinning)
-    coordinator_address: str | None = None  # where to push load (dp > 1)
+    coordinator_address: str | None = None  # where to push load and heartbeats (dp > 1)
 
 
 class Ready(_Msg):
@@ -79,6 +83,7 @@ class EngineReady(_Msg):
     rank: int
     max_model_len: int
     num_blocks: int
+    incarnation: int = 0
 
 
 class EngineOutputs(_Msg):
@@ -101,6 +106,7 @@ class EngineDead(_Msg):
 
     rank: int
     reason: str
+    incarnation: int = 0  # 0: whichever incarnation is current
 
 
 class ApiServerReady(_Msg):
@@ -118,6 +124,14 @@ class EngineLoad(_Msg):
     kv_cache_usage: float
 
 
+class Heartbeat(_Msg):
+    """Engine -> coordinator every second, from a thread: this rank is alive even while a long
+    step runs. A rank silent for --heartbeat-timeout is declared dead (it may be remote)."""
+
+    rank: int
+    incarnation: int
+
+
 class LoadVector(_Msg):
     """Coordinator -> every API server: all ranks' load (at most every 100 ms)."""
 
@@ -126,13 +140,32 @@ class LoadVector(_Msg):
 
 
 class Shutdown(_Msg):
-    """Launcher -> API server: stop accepting, drain within the timeout, exit."""
+    """Launcher -> API server: stop accepting, drain within the timeout, exit.
+    Head launcher -> headless launcher: stop your engines, exit."""
 
     timeout_s: float
 
 
+# --- nodes -----------------------------------------------------------------------------------
+class NodeHello(_Msg):
+    """Headless launcher -> head launcher: I run ranks start_rank .. start_rank + size - 1."""
+
+    start_rank: int
+    size: int
+
+
+class NodeInit(_Msg):
+    """Head -> headless launcher: the coordinator's publisher, whose heartbeats say the head
+    is alive."""
+
+    coordinator_publish_address: str
+
+
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
-Handshake = Hello | Ready | StartupFailed  # what the launcher receives
+Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
+ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
+ToEngineLoad = EngineLoad | Heartbeat  # on the coordinator's PULL socket
+FromCoordinator = LoadVector | EngineDead  # on an API server's SUB socket
 Outputs = EngineOutputs | UtilityResult | EngineDead  # on an API server's PULL socket
 Control = EngineReady | EngineDead | Shutdown  # on an API server's ROUTER socket
 

@@ -1,0 +1,96 @@
+"""`parashift run --headless`: a node that runs only engine cores (ranks start .. start +
+local - 1) for a head node elsewhere. Its engines join the head's handshake over TCP like
+local ones; this launcher introduces itself to the head, reports its engines' deaths there
+(and restarts them when asked), and stops when the head says so -- or when the head's
+coordinator has been silent for --heartbeat-timeout, so that a dead head leaves no engines
+behind on other nodes."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from parashift.serve import protocol as p
+from parashift.serve.endpoints import tcp_url
+from parashift.serve.launcher import ServeArgs, StartupError, local_cpu_shares
+from parashift.serve.local_engines import LocalEngines
+
+logger = logging.getLogger(__name__)
+
+
+class HeadlessLauncher:
+    def __init__(self, args: ServeArgs):
+        self.args = args
+        self.config = args.engine.create_config()  # validates flags, converts a GGUF once
+        self.local_ranks = args.local_ranks(self.config.parallel.data_parallel_size)
+        self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
+                            args.data_parallel_rpc_port)
+        self.engines = LocalEngines(self.local_ranks, self.head,
+                                    local_cpu_shares(self.local_ranks, self.config.device.device,
+                                                     args.engine.num_threads),
+                                    args.log_level, args.startup_timeout,
+                                    args.restart_dead_engines)
+        self.ctx = zmq.Context()
+        self.to_head = self.ctx.socket(zmq.DEALER)
+        self.to_head.setsockopt(zmq.IDENTITY, f"node-{self.local_ranks[0]}".encode())
+        self.to_head.setsockopt(zmq.LINGER, 1000)
+        self.head_heartbeats: zmq.Socket | None = None
+        self.stopping = False
+
+    def banner(self) -> str:
+        ranks = ", ".join(f"dp{r}" for r in self.local_ranks)
+        return f"parashift headless node: engines {ranks} serve the head at {self.head}"
+
+    def start(self) -> None:
+        logger.info("headless node: engines %s, head at %s",
+                    ", ".join(f"dp{r}" for r in self.local_ranks), self.head)
+        self.to_head.connect(self.head)
+        self.to_head.send(p.encode(p.NodeHello(self.local_ranks[0], len(self.local_ranks))))
+        self.engines.start()
+        deadline = time.monotonic() + self.args.startup_timeout
+        while not self.to_head.poll(200):
+            if self.stopping:
+                raise StartupError("interrupted during start-up")
+            for death in self.engines.reap():
+                raise StartupError(f"engine dp{death.rank} {death.reason} during start-up")
+            if time.monotonic() > deadline:
+                raise StartupError(f"no head node answered at {self.head} within "
+                                   f"{self.args.startup_timeout:.0f} s (--data-parallel-address"
+                                   f", --data-parallel-rpc-port, --startup-timeout)")
+        msg = p.decode(self.to_head.recv(), p.ToNode)
+        if isinstance(msg, p.Shutdown):
+            raise StartupError("the head node is shutting down")
+        self.head_heartbeats = self.ctx.socket(zmq.SUB)
+        self.head_heartbeats.setsockopt(zmq.SUBSCRIBE, b"")
+        self.head_heartbeats.setsockopt(zmq.LINGER, 0)
+        self.head_heartbeats.connect(msg.coordinator_publish_address)
+
+    def serve_forever(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.to_head, zmq.POLLIN)
+        poller.register(self.head_heartbeats, zmq.POLLIN)
+        # The head's coordinator may still be starting: the clock runs from its first word.
+        last_heard, timeout = time.monotonic(), self.args.startup_timeout
+        while not self.stopping:
+            for sock, _ in poller.poll(200):
+                if sock is self.head_heartbeats:
+                    self.head_heartbeats.recv()
+                    last_heard, timeout = time.monotonic(), self.args.heartbeat_timeout
+                elif isinstance(p.decode(self.to_head.recv(), p.ToNode), p.Shutdown):
+                    logger.info("the head node is shutting down; stopping this node")
+                    return 0
+            if time.monotonic() - last_heard > timeout:
+                logger.error("the head node has been silent for %.0f s; stopping this node",
+                             timeout)
+                return 1
+            for death in self.engines.reap():
+                logger.error("engine dp%d died: %s", death.rank, death.reason)
+                self.to_head.send(p.encode(p.EngineDead(death.rank, death.reason, death.pid)))
+            self.engines.restart_due()
+        return 0
+
+    def shutdown(self) -> None:
+        self.engines.stop()
+        self.ctx.destroy(linger=500)
