@@ -49,3 +49,48 @@ def test_publishes_changes_fast_and_heartbeats(tmp_path):
         thread.join(5)
         coordinator.close()
         ctx.destroy(linger=0)
+
+
+def test_a_silent_rank_is_declared_dead_once_per_incarnation(tmp_path):
+    load_address, pub_address = f"ipc://{tmp_path}/load", f"ipc://{tmp_path}/pub"
+    coordinator = Coordinator(2, load_address, pub_address, heartbeat_timeout=1.5)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+
+    def next_death(within: float) -> tuple[p.EngineDead | None, float]:
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            if sub.poll(int(left * 1000)):
+                msg = p.decode(sub.recv(), p.FromCoordinator)
+                if isinstance(msg, p.EngineDead):
+                    return msg, time.monotonic()
+        return None, time.monotonic()
+
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub_address)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(load_address)
+        assert sub.poll(3000)  # joined
+        # Rank 1 never heartbeats (not started yet): it is never declared dead.
+        push.send(p.encode(p.Heartbeat(0, 111)))
+        push.send(p.encode(p.EngineLoad(0, 2, 1, 0.5)))
+        sent = time.monotonic()
+        death, at = next_death(5)
+        assert death == p.EngineDead(0, "no heartbeat for 1.5 s", 111)
+        assert 1.4 < at - sent < 4
+        assert coordinator.load[0] == p.EngineLoad(0, 0, 0, 0.0)  # a dead rank carries no load
+        assert next_death(2.5)[0] is None  # said once, not every second
+
+        for _ in range(3):  # a new incarnation that keeps beating stays alive
+            push.send(p.encode(p.Heartbeat(0, 222)))
+            assert next_death(1.0)[0] is None
+        death, _ = next_death(5)  # and when it goes silent, its own incarnation is named
+        assert death is not None and (death.rank, death.incarnation) == (0, 222)
+    finally:
+        coordinator.stopping = True
+        thread.join(5)
+        coordinator.close()
+        ctx.destroy(linger=0)

@@ -9,12 +9,13 @@ import os
 import signal
 import time
 
+import openai
 import psutil
 import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import running_server
+from .conftest import LONG_ARGS, running_server
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
         "--strategy", "dp2")
@@ -28,11 +29,16 @@ def server(tiny_llama):
         yield s
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+def greedy_texts(model: str) -> list[str]:
+    """What one offline engine (dp1) makes of PROMPTS."""
+    llm = LLM(model, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    return greedy_texts(tiny_llama)
 
 
 def complete(server, prompt, rank=None):
@@ -121,3 +127,63 @@ def test_two_api_servers_share_the_port_and_route_outputs_back(tiny_llama, expec
             assert body["choices"][0]["text"] == want
         ids = {b["id"].split("-")[1] for b in bodies}  # cmpl-<server index>-<uuid>
         assert ids == {"0", "1"}, ids
+
+
+def test_restarted_rank_comes_back_and_serves(tiny_llama_long):
+    """dp2 with --restart-dead-engines: SIGKILL of dp1 fails its stream at once, dp0 goes on
+    serving, /health names dp1 until the new dp1 (a new process) joins; then it serves again."""
+    with running_server(tiny_llama_long, *LONG_ARGS, "--strategy", "dp2",
+                        "--restart-dead-engines") as s:
+        victim = s.engine_process(1)
+        client = s.client(timeout=30.0)
+        stream = client.completions.create(
+            model=s.model_name, prompt="hi", max_tokens=8000, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-data-parallel-rank": "1"})
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            for _ in chunks:
+                assert time.monotonic() - killed < 15, "the stream went on after the kill"
+        assert time.monotonic() - killed < 10 and "dp1" in info.value.message
+
+        status, body = s.get_json("/health")
+        if status == 503:  # unless the new dp1 was already back
+            assert "dp1" in body["detail"]
+        for prompt in PROMPTS[:4]:  # meanwhile, dp0 serves
+            complete(s, prompt)
+        deadline = time.monotonic() + 60
+        while s.get_json("/health")[0] != 200:
+            assert time.monotonic() < deadline, "dp1 never came back:\n" + s.output()[-3000:]
+            time.sleep(0.2)
+        assert s.engine_process(1).pid != victim.pid
+        before = routed(s, 1)
+        body = complete(s, PROMPTS[0], rank=1)
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert routed(s, 1) - before == 1
+        assert "ready again" in s.output()
+
+
+@pytest.fixture(scope="module")
+def dp4(tiny_llama):
+    with running_server(tiny_llama, *ARGS[:-1], "dp4") as s:
+        yield s
+
+
+def test_dp4_matches_dp1_shares_64_concurrent_requests_and_pins(dp4, expected):
+    assert len({dp4.engine_process(r).pid for r in range(4)}) == 4
+    prompts, want = PROMPTS * 2, expected * 2
+    before = [routed(dp4, r) for r in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        bodies = list(pool.map(lambda p: complete(dp4, p), prompts))
+    for body, text in zip(bodies, want, strict=True):
+        assert body["choices"][0]["text"] == text
+    counts = [routed(dp4, r) - b for r, b in zip(range(4), before, strict=True)]
+    assert sum(counts) == len(prompts)
+    assert max(counts) <= 2 * min(counts), counts
+    for rank in range(4):
+        before = routed(dp4, rank)
+        assert complete(dp4, PROMPTS[rank], rank)["choices"][0]["text"] == expected[rank]
+        assert routed(dp4, rank) - before == 1

@@ -1,0 +1,123 @@
+"""Multi-node data parallel on one machine: a head (`-dp 4 -dpl 2`: API server, coordinator,
+ranks 0-1) and a `--headless --data-parallel-start-rank 2` launcher (ranks 2-3), two separate
+process trees that meet only over TCP on 127.0.0.1, as two nodes would."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from .conftest import TINY_ARGS, free_port, live, running_server, wait_gone
+from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    return greedy_texts(tiny_llama)
+
+
+@contextlib.contextmanager
+def headless_node(model: str, rpc_port: int) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    cmd = [sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS, "--headless",
+           "-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2",
+           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    tree = [psutil.Process(proc.pid)]
+    try:
+        yield proc, lines
+    finally:
+        with contextlib.suppress(psutil.Error):
+            tree += psutil.Process(proc.pid).children(recursive=True)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        for p in live(tree):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        assert not wait_gone(tree, 10), "processes of the headless node survived"
+
+
+def head_args(rpc_port: int) -> list[str]:
+    return [*TINY_ARGS, "-dp", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
+
+
+def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "parashift-engine" in " ".join(p.cmdline()) or "engine" in p.name()]
+
+
+def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expected):
+    rpc_port = free_port()
+    with headless_node(tiny_llama, rpc_port) as (node, node_lines), \
+            running_server(tiny_llama, *head_args(rpc_port)) as head:
+        # The head's own tree holds ranks 0 and 1 only; 2 and 3 live in the other tree.
+        assert {head.engine_process(r).pid for r in (0, 1)}
+        with pytest.raises(AssertionError):
+            head.engine_process(2)
+        node_tree = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+        assert len(engine_children(node)) == 2, "".join(node_lines)
+
+        before = [routed(head, r) for r in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            bodies = list(pool.map(lambda p: complete(head, p), PROMPTS))
+        for body, want in zip(bodies, expected, strict=True):
+            assert body["choices"][0]["text"] == want
+        counts = [routed(head, r) - b for r, b in zip(range(4), before, strict=True)]
+        assert sum(counts) == len(PROMPTS) and min(counts) > 0, counts
+        assert complete(head, PROMPTS[0], rank=3)["choices"][0]["text"] == expected[0]
+
+        # The whole second node goes: its launcher by SIGKILL (its engines follow).
+        node.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while head.get_json("/health")[0] != 503:
+            assert time.monotonic() < deadline, "the head never noticed:\n" + head.output()
+            time.sleep(0.1)
+        deadline = time.monotonic() + 15
+        while not {"dp2", "dp3"} <= set(head.get_json("/health")[1]["detail"].split()):
+            assert time.monotonic() < deadline, head.get_json("/health")
+            time.sleep(0.1)
+        assert not wait_gone(node_tree, 15), "the killed node's engines survived"
+        before = [routed(head, r) for r in range(4)]
+        for prompt, want in zip(PROMPTS[:8], expected[:8], strict=True):
+            assert complete(head, prompt)["choices"][0]["text"] == want
+        after = [routed(head, r) for r in range(4)]
+        assert after[2:] == before[2:] and sum(after) - sum(before) == 8
+
+
+def test_head_shutdown_stops_the_headless_node(tiny_llama):
+    rpc_port = free_port()
+    with headless_node(tiny_llama, rpc_port) as (node, lines):
+        with running_server(tiny_llama, *head_args(rpc_port)) as head:
+            assert head.get_json("/health")[0] == 200
+        # running_server's exit sent SIGTERM to the head; the head told the node to stop.
+        assert node.wait(30) == 0, "".join(lines)
+        assert "the head node is shutting down" in "".join(lines)
+
+
+def test_headless_flags_are_checked(tiny_llama):
+    cmd = [sys.executable, "-m", "parashift.cli", "run", tiny_llama, *TINY_ARGS, "--headless",
+           "-dp", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--data-parallel-start-rank" in out.stderr
+    out = subprocess.run([*cmd[:-2], "-dp", "2", "--data-parallel-start-rank", "1",
+                          "--data-parallel-size-local", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "do not fit in --data-parallel-size 2" in out.stderr
