@@ -58,7 +58,7 @@ GpuMemoryUtilization = Annotated[float, typer.Option("--gpu-memory-utilization")
 PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch")]
 Strategy = Annotated[str | None, typer.Option(
-    help="parallel layout: axes joined by x, e.g. dp2, dp4xtp2 (dp runs today)")]
+    help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")]
 DataParallel = Annotated[int | None, typer.Option("--data-parallel-size", "-dp")]
 TensorParallel = Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp")]
 PipelineParallel = Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp")]

@@ -59,14 +59,21 @@ def test_endpoints_local_and_tcp():
 
 
 def test_cpu_shares_split_this_nodes_cores():
-    shares = local_cpu_shares([2, 3], "cpu", None)
+    shares = local_cpu_shares([2, 3], 1, "cpu", None)
     mine, theirs = set(shares[2].cpu_ids), set(shares[3].cpu_ids)
     assert mine and theirs and mine | theirs <= os.sched_getaffinity(0)
     if len(os.sched_getaffinity(0)) >= 2:
         assert not mine & theirs
     assert shares[2].num_threads == len(shares[2].cpu_ids)
-    assert local_cpu_shares([0], "cpu", 3)[0].cpu_ids == []  # alone: all cores, no pinning
-    assert local_cpu_shares([0, 1], "cuda", None)[1].cpu_ids == []
+    assert local_cpu_shares([0], 1, "cpu", 3)[0].cpu_ids == []  # alone: all cores, unpinned
+    assert local_cpu_shares([0, 1], 1, "cuda", None)[1].cpu_ids == []
+    # dp2 x tp2: each worker one core; a rank's two workers on different cores when possible.
+    tp = local_cpu_shares([0, 1], 2, "cpu", None)
+    for share in tp.values():
+        assert len(share.workers) == 2 and all(len(w) >= 1 for w in share.workers)
+        assert set(share.cpu_ids) == {c for w in share.workers for c in w}
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert share.workers[0] != share.workers[1]
 
 
 @pytest.mark.slow

@@ -14,10 +14,29 @@ from parashift.executor.local import LocalExecutor
 logger = logging.getLogger(__name__)
 
 
+def make_executor(config: EngineConfig, worker_cpu_ids: list[list[int]] | None = None):
+    """In this process for tp1; tp worker processes otherwise."""
+    if config.parallel.tensor_parallel_size > 1:
+        from parashift.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, worker_cpu_ids, logging.getLevelName(
+            logging.getLogger().getEffectiveLevel()))
+    return LocalExecutor(config)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: LocalExecutor | None = None):
+    def __init__(self, config: EngineConfig, executor=None,
+                 worker_cpu_ids: list[list[int]] | None = None):
         self.config = config
-        self.executor = executor or LocalExecutor(config)
+        self.executor = executor or make_executor(config, worker_cpu_ids)
+        try:
+            self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_kv_cache(self) -> None:
+        config = self.config
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
         capacity = num_blocks * block_size

@@ -46,6 +46,11 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel workers now (they also stop when the LLM is
+        garbage-collected, or with this process)."""
+        self.engine.shutdown()
+
     @property
     def eos_token_id(self) -> int | None:
         eos = getattr(self.config.model.hf_config, "eos_token_id", None)

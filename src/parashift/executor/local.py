@@ -23,5 +23,8 @@ class LocalExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def check_health(self) -> None:
+        pass  # the worker is this process
+
     def shutdown(self) -> None:
         pass

@@ -26,9 +26,15 @@ class Worker:
         torch.manual_seed(config.model.seed)
         mc = config.model
         self.backend = get_attention_backend("torch")
+        rss_before = _reset_peak_rss()
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len)
+        # Peak resident memory the load added: a tp shard must read only its slice.
+        self.load_peak_rss = _peak_rss() - rss_before
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device)
+
+    def load_peak_rss_bytes(self) -> int:
+        return self.load_peak_rss
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V, on this worker."""
@@ -74,3 +80,28 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def _reset_peak_rss() -> int:
+    """Linux: restart the peak-RSS count (VmHWM) from now; returns the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_kib("VmHWM")
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0

@@ -1,41 +1,107 @@
 """Checkpoint tensors handed to the layers' weight loaders, read lazily so that a rank
-materialises only its own shard when the file format allows slicing (safetensors does)."""
+materialises only its own shard when the file format allows slicing (safetensors does).
+
+Safetensors files are read with positioned reads (preadv), not mmap: a tensor-parallel
+rank reads only the bytes of its slice (a column slice row by row, in bounded chunks), and
+the page cache never counts towards a worker's resident memory."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+CHUNK_BYTES = 16 << 20  # the most a strided (column) slice reads at once
+
+
+class SafetensorsFile:
+    """The header of one .safetensors file and positioned reads of its tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            (size,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            header = json.loads(os.pread(self.fd, size, 8))
+        except (struct.error, json.JSONDecodeError) as e:
+            os.close(self.fd)
+            raise ValueError(f"{path} is not a safetensors file") from e
+        header.pop("__metadata__", None)
+        self.data_start = 8 + size
+        self.entries = header
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        """`nbytes` bytes at `offset` from the start of the data, as a uint8 tensor."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(out.numpy()), 0
+        while done < nbytes:  # one call reads at most ~2 GiB on Linux
+            got = os.preadv(self.fd, [view[done:]], self.data_start + offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: truncated at byte {self.data_start + offset}")
+            done += got
+        return out
 
 
 class WeightSource:
     """One checkpoint tensor: `narrow` reads just a slice, `load` reads all of it."""
 
-    def __init__(self, name: str, tensor: torch.Tensor | None = None, file_slice=None):
+    def __init__(self, name: str, tensor: torch.Tensor | None = None,
+                 file: SafetensorsFile | None = None):
         self.name = name
         self._tensor = tensor
-        self._slice = file_slice
+        self._file = file
+        if file is not None:
+            entry = file.entries[name]
+            if entry["dtype"] not in _DTYPES:
+                raise ValueError(f"{name}: unsupported safetensors dtype {entry['dtype']}")
+            self._dtype = _DTYPES[entry["dtype"]]
+            self._shape = tuple(entry["shape"])
+            self._offset = entry["data_offsets"][0]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if self._tensor is not None:
-            return tuple(self._tensor.shape)
-        return tuple(self._slice.get_shape())
+        return tuple(self._tensor.shape) if self._tensor is not None else self._shape
 
     def load(self) -> torch.Tensor:
-        return self._tensor if self._tensor is not None else self._slice[:]
+        if self._tensor is not None:
+            return self._tensor
+        return self._read_rows(0, self._shape[0] if self._shape else 1, self._shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if start == 0 and length == self.shape[dim]:
             return self.load()
         if self._tensor is not None:
             return self._tensor.narrow(dim, start, length)
-        index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return self._slice[tuple(index)]
+        shape = list(self._shape)
+        if dim == 0:  # contiguous rows: one read
+            shape[0] = length
+            return self._read_rows(start, length, tuple(shape))
+        # A column slice: read whole leading rows a chunk at a time, keep the slice.
+        shape[dim] = length
+        out = torch.empty(shape, dtype=self._dtype)
+        row_bytes = math.prod(self._shape[1:]) * self._dtype.itemsize
+        step = max(1, CHUNK_BYTES // max(1, row_bytes))
+        for first in range(0, self._shape[0], step):
+            rows = min(step, self._shape[0] - first)
+            chunk = self._read_rows(first, rows, (rows, *self._shape[1:]))
+            out[first:first + rows] = chunk.narrow(dim, start, length)
+        return out
+
+    def _read_rows(self, first: int, rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+        row_bytes = math.prod(self._shape[1:]) * self._dtype.itemsize
+        raw = self._file.read(self._offset + first * row_bytes, rows * row_bytes)
+        return raw.view(self._dtype).reshape(shape)
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -53,6 +119,9 @@ def safetensors_files(folder: str) -> list[str]:
 
 def iterate_weights(folder: str) -> Iterator[WeightSource]:
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield WeightSource(name, file_slice=f.get_slice(name))
+        file = SafetensorsFile(path)
+        try:
+            for name in file.entries:
+                yield WeightSource(name, file=file)
+        finally:
+            file.close()

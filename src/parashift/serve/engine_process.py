@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -32,14 +33,23 @@ IDLE_POLL_MS = 1_000  # blocking poll; wakes only to notice a shutdown signal
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+@dataclass
+class CpuShare:
+    """A rank's share of its node's cores (empty: no pinning), split further between its
+    tensor-parallel workers when it has some."""
+
+    cpu_ids: list[int] = field(default_factory=list)
+    num_threads: int | None = None
+    workers: list[list[int]] | None = None  # per tp rank
+
+
 class EngineProcess:
-    def __init__(self, rank: int, handshake_address: str, cpu_ids: list[int] | None = None,
-                 num_threads: int | None = None, handshake_timeout: float = 600.0):
+    def __init__(self, rank: int, handshake_address: str, share: CpuShare | None = None,
+                 handshake_timeout: float = 600.0):
         self.rank = rank
         self.handshake_timeout = handshake_timeout
         self.incarnation = os.getpid()
-        self.cpu_ids = cpu_ids or []  # this rank's share of its node's cores (empty: no pinning)
-        self.num_threads = num_threads
+        self.share = share or CpuShare()
         self.ctx = zmq.Context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
@@ -65,13 +75,14 @@ class EngineProcess:
                                f"{self.handshake_timeout:.0f} s")
         init = p.decode(self.handshake.recv(), p.EngineInit)
         args = EngineArgs(**init.engine_args)
-        if self.cpu_ids:  # this rank's own cores, so ranks do not fight over them
-            os.sched_setaffinity(0, self.cpu_ids)
-        if self.num_threads:
-            args.num_threads = self.num_threads
-        if torch.cuda.is_available():
+        if self.share.cpu_ids:  # this rank's own cores, so ranks do not fight over them
+            os.sched_setaffinity(0, self.share.cpu_ids)
+        if self.share.num_threads:
+            args.num_threads = self.share.num_threads
+        config = args.create_config()
+        if torch.cuda.is_available() and config.parallel.tensor_parallel_size == 1:
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        self.core = EngineCore(args.create_config())
+        self.core = EngineCore(config, worker_cpu_ids=self.share.workers)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
@@ -134,6 +145,8 @@ class EngineProcess:
                     self._handle(msg)
             if core.has_unfinished_requests():
                 self._publish(core.step())
+            else:
+                core.executor.check_health()  # a dead tp worker takes its rank down now
             self._report_load()
 
     def _report_load(self) -> None:
@@ -211,6 +224,8 @@ class EngineProcess:
                 pass
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()  # its tensor-parallel workers, if any
         self._heartbeat_stop.set()
         if self._heartbeat is not None:  # it closes its own socket (sockets are per thread)
             self._heartbeat.join(2 * HEARTBEAT_INTERVAL_S)
@@ -218,14 +233,13 @@ class EngineProcess:
 
 
 def run_engine(rank: int, handshake_address: str, log_level: str,
-               cpu_ids: list[int] | None = None, num_threads: int | None = None,
-               handshake_timeout: float = 600.0) -> None:
+               share: CpuShare | None = None, handshake_timeout: float = 600.0) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name(f"parashift-engine-dp{rank}")
     die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
-    engine = EngineProcess(rank, handshake_address, cpu_ids, num_threads, handshake_timeout)
+    engine = EngineProcess(rank, handshake_address, share, handshake_timeout)
 
     def on_term(*_: Any) -> None:
         engine.stopping = True

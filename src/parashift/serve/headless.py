@@ -28,7 +28,9 @@ class HeadlessLauncher:
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
         self.engines = LocalEngines(self.local_ranks, self.head,
-                                    local_cpu_shares(self.local_ranks, self.config.device.device,
+                                    local_cpu_shares(self.local_ranks,
+                                                     self.config.parallel.tensor_parallel_size,
+                                                     self.config.device.device,
                                                      args.engine.num_threads),
                                     args.log_level, args.startup_timeout,
                                     args.restart_dead_engines)

@@ -24,7 +24,8 @@ from parashift.serve import protocol as p
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.serve.coordinator import run_coordinator
 from parashift.serve.endpoints import Endpoints
-from parashift.serve.local_engines import CpuShare, LocalEngines, join_all
+from parashift.serve.engine_process import CpuShare
+from parashift.serve.local_engines import LocalEngines, join_all
 from parashift.strategies.spec import StrategySpec
 
 logger = logging.getLogger(__name__)
@@ -94,18 +95,22 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def local_cpu_shares(ranks: list[int], device: str, num_threads: int | None
+def local_cpu_shares(ranks: list[int], tp: int, device: str, num_threads: int | None
                      ) -> dict[int, CpuShare]:
-    """On CPU each data-parallel rank of this node gets its own slice of this process's cores
-    (the device mesh's rule); alone on its node, a rank keeps them all."""
-    if device != "cpu" or len(ranks) == 1:
+    """On CPU every worker of this node's ranks gets its own slice of this process's cores
+    (the device mesh's rule; round-robin when there are more workers than cores). A rank
+    alone on its node with no tensor parallel keeps them all, unpinned."""
+    if device != "cpu" or (len(ranks) == 1 and tp == 1):
         return {rank: CpuShare([], num_threads) for rank in ranks}
     cores = sorted(os.sched_getaffinity(0))
-    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks)), devices_per_node=len(cores))
+    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks), tp=tp),
+                      devices_per_node=len(cores))
     shares = {}
-    for rank, placement in zip(ranks, mesh.ranks, strict=True):
-        ids = [cores[i] for i in placement.cpu_indices]
-        shares[rank] = CpuShare(ids, num_threads or len(ids))
+    for i, rank in enumerate(ranks):
+        workers = [[cores[c] for c in w.cpu_indices] for w in mesh.ranks if w.dp == i]
+        ids = sorted({c for w in workers for c in w})
+        shares[rank] = (CpuShare(ids, num_threads or len(ids)) if tp == 1 else
+                        CpuShare(ids, num_threads, workers))
     return shares
 
 
@@ -124,7 +129,9 @@ class Launcher:
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
-                                    local_cpu_shares(self.local_ranks, self.config.device.device,
+                                    local_cpu_shares(self.local_ranks,
+                                                     self.config.parallel.tensor_parallel_size,
+                                                     self.config.device.device,
                                                      args.engine.num_threads), args.log_level,
                                     args.startup_timeout, args.restart_dead_engines)
         self.controls: list[zmq.Socket] = []

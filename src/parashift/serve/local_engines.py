@@ -10,19 +10,13 @@ import multiprocessing
 import time
 from dataclasses import dataclass
 
-from parashift.serve.engine_process import run_engine
+from parashift.serve.engine_process import CpuShare, run_engine
 
 logger = logging.getLogger(__name__)
 
 FIRST_RESTART_DELAY_S = 1.0  # doubled for each quick death in a row, up to the maximum
 MAX_RESTART_DELAY_S = 30.0
 STABLE_AFTER_S = 60.0  # a rank that lived this long starts again from the first delay
-
-
-@dataclass
-class CpuShare:
-    cpu_ids: list[int]  # empty: no pinning
-    num_threads: int | None
 
 
 @dataclass
@@ -52,9 +46,8 @@ class LocalEngines:
             self._spawn(rank)
 
     def _spawn(self, rank: int) -> None:
-        share = self.shares.get(rank, CpuShare([], None))
         proc = self._mp.Process(target=run_engine, name=f"parashift-engine-dp{rank}", args=(
-            rank, self.handshake_address, self.log_level, share.cpu_ids, share.num_threads,
+            rank, self.handshake_address, self.log_level, self.shares.get(rank, CpuShare()),
             self.handshake_timeout))
         proc.start()
         self.procs[rank] = proc

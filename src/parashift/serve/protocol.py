@@ -8,6 +8,9 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
   outputs     API server PULL   <- engine PUSH: EngineOutputs, UtilityResult, EngineDead
   load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second;
               coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank)
+  workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel, WorkerCall;
+              worker PUSH -> engine PULL: WorkerReady, WorkerReply; only tp rank 0 answers
+              ExecuteModel (StepResult), every rank answers a WorkerCall.
   nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
               (identity b"node-<start rank>"): NodeHello -> NodeInit; EngineDead up;
               Shutdown down.
@@ -22,7 +25,12 @@ from typing import Any
 
 import msgspec
 
-from parashift.engine.outputs import EngineCoreOutput, SchedulerStats
+from parashift.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from parashift.engine.sampling_params import SamplingParams
 
 
@@ -161,6 +169,34 @@ class NodeInit(_Msg):
     coordinator_publish_address: str
 
 
+# --- engine core <-> its tensor-parallel workers -------------------------------------------
+class ExecuteModel(_Msg):
+    """One step: only what changed since the last one (the runner keeps the rest)."""
+
+    scheduler_output: SchedulerOutput
+
+
+class WorkerCall(_Msg):
+    method: str  # "determine_num_blocks" | "kv_block_bytes" | "initialize_cache" | "stop"
+    args: list[Any] = []
+
+
+class WorkerReady(_Msg):
+    rank: int
+
+
+class StepResult(_Msg):
+    output: ModelRunnerOutput
+
+
+class WorkerReply(_Msg):
+    rank: int
+    result: Any = None
+    error: str | None = None
+
+
+ToWorker = ExecuteModel | WorkerCall
+FromWorker = WorkerReady | StepResult | WorkerReply
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher

@@ -1,5 +1,5 @@
-"""The built-in axes. Tensor, pipeline and expert parallel validate already; they run once
-their issues land (until then they say so instead of running something else)."""
+"""The built-in axes. Pipeline and expert parallel validate already; they run once their
+issues land (until then they say so instead of running something else)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ class DataParallel(Strategy):
 
 
 class TensorParallel(Strategy):
-    name, axis, available = "tp", "tensor", False
+    """Each engine's model split over tp worker processes (heads, MLP columns, vocabulary)."""
+
+    name, axis = "tp", "tensor"
 
     def validate(self, hf_config: Any) -> list[str]:
         tp, errors = self.size, super().validate(hf_config)

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Data-parallel scaling on CPU, interleaved so that a noisy machine hits every configuration
+alike: each round starts a `parashift run` server per configuration, sends the same
+decode-heavy workload at once over streaming HTTP, and stops it.
+
+    python scripts/bench_dp_scaling.py --repeat 3    # dp1 1 core, dp2 1 core per rank, dp1 2 cores
+
+Prints medians per configuration, throughput(dp2) / (2 x throughput(dp1, one core)), and the
+offline decode step time at the per-rank and whole batch sizes, which bounds that ratio."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_offline import make_workload, parse_range  # noqa: E402
+from bench_serving import _reset, serve_once, start_server  # noqa: E402
+
+CONFIGS = {"dp1, 1 core": "--threads 1", "dp2, 1 core per rank": "--strategy dp2",
+           "dp1, 2 cores": "--threads 2"}
+
+
+def serve(args, server_args: str, w, vocab: int) -> float:
+    proc, url = start_server(SimpleNamespace(model=args.model, dtype=args.dtype,
+                                             server_args=server_args))
+    try:
+        asyncio.run(serve_once(url, make_workload(2, (16, 16), (4, 4), vocab, 1)))  # warm-up
+        asyncio.run(_reset(url))
+        return asyncio.run(serve_once(url, w))[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def step_ms(args, batch: int, steps: int = 32) -> float:
+    """Offline decode step time with one thread at `batch` sequences (same prompt length)."""
+    import torch
+
+    from parashift import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=1)
+    prompts = [[100 + i + j for j in range(16)] for i in range(batch)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len-range", type=parse_range, default=(16, 16))
+    ap.add_argument("--output-len-range", type=parse_range, default=(256, 256))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from transformers import AutoConfig
+
+    from parashift.models.loader import resolve_model_path
+
+    vocab = AutoConfig.from_pretrained(resolve_model_path(args.model)).vocab_size
+    w = make_workload(args.num_prompts, args.input_len_range, args.output_len_range, vocab, 0)
+    print(f"workload: {len(w.prompts)} requests, {w.total_tokens} tokens; dtype {args.dtype}",
+          flush=True)
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for round_ in range(args.repeat):
+        for name, server_args in CONFIGS.items():
+            times[name].append(serve(args, server_args, w, vocab))
+            print(f"round {round_ + 1}: {name}: {times[name][-1]:.2f} s", flush=True)
+    result = {"workload": {"num_requests": len(w.prompts), "total_tokens": w.total_tokens},
+              "configs": {}}
+    for name, ts in times.items():
+        tput = w.total_tokens / statistics.median(ts)
+        result["configs"][name] = {"server_args": CONFIGS[name], "elapsed_s": ts,
+                                   "total_tokens_per_s": tput}
+        print(f"{name:24s} median {statistics.median(ts):6.2f} s (min {min(ts):6.2f}) "
+              f"{tput:7.1f} tok/s")
+    dp1 = result["configs"]["dp1, 1 core"]["total_tokens_per_s"]
+    dp2 = result["configs"]["dp2, 1 core per rank"]["total_tokens_per_s"]
+    result["efficiency"] = dp2 / (2 * dp1)
+    print(f"scaling efficiency dp2 / (2 x dp1): {result['efficiency']:.2f}")
+    # Each dp2 rank decodes half the batch; a step's weight streaming costs the same at any
+    # batch, so step(B) / (2 x step(B/2)) bounds the efficiency.
+    half, whole = step_ms(args, len(w.prompts) // 2), step_ms(args, len(w.prompts))
+    result["step_ms"] = {"half_batch": half, "whole_batch": whole,
+                         "bound": whole / (2 * half)}
+    print(f"offline decode step, 1 thread: {half:.1f} ms at {len(w.prompts) // 2} sequences, "
+          f"{whole:.1f} ms at {len(w.prompts)} -> bound {whole / (2 * half):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
