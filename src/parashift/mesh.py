@@ -23,8 +23,10 @@ class RankPlacement:
 
 class DeviceMesh:
     def __init__(self, spec: StrategySpec, num_nodes: int = 1, devices_per_node: int = 1,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", first_dp_rank: int = 0):
+        """`first_dp_rank`: for one node's part of a multi-node deployment (its dp ranks)."""
         self.spec = spec
+        self.device_type = device_type
         self.dp, self.pp, self.tp = spec.size("dp"), spec.size("pp"), spec.size("tp")
         self.world_size = self.dp * self.pp * self.tp
         if num_nodes < 1 or devices_per_node < 1:
@@ -41,6 +43,7 @@ class DeviceMesh:
         self.ranks = []
         for rank in range(self.world_size):
             dp, rest = divmod(rank, self.pp * self.tp)
+            dp += first_dp_rank
             pp, tp = divmod(rest, self.tp)
             node, local = divmod(rank, per_node)
             cpus = self._cpu_indices(local, devices_per_node, per_node)

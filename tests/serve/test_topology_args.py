@@ -9,9 +9,11 @@ import time
 import pytest
 
 from parashift.engine.args import EngineArgs
+from parashift.mesh import DeviceMesh
 from parashift.serve.endpoints import Endpoints, free_ports
 from parashift.serve.launcher import ServeArgs, local_cpu_shares
 from parashift.serve.local_engines import FIRST_RESTART_DELAY_S, LocalEngines
+from parashift.strategies.spec import StrategySpec
 
 
 def serve_args(**kwargs) -> ServeArgs:
@@ -58,17 +60,24 @@ def test_endpoints_local_and_tcp():
         free_ports("203.0.113.7", 1)
 
 
+def shares_of(ranks: list[int], tp: int, device: str, num_threads: int | None = None):
+    units = len(os.sched_getaffinity(0)) if device == "cpu" else 8
+    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks), tp=tp), devices_per_node=units,
+                      device_type=device, first_dp_rank=ranks[0])
+    return local_cpu_shares(mesh, num_threads)
+
+
 def test_cpu_shares_split_this_nodes_cores():
-    shares = local_cpu_shares([2, 3], 1, "cpu", None)
+    shares = shares_of([2, 3], 1, "cpu")
     mine, theirs = set(shares[2].cpu_ids), set(shares[3].cpu_ids)
     assert mine and theirs and mine | theirs <= os.sched_getaffinity(0)
     if len(os.sched_getaffinity(0)) >= 2:
         assert not mine & theirs
     assert shares[2].num_threads == len(shares[2].cpu_ids)
-    assert local_cpu_shares([0], 1, "cpu", 3)[0].cpu_ids == []  # alone: all cores, unpinned
-    assert local_cpu_shares([0, 1], 1, "cuda", None)[1].cpu_ids == []
+    assert shares_of([0], 1, "cpu", 3)[0].cpu_ids == []  # alone: all cores, unpinned
+    assert shares_of([0, 1], 1, "cuda")[1].cpu_ids == []
     # dp2 x tp2: each worker one core; a rank's two workers on different cores when possible.
-    tp = local_cpu_shares([0, 1], 2, "cpu", None)
+    tp = shares_of([0, 1], 2, "cpu")
     for share in tp.values():
         assert len(share.workers) == 2 and all(len(w) >= 1 for w in share.workers)
         assert set(share.cpu_ids) == {c for w in share.workers for c in w}

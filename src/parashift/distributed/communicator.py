@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """What this process's collectives cost (benchmarks read it through the workers)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
 
 
 class GroupCommunicator:
@@ -15,10 +27,15 @@ class GroupCommunicator:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.stats = CommStats()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
+            start = time.perf_counter()
             dist.all_reduce(tensor, group=self.group)
+            self.stats.calls += 1
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.bytes += tensor.numel() * tensor.element_size()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from parashift.config import EngineConfig
+from parashift.distributed.communicator import CommStats
+from parashift.distributed.parallel_state import get_tp_group
 from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
@@ -35,6 +38,12 @@ class Worker:
 
     def load_peak_rss_bytes(self) -> int:
         return self.load_peak_rss
+
+    def take_comm_stats(self) -> dict[str, float]:
+        """The tp group's all-reduce cost since the last call (then reset)."""
+        group = get_tp_group()
+        stats, group.stats = group.stats, CommStats()
+        return dataclasses.asdict(stats)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V, on this worker."""

@@ -14,7 +14,7 @@ import zmq
 
 from parashift.serve import protocol as p
 from parashift.serve.endpoints import tcp_url
-from parashift.serve.launcher import ServeArgs, StartupError, local_cpu_shares
+from parashift.serve.launcher import ServeArgs, StartupError, local_cpu_shares, node_mesh
 from parashift.serve.local_engines import LocalEngines
 
 logger = logging.getLogger(__name__)
@@ -28,9 +28,7 @@ class HeadlessLauncher:
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
         self.engines = LocalEngines(self.local_ranks, self.head,
-                                    local_cpu_shares(self.local_ranks,
-                                                     self.config.parallel.tensor_parallel_size,
-                                                     self.config.device.device,
+                                    local_cpu_shares(node_mesh(self.config, self.local_ranks),
                                                      args.engine.num_threads),
                                     args.log_level, args.startup_timeout,
                                     args.restart_dead_engines)

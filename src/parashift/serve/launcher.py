@@ -15,8 +15,10 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 
+from parashift.config import EngineConfig
 from parashift.engine.args import EngineArgs
 from parashift.mesh import DeviceMesh
 from parashift.models.gguf import DEFAULT_MODEL_NAME
@@ -95,21 +97,31 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def local_cpu_shares(ranks: list[int], tp: int, device: str, num_threads: int | None
-                     ) -> dict[int, CpuShare]:
+def node_mesh(config: EngineConfig, ranks: list[int]) -> DeviceMesh:
+    """This node's part of the strategy: its dp ranks, each with its tp x pp workers, on its
+    devices. Too few GPUs is an error here, before anything starts."""
+    device = config.device.device
+    units = len(os.sched_getaffinity(0)) if device == "cpu" else torch.cuda.device_count()
+    par = config.parallel
+    spec = StrategySpec.from_sizes(dp=len(ranks), tp=par.tensor_parallel_size,
+                                   pp=par.pipeline_parallel_size)
+    return DeviceMesh(spec, devices_per_node=max(1, units), device_type=device,
+                      first_dp_rank=ranks[0])
+
+
+def local_cpu_shares(mesh: DeviceMesh, num_threads: int | None) -> dict[int, CpuShare]:
     """On CPU every worker of this node's ranks gets its own slice of this process's cores
-    (the device mesh's rule; round-robin when there are more workers than cores). A rank
-    alone on its node with no tensor parallel keeps them all, unpinned."""
-    if device != "cpu" or (len(ranks) == 1 and tp == 1):
+    (the mesh's rule; round-robin when there are more workers than cores). A lone rank
+    without tensor parallel keeps them all, unpinned."""
+    ranks = sorted({w.dp for w in mesh.ranks})
+    if mesh.device_type != "cpu" or mesh.world_size == 1:
         return {rank: CpuShare([], num_threads) for rank in ranks}
     cores = sorted(os.sched_getaffinity(0))
-    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks), tp=tp),
-                      devices_per_node=len(cores))
     shares = {}
-    for i, rank in enumerate(ranks):
-        workers = [[cores[c] for c in w.cpu_indices] for w in mesh.ranks if w.dp == i]
+    for rank in ranks:
+        workers = [[cores[c] for c in w.cpu_indices] for w in mesh.ranks if w.dp == rank]
         ids = sorted({c for w in workers for c in w})
-        shares[rank] = (CpuShare(ids, num_threads or len(ids)) if tp == 1 else
+        shares[rank] = (CpuShare(ids, num_threads or len(ids)) if mesh.tp == 1 else
                         CpuShare(ids, num_threads, workers))
     return shares
 
@@ -120,6 +132,7 @@ class Launcher:
         self.config = args.engine.create_config()  # validates flags, converts a GGUF once
         self.num_engines = self.config.parallel.data_parallel_size
         self.local_ranks = args.local_ranks(self.num_engines)
+        self.mesh = node_mesh(self.config, self.local_ranks)
         n = args.api_server_count
         self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
                                         args.data_parallel_rpc_port, n)
@@ -129,10 +142,8 @@ class Launcher:
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
-                                    local_cpu_shares(self.local_ranks,
-                                                     self.config.parallel.tensor_parallel_size,
-                                                     self.config.device.device,
-                                                     args.engine.num_threads), args.log_level,
+                                    local_cpu_shares(self.mesh, args.engine.num_threads),
+                                    args.log_level,
                                     args.startup_timeout, args.restart_dead_engines)
         self.controls: list[zmq.Socket] = []
         self.nodes: set[bytes] = set()  # identities of headless launchers
@@ -153,9 +164,8 @@ class Launcher:
         return f"parashift is serving {self.model_name!r} at http://{host}:{self.args.port}/v1"
 
     def start(self) -> None:
-        spec = self.args.engine.strategy_spec()
-        logger.info("strategy %s; this node runs %s", spec,
-                    ", ".join(f"dp{r}" for r in self.local_ranks))
+        logger.info("strategy %s; this node runs:\n%s", self.args.engine.strategy_spec(),
+                    self.mesh.table())
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
         self.handshake = self.ctx.socket(zmq.ROUTER)
