@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parashift.cli import parse_size
+from parashift.cli_options import parse_size
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -2,82 +2,42 @@
 
 from __future__ import annotations
 
-import logging
-import re
 import sys
 from typing import Annotated
 
 import typer
 
 from parashift import env
+from parashift.bench.cli import bench_app
+from parashift.cli_options import (
+    BlockSize,
+    DataParallel,
+    Dtype,
+    ExpertParallel,
+    GpuMemoryUtilization,
+    KvCacheMemory,
+    MaxBatchedTokens,
+    MaxModelLen,
+    MaxNumSeqs,
+    ModelArg,
+    PipelineParallel,
+    PrefixCaching,
+    Strategy,
+    TensorParallel,
+    Threads,
+    fail,
+    make_engine_args,
+    setup_logging,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parashift: LLM inference whose parallel layout is a plugin.")
-
+app.add_typer(bench_app, name="bench")
 
 
 @app.callback()
 def _root() -> None:
-    """Subcommands: run (OpenAI-compatible server), generate (offline)."""
-
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise typer.BadParameter(f"{text!r} is not a size like 2GiB or 512MiB", param_hint=flag)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=env.log_level(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-
-
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-# Engine flags shared by `generate` and `run` (vLLM's names).
-ModelArg = Annotated[str | None, typer.Argument(
-    help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")]
-Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
-MaxModelLen = Annotated[int | None, typer.Option("--max-model-len")]
-MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs")]
-MaxBatchedTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens")]
-BlockSize = Annotated[int, typer.Option("--block-size")]
-KvCacheMemory = Annotated[str | None, typer.Option(
-    "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")]
-GpuMemoryUtilization = Annotated[float, typer.Option("--gpu-memory-utilization")]
-PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")]
-Threads = Annotated[int | None, typer.Option(help="CPU threads for torch")]
-Strategy = Annotated[str | None, typer.Option(
-    help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")]
-DataParallel = Annotated[int | None, typer.Option("--data-parallel-size", "-dp")]
-TensorParallel = Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp")]
-PipelineParallel = Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp")]
-ExpertParallel = Annotated[bool, typer.Option("--enable-expert-parallel")]
-
-
-def _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-                 kv_cache_memory, gpu_memory_utilization, enable_prefix_caching, threads,
-                 strategy, dp, tp, pp, ep, seed: int = 0):
-    from parashift.engine.args import EngineArgs
-
-    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
-    return EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len,
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      block_size=block_size, kv_cache_memory=kv_bytes,
-                      gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=enable_prefix_caching, seed=seed, num_threads=threads,
-                      strategy=strategy, data_parallel_size=dp, tensor_parallel_size=tp,
-                      pipeline_parallel_size=pp, enable_expert_parallel=ep)
+    """Subcommands: run (OpenAI-compatible server), generate (offline), bench (measure)."""
 
 
 @app.command()
@@ -112,23 +72,23 @@ def generate(
     enable_expert_parallel: ExpertParallel = False,
 ) -> None:
     """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
-    _setup_logging()
+    setup_logging()
     if not prompt:
-        _fail("give at least one --prompt")
-    engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                               block_size, kv_cache_memory, gpu_memory_utilization,
-                               enable_prefix_caching, threads, strategy, data_parallel_size,
-                               tensor_parallel_size, pipeline_parallel_size,
-                               enable_expert_parallel)
+        fail("give at least one --prompt")
+    engine_args = make_engine_args(model, dtype, max_model_len, max_num_seqs,
+                                   max_num_batched_tokens, block_size, kv_cache_memory,
+                                   gpu_memory_utilization, enable_prefix_caching, threads,
+                                   strategy, data_parallel_size, tensor_parallel_size,
+                                   pipeline_parallel_size, enable_expert_parallel)
     from parashift import LLM, SamplingParams
 
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
                                 ignore_eos=ignore_eos)
-        llm = LLM.from_engine_args(engine_args)
+        llm = LLM.fromengine_args(engine_args)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     streaming = len(prompt) == 1 and n == 1
 
     def show(_: str, text: str) -> None:
@@ -145,7 +105,7 @@ def generate(
             outputs = llm.generate(prompt, params, use_tqdm=not streaming,
                                    on_output=show if streaming else None)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     if streaming:
         sys.stdout.write("\n")
         return
@@ -199,14 +159,14 @@ def run(
         "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
-    _setup_logging()
+    setup_logging()
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
-    engine_args = _engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                               block_size, kv_cache_memory, gpu_memory_utilization,
-                               enable_prefix_caching, threads, strategy, data_parallel_size,
-                               tensor_parallel_size, pipeline_parallel_size,
-                               enable_expert_parallel, seed)
+    engine_args = make_engine_args(model, dtype, max_model_len, max_num_seqs,
+                                   max_num_batched_tokens, block_size, kv_cache_memory,
+                                   gpu_memory_utilization, enable_prefix_caching, threads,
+                                   strategy, data_parallel_size, tensor_parallel_size,
+                                   pipeline_parallel_size, enable_expert_parallel, seed)
     from parashift.serve.launcher import ServeArgs
     from parashift.serve.launcher import run as run_server
 
@@ -217,7 +177,7 @@ def run(
     try:
         code = run_server(args)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     raise typer.Exit(code)
 
 

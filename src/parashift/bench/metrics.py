@@ -4,6 +4,7 @@ SLOs. Pure functions, so that they can be checked on synthetic timelines."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,9 +61,10 @@ def summarize(records: list[RequestRecord], duration: float,
     failed = [r for r in records if not r.ok]
     output_tokens = sum(r.generated for r in done)
     input_tokens = sum(r.prompt_len for r in done)
-    reasons: dict[str, int] = {}
+    reasons: dict[str, int] = {}  # numbers masked, so that "token id 5 ..." errors group
     for r in failed:
-        reasons[r.error or "no response"] = reasons.get(r.error or "no response", 0) + 1
+        reason = re.sub(r"\d+", "N", r.error or "no response")
+        reasons[reason] = reasons.get(reason, 0) + 1
     summary = {
         "duration_s": duration,
         "completed": len(done),

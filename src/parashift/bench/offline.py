@@ -1,0 +1,147 @@
+"""The in-process side of `parashift bench`: offline throughput (one engine here, or one
+process per data-parallel rank, each on its own cores and its share of the requests) and the
+latency of one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+
+import msgspec
+
+from parashift.bench.datasets import BenchRequest
+from parashift.engine.args import EngineArgs
+
+
+def _params(requests: list[BenchRequest]):
+    from parashift import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            for r in requests]
+
+
+def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: bool) -> float:
+    from parashift import LLM
+
+    llm = LLM.from_engine_args(engine_args)
+    try:
+        warm = requests[0].prompt
+        llm.generate([warm[:16] if isinstance(warm, list) else warm],
+                     _params([dataclasses.replace(requests[0], output_len=2)]), use_tqdm=False)
+        llm.engine.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
+        return time.perf_counter() - start
+    finally:
+        llm.shutdown()
+
+
+def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
+                   progress: bool = True) -> float:
+    """Seconds to finish every request. dp > 1: each rank's process takes every dp-th request
+    and they start together; the slowest rank's time counts."""
+    config = engine_args.create_config()  # validates, converts a GGUF once
+    dp = config.parallel.data_parallel_size
+    if dp == 1:
+        return _generate(engine_args, requests, progress)
+    from parashift.serve.launcher import local_cpu_shares, node_mesh
+
+    shares = local_cpu_shares(node_mesh(config, list(range(dp))), engine_args.num_threads)
+    mp = multiprocessing.get_context("spawn")
+    barrier = mp.Barrier(dp)
+    pipes, procs = [], []
+    for rank in range(dp):
+        receive, send = mp.Pipe(duplex=False)
+        args = dataclasses.replace(engine_args, model=config.model.path, strategy=None,
+                                   data_parallel_size=1,
+                                   tensor_parallel_size=config.parallel.tensor_parallel_size,
+                                   pipeline_parallel_size=config.parallel.pipeline_parallel_size)
+        proc = mp.Process(target=_rank_main, name=f"parashift-bench-dp{rank}", args=(
+            rank, args, requests[rank::dp], shares[rank], barrier, send, progress and rank == 0))
+        proc.start()
+        send.close()  # the child holds the write end: its death then reads as EOF here
+        procs.append(proc)
+        pipes.append(receive)
+    try:
+        return max(_gather(pipes, procs))
+    finally:
+        barrier.abort()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[float]:
+    """Every rank's time; a rank that fails or dies stops the run with its error."""
+    from multiprocessing.connection import wait
+
+    times: dict[int, float] = {}
+    while len(times) < len(procs):
+        waiting = {r: (pipes[r], procs[r].sentinel) for r in range(len(procs)) if r not in times}
+        ready = set(wait([x for pair in waiting.values() for x in pair]))
+        for rank, (pipe, sentinel) in waiting.items():
+            if pipe in ready and pipe.poll():
+                result = msgspec.json.decode(pipe.recv_bytes())
+                if isinstance(result, str):
+                    raise RuntimeError(result)
+                times[rank] = result
+            elif sentinel in ready and not pipe.poll():
+                procs[rank].join(5)
+                raise RuntimeError(f"bench rank dp{rank} exited with code {procs[rank].exitcode}")
+    return [times[r] for r in range(len(procs))]
+
+
+def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest], share,
+               barrier, pipe, progress: bool) -> None:
+    """One data-parallel rank: an independent engine (dp1 inside) on its own cores."""
+    import os
+
+    from parashift.serve.process_util import die_with_parent
+
+    die_with_parent()
+    if share.cpu_ids:
+        os.sched_setaffinity(0, share.cpu_ids)
+    engine_args = dataclasses.replace(engine_args, num_threads=share.num_threads)
+    try:
+        from parashift import LLM
+
+        llm = LLM.from_engine_args(engine_args)
+        llm.generate([[100 + i for i in range(16)]], _params(
+            [BenchRequest([], 16, 2)]), use_tqdm=False)
+        barrier.wait()
+        start = time.perf_counter()
+        llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
+        pipe.send_bytes(msgspec.json.encode(time.perf_counter() - start))
+        llm.shutdown()
+    except Exception as e:  # the parent reports it
+        pipe.send_bytes(msgspec.json.encode(f"dp{rank}: {e}"))
+
+
+def run_latency(engine_args: EngineArgs, batch_size: int, input_len: int, output_len: int,
+                iters: int, warmup: int, progress: bool = True) -> list[float]:
+    """Seconds per batch (prefill + every decode step) for `iters` timed runs."""
+    from tqdm import tqdm
+
+    from parashift import LLM
+
+    llm = LLM.from_engine_args(engine_args)
+    try:
+        vocab = llm.config.model.vocab_size
+        prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
+                   for b in range(batch_size)]
+        params = _params([BenchRequest([], input_len, output_len)] * batch_size)
+        latencies = []
+        bar = tqdm(total=warmup + iters, desc="latency", unit="batch", disable=not progress)
+        for i in range(warmup + iters):
+            llm.engine.reset_prefix_cache()  # every batch prefills in full
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            if i >= warmup:
+                latencies.append(time.perf_counter() - start)
+            bar.update()
+        bar.close()
+        return latencies
+    finally:
+        llm.shutdown()
