@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from parashift.bench.hf_baseline import generate_batch, load_hf
+
 # Roofline GEMM shapes: rows M (tokens) x reduction K (SmolLM2 hidden size) x columns N.
 ROOFLINE_M = (256, 1024, 2048)
 ROOFLINE_K = 576
@@ -173,37 +175,6 @@ def bench_parashift(args: argparse.Namespace, w: Workload) -> tuple[dict[str, An
 
 # ---------------------------------------------------------------------------- Hugging Face
 
-def load_hf(folder: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any, int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    # parameters() yields each tensor once, so tied embeddings are counted once.
-    num_params = sum(p.numel() for p in model.parameters())
-    return model, tok, num_params
-
-
-def hf_generate_batch(model: Any, tok: Any, prompts: list[list[int]], out_lens: list[int],
-                      device: torch.device) -> list[list[int]]:
-    enc = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
-    input_ids = enc["input_ids"].to(device)
-    attention_mask = enc["attention_mask"].to(device)
-    n = max(out_lens)
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                             max_new_tokens=n, min_new_tokens=n, pad_token_id=tok.pad_token_id,
-                             temperature=None, top_p=None, top_k=None)
-    new = out[:, input_ids.shape[1]:].tolist()
-    for i, (row, k) in enumerate(zip(new, out_lens, strict=True)):
-        if len(row) < k:
-            raise SystemExit(f"HF produced {len(row)} tokens for a request that asked for {k}")
-        new[i] = row[:k]
-    return new
-
-
 def bench_hf(args: argparse.Namespace, folder: str, w: Workload, device: torch.device
              ) -> tuple[dict[str, Any], list, int]:
     import transformers
@@ -212,9 +183,10 @@ def bench_hf(args: argparse.Namespace, folder: str, w: Workload, device: torch.d
     transformers.utils.logging.disable_progress_bar()
     dtype = getattr(torch, args.hf_dtype or args.dtype)
     t0 = time.perf_counter()
-    model, tok, num_params = load_hf(folder, dtype, device)
+    model, tok = load_hf(folder, dtype, device)
+    num_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     load_s = time.perf_counter() - t0
-    hf_generate_batch(model, tok, [[100 + i for i in range(16)], [200 + i for i in range(24)]],
+    generate_batch(model, tok, [[100 + i for i in range(16)], [200 + i for i in range(24)]],
                       [8, 8], device)  # warm-up
     bs = args.hf_batch_size
     times, token_ids = [], []
@@ -223,8 +195,8 @@ def bench_hf(args: argparse.Namespace, folder: str, w: Workload, device: torch.d
         sync(device)
         t0 = time.perf_counter()
         for s in range(0, len(w.prompts), bs):
-            token_ids += hf_generate_batch(model, tok, w.prompts[s:s + bs],
-                                           w.output_lens[s:s + bs], device)
+            token_ids += generate_batch(model, tok, w.prompts[s:s + bs],
+                                        w.output_lens[s:s + bs], device)
         sync(device)
         times.append(time.perf_counter() - t0)
     result = summarize(times, w)

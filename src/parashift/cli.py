@@ -29,15 +29,18 @@ from parashift.cli_options import (
     make_engine_args,
     setup_logging,
 )
+from parashift.plan.cli import plan
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parashift: LLM inference whose parallel layout is a plugin.")
 app.add_typer(bench_app, name="bench")
+app.command(name="plan")(plan)
 
 
 @app.callback()
 def _root() -> None:
-    """Subcommands: run (OpenAI-compatible server), generate (offline), bench (measure)."""
+    """Subcommands: run (OpenAI-compatible server), generate (offline), bench (measure),
+    plan (dry-run a topology)."""
 
 
 @app.command()

@@ -336,10 +336,14 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
     if plot:
         from parashift.bench import plots
 
-        if len(runs) > 1:
+        if len(runs) > 1:  # the sweep at `plot`, every rate's CDFs beside it
             plots.sweep(plot, [(label, s["output_throughput"], s["ttft_ms"].get("p99", 0.0),
                                 s["e2e_ms"].get("p99", 0.0)) for label, s in summaries.items()],
                         f"{base_url}: throughput vs p99 latency")
+            stem, dot, ext = plot.rpartition(".")
+            cdfs = f"{stem}-cdf.{ext}" if dot else f"{plot}-cdf"
+            plots.serve_cdfs(cdfs, runs, f"{base_url}, latency by request rate")
+            typer.echo(f"plots: {plot}, {cdfs}")
         else:
             plots.serve_cdfs(plot, runs, f"{base_url}, rate {next(iter(runs))}")
 

@@ -16,6 +16,7 @@ from parashift.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from parashift.defaults import default_max_num_batched_tokens
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.spec import StrategySpec
@@ -84,7 +85,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
         model = ModelConfig(path, hf_config, dtype, max_model_len, self.tokenizer or path,
                             self.seed)
-        budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        budget = self.max_num_batched_tokens or default_max_num_batched_tokens(self.max_num_seqs)
         scheduler = SchedulerConfig(budget, self.max_num_seqs, max_model_len,
                                     self.enable_chunked_prefill)
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from parashift.config import EngineConfig
+from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.communicator import CommStats
 from parashift.distributed.parallel_state import get_tp_group
 from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -17,7 +18,6 @@ from parashift.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 
 
 class Worker:

@@ -17,11 +17,19 @@ class Strategy:
     def __init__(self, size: int = 1):
         self.size = size
 
-    def validate(self, hf_config: Any) -> list[str]:
+    def check_model(self, hf_config: Any) -> list[str]:
         """Errors a user can act on, for this axis against the model ([] when it fits)."""
-        if not self.available and self.size > 1:
-            return [f"{self.token}: {self.axis} parallel is not available yet"]
         return []
+
+    def unavailable(self) -> str | None:
+        """Why this axis cannot run yet (None when it can)."""
+        if not self.available and (self.is_flag or self.size > 1):
+            return f"{self.token}: {self.axis} parallel is not available yet"
+        return None
+
+    def validate(self, hf_config: Any) -> list[str]:
+        """Everything that stops this axis from running this model."""
+        return self.check_model(hf_config) + [e for e in [self.unavailable()] if e]
 
     @property
     def token(self) -> str:

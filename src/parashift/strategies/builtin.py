@@ -19,8 +19,8 @@ class TensorParallel(Strategy):
 
     name, axis = "tp", "tensor"
 
-    def validate(self, hf_config: Any) -> list[str]:
-        tp, errors = self.size, super().validate(hf_config)
+    def check_model(self, hf_config: Any) -> list[str]:
+        tp, errors = self.size, []
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         if heads % tp:
@@ -37,8 +37,8 @@ class TensorParallel(Strategy):
 class PipelineParallel(Strategy):
     name, axis, available = "pp", "pipeline", False
 
-    def validate(self, hf_config: Any) -> list[str]:
-        errors = super().validate(hf_config)
+    def check_model(self, hf_config: Any) -> list[str]:
+        errors = []
         layers = hf_config.num_hidden_layers
         if self.size > layers:
             errors.append(f"pp{self.size} needs at least {self.size} layers, the model has "
@@ -49,11 +49,9 @@ class PipelineParallel(Strategy):
 class ExpertParallel(Strategy):
     name, axis, is_flag, available = "ep", "expert", True, False
 
-    def validate(self, hf_config: Any) -> list[str]:
-        if not self.size:
-            return []
+    def check_model(self, hf_config: Any) -> list[str]:
         experts = getattr(hf_config, "num_local_experts", None) or getattr(
             hf_config, "num_experts", None)
-        if not experts:
+        if self.size and not experts:
             return ["ep: the model has no experts (expert parallel needs an MoE model)"]
-        return ["ep: expert parallel is not available yet"]
+        return []

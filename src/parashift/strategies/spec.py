@@ -70,6 +70,12 @@ class StrategySpec:
     def world_size(self) -> int:
         return self.size("dp") * self.size("pp") * self.size("tp")
 
+    def model_errors(self, hf_config) -> list[str]:
+        return [e for axis in self.axes for e in axis.check_model(hf_config)]
+
+    def unavailable(self) -> list[str]:
+        return [e for axis in self.axes if (e := axis.unavailable())]
+
     def validate(self, hf_config) -> None:
         errors = [e for axis in self.axes for e in axis.validate(hf_config)]
         if errors:

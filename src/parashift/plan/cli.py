@@ -1,0 +1,135 @@
+"""`parashift plan`: where every rank goes, whether it fits, what each step communicates, and
+(--auto) which strategy to use -- before anything is loaded or launched."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated
+
+import typer
+
+from parashift.cli_options import fail, parse_size
+
+
+def load_shape(model: str | None):
+    """A preset name, a HF folder, a bare config.json, or a .gguf (converted once, cached)."""
+    from types import SimpleNamespace
+
+    from parashift.plan.presets import PRESETS, find_preset
+    from parashift.plan.shape import from_hf_config
+
+    if model is not None and (preset := find_preset(model)) is not None:
+        return preset
+    if model is not None and not os.path.exists(model):
+        raise ValueError(f"MODEL {model!r} is neither a path nor a preset; presets: "
+                         + ", ".join(PRESETS))
+    if model is None or model.endswith(".gguf"):
+        from parashift.models.loader import resolve_model_path
+
+        folder = resolve_model_path(model)
+        config_path = os.path.join(folder, "config.json")
+    else:
+        config_path = model if os.path.isfile(model) else os.path.join(model, "config.json")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"MODEL {model}: cannot read {config_path} ({e})") from None
+    name = os.path.basename(os.path.dirname(os.path.abspath(config_path))) if model else (
+        "SmolLM2-135M-Instruct")
+    try:
+        return from_hf_config(SimpleNamespace(**raw), name)
+    except AttributeError as e:
+        raise ValueError(f"MODEL {model}: {config_path} lacks a field ({e})") from None
+
+
+def plan(
+    model: Annotated[str | None, typer.Argument(
+        help="preset (e.g. Llama-3.1-70B), HF folder, config.json or .gguf; default: SmolLM2")
+    ] = None,
+    strategy: Annotated[str | None, typer.Option(help="e.g. dp4xtp2 (default: dp over all)")
+                        ] = None,
+    devices: Annotated[int | None, typer.Option(help="devices in all (default: the strategy's)")
+                       ] = None,
+    device: Annotated[str, typer.Option(help="h100-80g | h200-141g | a100-80g | l40s-48g | cpu")
+                      ] = "cpu",
+    device_memory: Annotated[str | None, typer.Option("--device-memory", help="e.g. 80GiB")
+                             ] = None,
+    nodes: int = 1,
+    intra_node: Annotated[str | None, typer.Option("--intra-node", help="nvlink | pcie | shm")
+                          ] = None,
+    inter_node: Annotated[str, typer.Option("--inter-node", help="ib | ethernet")] = "ib",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
+    dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32 | fp8")] = "bf16",
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+    kv_cache_memory: Annotated[str | None, typer.Option(
+        "--kv-cache-memory", help="CPU: the KV budget per worker, e.g. 2GiB")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    auto: Annotated[bool, typer.Option(help="rank every strategy for these devices")] = False,
+    objective: Annotated[str, typer.Option(help="throughput | latency (with --auto)")
+                         ] = "throughput",
+    slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON document")] = False,
+) -> None:
+    """Dry-run a topology: mesh, memory, KV capacity, communication, estimates."""
+    from rich.console import Console
+
+    from parashift.plan import report
+    from parashift.plan.auto import rank_plans
+    from parashift.plan.estimate import PlanSettings, make_plan
+    from parashift.plan.hardware import DEVICES, INTER_NODE, INTRA_NODE
+    from parashift.strategies.spec import StrategySpec
+
+    if device not in DEVICES:
+        fail(f"--device {device!r}: known devices are {', '.join(DEVICES)}")
+    if intra_node is not None and intra_node not in INTRA_NODE:
+        fail(f"--intra-node {intra_node!r}: use {' | '.join(INTRA_NODE)}")
+    if inter_node not in INTER_NODE:
+        fail(f"--inter-node {inter_node!r}: use {' | '.join(INTER_NODE)}")
+    sizes = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "fp32": 4, "float32": 4,
+             "fp8": 1}
+    if dtype not in sizes:
+        fail(f"--dtype {dtype!r}: use bf16, fp16, fp32 or fp8")
+    if objective not in ("throughput", "latency"):
+        fail(f"--objective {objective!r}: use throughput or latency")
+    if nodes < 1:
+        fail("--nodes must be >= 1")
+    if not 0 < gpu_memory_utilization <= 1:
+        fail("--gpu-memory-utilization must be in (0, 1]")
+    try:
+        shape = load_shape(model)
+        spec = StrategySpec.parse(strategy) if strategy else None
+        n = devices if devices is not None else (spec.world_size if spec else 1)
+        if n < 1:
+            raise ValueError(f"--devices {n}: need at least one device")
+        if nodes > n:
+            raise ValueError(f"--nodes {nodes} is more than --devices {n}")
+        spec = spec or StrategySpec.from_sizes(dp=n)
+        settings = PlanSettings(
+            DEVICES[device], n, nodes, INTRA_NODE.get(intra_node or ""), INTER_NODE[inter_node],
+            max_model_len, sizes[dtype], gpu_memory_utilization,
+            parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
+            parse_size(device_memory, "--device-memory") if device_memory else None,
+            block_size, max_num_seqs)
+    except (ValueError, typer.BadParameter) as e:
+        fail(str(e))
+    console = Console()
+    if auto:
+        plans, why = rank_plans(shape, settings, objective, slo_tpot_ms)
+        if as_json:
+            typer.echo(json.dumps({"winner": why, "ranking": [
+                report.to_json(p, settings) for p in plans]}, indent=2))
+        else:
+            report.show_ranking(plans, why, console) if plans else console.print(why)
+        return
+    if spec.world_size > n:
+        fail(f"strategy {spec} needs {spec.world_size} devices; --devices is {n}")
+    result = make_plan(shape, spec, settings)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(result, settings), indent=2))
+    else:
+        report.show(result, settings, console)
+    if not result.fits:
+        raise typer.Exit(1)

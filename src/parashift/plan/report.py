@@ -1,0 +1,107 @@
+"""How a plan is shown: rich tables for a terminal, or one JSON document (same numbers)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from parashift.mesh import DeviceMesh
+from parashift.plan.estimate import Plan, PlanSettings
+
+GIB = 2**30
+
+
+def plan_mesh(plan: Plan, s: PlanSettings) -> DeviceMesh:
+    return DeviceMesh(plan.spec, num_nodes=s.nodes, devices_per_node=s.devices_per_node,
+                      device_type="cuda" if s.device.is_gpu else "cpu")
+
+
+def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
+    mesh = plan_mesh(plan, s) if plan.spec.world_size <= s.devices else None
+    return {
+        "model": plan.shape.name, "strategy": str(plan.spec), "fits": plan.fits,
+        "runnable": plan.runnable, "errors": plan.errors, "warnings": plan.warnings,
+        "parameters": plan.shape.total_params(), "active_parameters": plan.shape.active_params(),
+        "max_model_len": plan.max_model_len,
+        "mesh": [dataclasses.asdict(r) | {"ep": _ep(plan, r)} for r in mesh.ranks] if mesh
+        else [],
+        "memory_per_device": [dataclasses.asdict(st) for st in plan.stages],
+        "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
+                        "max_length_sequences": plan.concurrent_max_len_seqs},
+        "experts_per_rank": plan.experts_per_rank,
+        "communication": plan.comm, "estimate": plan.estimate,
+    }
+
+
+def _ep(plan: Plan, rank) -> int | None:
+    return rank.dp * plan.spec.size("tp") + rank.tp if plan.spec.size("ep") else None
+
+
+def show(plan: Plan, s: PlanSettings, console: Console) -> None:
+    shape = plan.shape
+    console.print(f"[bold]{shape.name}[/] ({shape.total_params() / 1e9:.1f} B parameters"
+                  + (f", {shape.active_params() / 1e9:.1f} B active" if shape.is_moe else "")
+                  + f") as [bold]{plan.spec}[/] on {s.devices} x {s.device.name}"
+                  + (f" over {s.nodes} nodes" if s.nodes > 1 else "")
+                  + f", max_model_len {plan.max_model_len}")
+    if plan.spec.world_size <= s.devices:
+        mesh = plan_mesh(plan, s)
+        table = Table(title="device mesh")
+        for col in ("rank", "node", "device", "dp", "pp", "tp", "ep", "process"):
+            table.add_column(col)
+        for r in mesh.ranks:
+            ep = _ep(plan, r)
+            table.add_row(str(r.rank), str(r.node), r.device, str(r.dp), str(r.pp), str(r.tp),
+                          "-" if ep is None else str(ep), r.process_name)
+        console.print(table)
+    table = Table(title="memory per device (GiB)")
+    for col in ("pp stage", "layers", "weights", "reserve", "KV cache", "free", "KV tokens"):
+        table.add_column(col, justify="right")
+    for st in plan.stages:
+        table.add_row(str(st.stage), str(st.layers), f"{st.weights / GIB:.2f}",
+                      f"{st.reserve / GIB:.2f}", f"{st.kv_cache / GIB:.2f}",
+                      f"{st.free / GIB:.2f}", f"{st.kv_tokens:,}")
+    console.print(table)
+    console.print(f"KV capacity per replica: {plan.kv_blocks:,} blocks = {plan.kv_tokens:,} "
+                  f"tokens = {plan.concurrent_max_len_seqs:.1f} max-length sequences"
+                  + (f"; {plan.experts_per_rank} experts per rank" if plan.experts_per_rank
+                     else ""))
+    if plan.comm:
+        table = Table(title="communication per step")
+        for col in ("what", "count", "bytes per token", "more"):
+            table.add_column(col)
+        for name, c in plan.comm.items():
+            more = ", ".join(f"{k.replace('_', ' ')} {v:,.0f}" for k, v in c.items()
+                             if k not in ("count_per_step", "bytes_per_token"))
+            table.add_row(name, f"{c['count_per_step']:.0f}", f"{c['bytes_per_token']:,.0f}",
+                          more)
+        console.print(table)
+    if plan.estimate:
+        e = plan.estimate
+        console.print(f"estimate: decode {e['decode_tokens_per_s']:,.0f} tok/s at "
+                      f"{e['decode_batch']:.0f} sequences per replica ({e['decode_context']:.0f}"
+                      f" tokens of context), {e['tpot_ms']:.1f} ms per output token "
+                      f"({e['tpot_single_ms']:.2f} ms for one sequence alone); prefill "
+                      f"{e['prefill_tokens_per_s']:,.0f} tok/s")
+    for error in plan.errors:
+        console.print(f"[red]error:[/] {error}")
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def show_ranking(plans: list[Plan], why: str, console: Console) -> None:
+    table = Table(title="strategies that fit, best first")
+    for col in ("#", "strategy", "decode tok/s", "TPOT ms", "TPOT ms (1 seq)", "prefill tok/s",
+                "KV tokens", "runs today"):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(plans, 1):
+        e = p.estimate
+        table.add_row(str(i), str(p.spec), f"{e['decode_tokens_per_s']:,.0f}",
+                      f"{e['tpot_ms']:.1f}", f"{e['tpot_single_ms']:.2f}",
+                      f"{e['prefill_tokens_per_s']:,.0f}",
+                      f"{p.kv_tokens:,}", "yes" if p.runnable else "no")
+    console.print(table)
+    console.print(f"[bold]winner[/] {why}")

@@ -1,0 +1,144 @@
+"""`parashift plan`: hand-checked memory and mesh numbers, KV capacity equal to what the
+engine allocates, --auto rankings that follow the model, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parashift.plan.auto import rank_plans
+from parashift.plan.estimate import PlanSettings, make_plan
+from parashift.plan.hardware import DEVICES, INTER_NODE, GiB
+from parashift.plan.presets import PRESETS
+from parashift.strategies.spec import StrategySpec
+
+H100 = DEVICES["h100-80g"]
+
+
+def plan(model: str, strategy: str, devices: int = 8, **kwargs):
+    return make_plan(PRESETS[model], StrategySpec.parse(strategy),
+                     PlanSettings(H100, devices, **kwargs))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parashift.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_llama_70b_dp4xtp2_does_not_fit_in_bf16_and_says_why():
+    p = plan("Llama-3.1-70B", "dp4xtp2")
+    # 70.6 B parameters x 2 bytes over 2 ranks: ~65.7 GiB of weights per GPU of 72 GiB usable.
+    assert p.stages[0].weights / GiB == pytest.approx(70.6e9 * 2 / 2 / GiB, rel=0.01)
+    assert not p.fits
+    assert "KV cache below one max-length sequence" in p.errors[0]
+    assert "max_model_len 131072" in p.errors[0]
+    done = run_cli("Llama-3.1-70B", "--strategy", "dp4xtp2", "--devices", "8", "--device",
+                   "h100-80g", "--json")
+    doc = json.loads(done.stdout)
+    assert done.returncode == 1 and doc["fits"] is False and doc["errors"] == p.errors
+
+
+def test_llama_70b_tp8_fits_with_its_kv_capacity():
+    p = plan("Llama-3.1-70B", "tp8")
+    assert p.fits and p.runnable
+    st = p.stages[0]
+    # Per GPU: 8 kv heads / 8 ranks = 1 head x 128 dims x K and V x 80 layers x 2 bytes.
+    block_bytes = 16 * 1 * 128 * 2 * 80 * 2
+    budget = int(0.9 * 80 * GiB)
+    assert st.kv_blocks == (budget - st.weights - st.reserve) // block_bytes
+    assert p.kv_tokens == st.kv_blocks * 16 > 131072
+    assert p.concurrent_max_len_seqs == pytest.approx(p.kv_tokens / 131072)
+    assert p.comm["tp all-reduce"]["count_per_step"] == 2 * 80 + 1
+
+
+def test_qwen3_moe_dp8xep_puts_e_over_8_experts_per_rank():
+    with_ep, without = plan("Qwen3-30B-A3B", "dp8xep"), plan("Qwen3-30B-A3B", "dp8")
+    assert with_ep.experts_per_rank == 128 // 8
+    assert without.experts_per_rank == 128
+    shape = PRESETS["Qwen3-30B-A3B"]
+    saved = shape.moe_layers * (128 - 16) * shape.expert_params() * 2
+    assert without.stages[0].weights - with_ep.stages[0].weights == saved
+    assert "ep all-to-all" in with_ep.comm
+    assert "ep: expert parallel is not available yet" in with_ep.warnings
+    assert with_ep.fits and not with_ep.runnable
+
+
+def test_mesh_rows_and_process_names_in_json():
+    done = run_cli("Qwen3-8B", "--strategy", "dp2xtp2", "--device", "h100-80g", "--json")
+    doc = json.loads(done.stdout)
+    assert done.returncode == 0
+    assert [(r["dp"], r["tp"], r["device"]) for r in doc["mesh"]] == [
+        (0, 0, "cuda:0"), (0, 1, "cuda:1"), (1, 0, "cuda:2"), (1, 1, "cuda:3")]
+    assert doc["mesh"][3]["process_name"] == "parashift-worker-dp1-tp1"
+
+
+def _engine_blocks(model: str, dtype: str, budget: int, tp: int = 1) -> int:
+    from parashift import LLM
+
+    llm = LLM(model, dtype=dtype, max_model_len=256, kv_cache_memory=budget,
+              tensor_parallel_size=tp)
+    try:
+        return llm.engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("budget_mib, tp", [(8, 1), (33, 1), (8, 2)])
+def test_kv_capacity_equals_the_engines_tiny(tiny_llama, budget_mib, tp):
+    done = run_cli(tiny_llama, "--strategy", f"tp{tp}", "--device", "cpu", "--dtype", "fp32",
+                   "--kv-cache-memory", f"{budget_mib}MiB", "--max-model-len", "256", "--json")
+    doc = json.loads(done.stdout)
+    assert doc["kv_capacity"]["blocks"] == _engine_blocks(tiny_llama, "float32",
+                                                          budget_mib << 20, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_mib", [64, 300])
+def test_kv_capacity_equals_the_engines_smollm2(smollm2_path, budget_mib):
+    done = run_cli(smollm2_path, "--device", "cpu", "--dtype", "bf16", "--kv-cache-memory",
+                   f"{budget_mib}MiB", "--max-model-len", "256", "--json")
+    doc = json.loads(done.stdout)
+    blocks = _engine_blocks(smollm2_path, "bfloat16", budget_mib << 20)
+    assert doc["kv_capacity"]["blocks"] == blocks
+    assert doc["kv_capacity"]["tokens"] == blocks * 16
+
+
+def test_auto_prefers_dp_for_throughput_when_the_model_fits_one_device():
+    plans, why = rank_plans(PRESETS["Llama-3.1-8B"], PlanSettings(H100, 8))
+    assert str(plans[0].spec) == "dp8" and why.startswith("dp8: the highest decode throughput")
+    # For one sequence's latency, splitting the weights over tp ranks wins instead.
+    latency, why = rank_plans(PRESETS["Llama-3.1-8B"], PlanSettings(H100, 8), "latency")
+    assert latency[0].spec.size("tp") >= 4 and "lowest time per output token" in why
+    tpot = {str(p.spec): p.estimate["tpot_single_ms"] for p in latency}
+    assert tpot["tp8"] < tpot["dp4xtp2"] < tpot["dp8"]
+
+
+def test_auto_keeps_tp_within_a_node():
+    settings = PlanSettings(H100, 16, nodes=2, inter=INTER_NODE["ethernet"])
+    plans, _ = rank_plans(PRESETS["Llama-3.1-70B"], settings)
+    order = [str(p.spec) for p in plans]
+    assert order.index("dp2xtp8") < order.index("tp16")
+    assert any("crosses nodes" in w for p in plans if str(p.spec) == "tp16" for w in p.warnings)
+
+
+def test_auto_skips_what_does_not_fit():
+    plans, _ = rank_plans(PRESETS["Llama-3.1-70B"], PlanSettings(H100, 8))
+    assert plans and all(p.fits for p in plans)
+    assert "dp8" not in {str(p.spec) for p in plans}  # 141 GB on one 80 GB device
+
+
+@pytest.mark.parametrize("args, message", [
+    (["Llama-9000"], "presets: Llama-3.1-8B, Llama-3.1-70B"),
+    (["Llama-3.1-8B", "--devices", "0"], "--devices 0: need at least one device"),
+    (["Llama-3.1-8B", "--strategy", "dp4xtp2", "--devices", "4"],
+     "strategy dp4xtp2 needs 8 devices; --devices is 4"),
+    (["Llama-3.1-8B", "--device", "tpu-v9"], "--device 'tpu-v9': known devices are"),
+    (["Llama-3.1-8B", "--strategy", "tp3"], "tp3 needs num_attention_heads (32) divisible"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    done = run_cli(*args)
+    assert done.returncode != 0
+    assert message in done.stderr + done.stdout, done.stderr + done.stdout
