@@ -89,7 +89,7 @@ def generate(
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
                                 ignore_eos=ignore_eos)
-        llm = LLM.fromengine_args(engine_args)
+        llm = LLM.from_engine_args(engine_args)
     except ValueError as e:
         fail(str(e))
     streaming = len(prompt) == 1 and n == 1
@@ -160,6 +160,12 @@ def run(
         "--restart-dead-engines", help="start a dead engine rank again")] = False,
     heartbeat_timeout: Annotated[float, typer.Option(
         "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
+    backend: Annotated[str, typer.Option(
+        "--backend", "--data-parallel-backend", help="mp | ray")] = "mp",
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Ray cluster (default: RAY_ADDRESS, else a local one)")] = None,
+    ray_placement: Annotated[str, typer.Option(
+        "--ray-placement", help="pack | spread (a rank's workers)")] = "pack",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     setup_logging()
@@ -170,13 +176,14 @@ def run(
                                    gpu_memory_utilization, enable_prefix_caching, threads,
                                    strategy, data_parallel_size, tensor_parallel_size,
                                    pipeline_parallel_size, enable_expert_parallel, seed)
-    from parashift.serve.launcher import ServeArgs
     from parashift.serve.launcher import run as run_server
+    from parashift.serve.node import ServeArgs
 
     args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
                      shutdown_timeout, startup_timeout, env.log_level(),
                      data_parallel_size_local, data_parallel_start_rank, data_parallel_address,
-                     data_parallel_rpc_port, headless, restart_dead_engines, heartbeat_timeout)
+                     data_parallel_rpc_port, headless, restart_dead_engines, heartbeat_timeout,
+                     backend, ray_address, ray_placement)
     try:
         code = run_server(args)
     except ValueError as e:

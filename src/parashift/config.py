@@ -115,6 +115,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_rank: int = 0
+    distributed_executor_backend: str = "mp"  # "ray": tp workers are Ray actors
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):

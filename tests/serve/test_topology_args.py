@@ -11,8 +11,8 @@ import pytest
 from parashift.engine.args import EngineArgs
 from parashift.mesh import DeviceMesh
 from parashift.serve.endpoints import Endpoints, free_ports
-from parashift.serve.launcher import ServeArgs, local_cpu_shares
 from parashift.serve.local_engines import FIRST_RESTART_DELAY_S, LocalEngines
+from parashift.serve.node import ServeArgs, local_cpu_shares
 from parashift.strategies.spec import StrategySpec
 
 

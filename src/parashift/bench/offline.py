@@ -45,7 +45,7 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
     dp = config.parallel.data_parallel_size
     if dp == 1:
         return _generate(engine_args, requests, progress)
-    from parashift.serve.launcher import local_cpu_shares, node_mesh
+    from parashift.serve.node import local_cpu_shares, node_mesh
 
     shares = local_cpu_shares(node_mesh(config, list(range(dp))), engine_args.num_threads)
     mp = multiprocessing.get_context("spawn")

@@ -45,6 +45,7 @@ class EngineArgs:
     pipeline_parallel_size: int | None = None
     enable_expert_parallel: bool = False
     data_parallel_rank: int = 0
+    distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
 
     def strategy_spec(self) -> StrategySpec:
         """`--strategy` and vLLM's explicit flags are interchangeable; a conflict is an error
@@ -69,7 +70,8 @@ class EngineArgs:
     def create_config(self) -> EngineConfig:
         spec = self.strategy_spec()
         parallel = ParallelConfig(spec.size("dp"), spec.size("tp"), spec.size("pp"),
-                                  bool(spec.size("ep")), self.data_parallel_rank)
+                                  bool(spec.size("ep")), self.data_parallel_rank,
+                                  self.distributed_executor_backend)
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
         get_model_class(architecture_of(hf_config))

@@ -17,7 +17,10 @@ logger = logging.getLogger(__name__)
 def make_executor(config: EngineConfig, worker_cpu_ids: list[list[int]] | None = None):
     """In this process for tp1; tp worker processes otherwise."""
     if config.parallel.tensor_parallel_size > 1:
-        from parashift.executor.multiproc import MultiprocExecutor
+        if config.parallel.distributed_executor_backend == "ray":
+            from parashift.executor.ray_executor import RayExecutor as MultiprocExecutor
+        else:
+            from parashift.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, worker_cpu_ids, logging.getLevelName(
             logging.getLogger().getEffectiveLevel()))

@@ -45,6 +45,21 @@ class MultiprocExecutor:
                  log_level: str = "INFO", startup_timeout: float = 600.0):
         self.config = config
         tp = config.parallel.tensor_parallel_size
+        self._start_workers(config, worker_cpu_ids, log_level)
+        # However this executor ends (even unreferenced, or at exit), no worker outlives it.
+        self._cleanup = weakref.finalize(self, *self._cleanup_call())
+        try:
+            self._collect(p.WorkerReady, tp, startup_timeout)
+        except Exception:
+            self.shutdown()
+            raise
+        logger.info("%d tensor-parallel workers ready (%s)", tp,
+                    "gloo" if config.device.device == "cpu" else "nccl")
+
+    def _start_workers(self, config: EngineConfig, worker_cpu_ids: list[list[int]] | None,
+                       log_level: str) -> None:
+        """One process per tp rank, ipc sockets and a FileStore in a private folder."""
+        tp = config.parallel.tensor_parallel_size
         dp_rank = config.parallel.data_parallel_rank
         self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{dp_rank}-workers-")
         self.ctx = zmq.Context()
@@ -66,22 +81,19 @@ class MultiprocExecutor:
             sock.bind(f"ipc://{self.dir}/worker{rank}")
             self.commands.append(sock)
             name = f"parashift-worker-dp{dp_rank}-tp{rank}"
-            args = WorkerArgs(config, name, rank, tp, f"{self.dir}/dist-init",
+            args = WorkerArgs(config, name, rank, tp, f"file://{self.dir}/dist-init",
                               f"ipc://{self.dir}/worker{rank}", f"ipc://{self.dir}/results",
                               worker_cpu_ids[rank] if worker_cpu_ids else [],
                               (first_gpu + rank) % gpus if gpus else None, log_level)
             proc = mp.Process(target=run_worker, args=(args,), name=name)
             proc.start()
             self.procs.append(proc)
-        # However this executor ends (even unreferenced, or at exit), no worker outlives it.
-        self._cleanup = weakref.finalize(self, _kill_workers, self.procs, self.ctx, self.dir)
-        try:
-            ready = self._collect(p.WorkerReady, tp, startup_timeout)
-        except Exception:
-            self.shutdown()
-            raise
-        logger.info("%d tensor-parallel workers ready (%s)", len(ready),
-                    "nccl" if gpus else "gloo")
+
+    def _cleanup_call(self) -> tuple:
+        return _kill_workers, self.procs, self.ctx, self.dir
+
+    def _alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
 
     # --- the executor interface (same as LocalExecutor) ---------------------------------------
     def determine_num_blocks(self) -> int:
@@ -109,10 +121,8 @@ class MultiprocExecutor:
         if not self._cleanup.alive:
             return
         try:
-            if all(proc.is_alive() for proc in self.procs):
+            if self._alive():
                 self.collective_rpc("stop", timeout=10)
-                for proc in self.procs:
-                    proc.join(5)
         except (WorkerDiedError, TimeoutError):
             pass
         self._cleanup()
@@ -148,6 +158,8 @@ class MultiprocExecutor:
 
 
 def _kill_workers(procs: list[multiprocessing.Process], ctx: zmq.Context, folder: str) -> None:
+    for proc in procs:  # after a "stop" call they are on their way out
+        proc.join(5)
     for proc in procs:
         if proc.is_alive():
             proc.terminate()

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ class WorkerArgs:
     name: str  # process name, e.g. parashift-worker-dp0-tp1
     tp_rank: int
     tp_size: int
-    init_file: str  # torch.distributed FileStore rendezvous
+    init_method: str  # torch.distributed rendezvous: file:// (mp) or tcp:// (Ray)
     command_address: str  # engine PUSH -> this worker's PULL
     result_address: str  # this worker's PUSH -> engine PULL
     cpu_ids: list[int]  # this worker's cores (empty: no pinning)
@@ -50,7 +51,8 @@ def run_worker(args: WorkerArgs) -> None:
     set_process_name(args.name)
     die_with_parent()
     setup_child_logging(args.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
+    if threading.current_thread() is threading.main_thread():  # not so in some Ray actors
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(args.command_address)
@@ -86,7 +88,7 @@ def _init(args: WorkerArgs):
         threads = config.device.num_threads or len(args.cpu_ids) or None
         config = dataclasses.replace(config, device=dataclasses.replace(
             config.device, num_threads=threads))
-    dist.init_process_group(backend, init_method=f"file://{args.init_file}",
+    dist.init_process_group(backend, init_method=args.init_method,
                             rank=args.tp_rank, world_size=args.tp_size,
                             timeout=COLLECTIVE_TIMEOUT)
     set_tp_group(GroupCommunicator(dist.group.WORLD, args.tp_rank, args.tp_size))

@@ -238,13 +238,14 @@ def run_engine(rank: int, handshake_address: str, log_level: str,
     set_process_name(f"parashift-engine-dp{rank}")
     die_with_parent()
     setup_child_logging(log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
     engine = EngineProcess(rank, handshake_address, share, handshake_timeout)
 
     def on_term(*_: Any) -> None:
         engine.stopping = True
 
-    signal.signal(signal.SIGTERM, on_term)
+    if threading.current_thread() is threading.main_thread():  # not so in some Ray actors
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
+        signal.signal(signal.SIGTERM, on_term)
     try:
         engine.start()
         engine.run()

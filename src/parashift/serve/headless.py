@@ -14,8 +14,9 @@ import zmq
 
 from parashift.serve import protocol as p
 from parashift.serve.endpoints import tcp_url
-from parashift.serve.launcher import ServeArgs, StartupError, local_cpu_shares, node_mesh
+from parashift.serve.launcher import StartupError
 from parashift.serve.local_engines import LocalEngines
+from parashift.serve.node import ServeArgs, local_cpu_shares, node_mesh
 
 logger = logging.getLogger(__name__)
 

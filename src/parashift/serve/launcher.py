@@ -13,71 +13,22 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
 
-import torch
 import zmq
 
-from parashift.config import EngineConfig
-from parashift.engine.args import EngineArgs
-from parashift.mesh import DeviceMesh
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.serve import protocol as p
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.serve.coordinator import run_coordinator
-from parashift.serve.endpoints import Endpoints
-from parashift.serve.engine_process import CpuShare
+from parashift.serve.endpoints import Endpoints, free_ports
 from parashift.serve.local_engines import LocalEngines, join_all
-from parashift.strategies.spec import StrategySpec
+from parashift.serve.node import ServeArgs, local_cpu_shares, node_mesh
 
 logger = logging.getLogger(__name__)
 
 
 class StartupError(RuntimeError):
     pass
-
-
-@dataclass
-class ServeArgs:
-    engine: EngineArgs
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_server_count: int = 1
-    served_model_name: str | None = None
-    api_key: str | None = None
-    shutdown_timeout: float = 10.0
-    startup_timeout: float = 600.0
-    log_level: str = "INFO"
-    # Multi-node data parallel (vLLM's flags) and failure handling.
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str | None = None
-    data_parallel_rpc_port: int = 29550
-    headless: bool = False
-    restart_dead_engines: bool = False
-    heartbeat_timeout: float = 5.0
-
-    def local_ranks(self, dp_size: int) -> list[int]:
-        """The data-parallel ranks this node runs; checks the multi-node flags."""
-        start = self.data_parallel_start_rank
-        if self.headless and start < 1:
-            raise ValueError("--headless needs --data-parallel-start-rank >= 1: the head node "
-                             "runs the ranks from 0")
-        if not self.headless and start != 0:
-            raise ValueError(f"--data-parallel-start-rank {start} is for --headless nodes; "
-                             "the head node runs the ranks from 0")
-        local = dp_size - start if self.data_parallel_size_local is None else (
-            self.data_parallel_size_local)
-        if local < 1 or start + local > dp_size:
-            raise ValueError(f"--data-parallel-start-rank {start} and --data-parallel-size-local "
-                             f"{local} do not fit in --data-parallel-size {dp_size}")
-        if self.heartbeat_timeout <= 1.0:
-            raise ValueError("--heartbeat-timeout must be above 1 second (the heartbeat period)")
-        return list(range(start, start + local))
-
-    def multi_node(self, dp_size: int) -> bool:
-        return (self.headless or self.data_parallel_address is not None
-                or len(self.local_ranks(dp_size)) < dp_size)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -97,54 +48,38 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def node_mesh(config: EngineConfig, ranks: list[int]) -> DeviceMesh:
-    """This node's part of the strategy: its dp ranks, each with its tp x pp workers, on its
-    devices. Too few GPUs is an error here, before anything starts."""
-    device = config.device.device
-    units = len(os.sched_getaffinity(0)) if device == "cpu" else torch.cuda.device_count()
-    par = config.parallel
-    spec = StrategySpec.from_sizes(dp=len(ranks), tp=par.tensor_parallel_size,
-                                   pp=par.pipeline_parallel_size)
-    return DeviceMesh(spec, devices_per_node=max(1, units), device_type=device,
-                      first_dp_rank=ranks[0])
-
-
-def local_cpu_shares(mesh: DeviceMesh, num_threads: int | None) -> dict[int, CpuShare]:
-    """On CPU every worker of this node's ranks gets its own slice of this process's cores
-    (the mesh's rule; round-robin when there are more workers than cores). A lone rank
-    without tensor parallel keeps them all, unpinned."""
-    ranks = sorted({w.dp for w in mesh.ranks})
-    if mesh.device_type != "cpu" or mesh.world_size == 1:
-        return {rank: CpuShare([], num_threads) for rank in ranks}
-    cores = sorted(os.sched_getaffinity(0))
-    shares = {}
-    for rank in ranks:
-        workers = [[cores[c] for c in w.cpu_indices] for w in mesh.ranks if w.dp == rank]
-        ids = sorted({c for w in workers for c in w})
-        shares[rank] = (CpuShare(ids, num_threads or len(ids)) if mesh.tp == 1 else
-                        CpuShare(ids, num_threads, workers))
-    return shares
-
-
 class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = args.engine.create_config()  # validates flags, converts a GGUF once
         self.num_engines = self.config.parallel.data_parallel_size
         self.local_ranks = args.local_ranks(self.num_engines)
-        self.mesh = node_mesh(self.config, self.local_ranks)
+        args.check_backend()
         n = args.api_server_count
-        self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
-                                        args.data_parallel_rpc_port, n)
-                          if args.multi_node(self.num_engines) else Endpoints.local(n))
+        if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
+            from parashift.serve.ray_engines import RayEngines
+
+            self.mesh = None
+            self.engines = RayEngines(self.local_ranks, self.config,
+                                      str(args.engine.strategy_spec()), args.log_level,
+                                      args.startup_timeout, args.ray_address, args.ray_placement,
+                                      args.restart_dead_engines)
+            host = self.engines.node_ip
+            self.endpoints = Endpoints.tcp(host, free_ports(host, 1)[0], n)
+            self.engines.handshake_address = self.endpoints.handshake
+        else:
+            self.mesh = node_mesh(self.config, self.local_ranks)
+            self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
+                                            args.data_parallel_rpc_port, n)
+                              if args.multi_node(self.num_engines) else Endpoints.local(n))
+            self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
+                                        local_cpu_shares(self.mesh, args.engine.num_threads),
+                                        args.log_level, args.startup_timeout,
+                                        args.restart_dead_engines)
         self.ctx = zmq.Context()
         self.handshake: zmq.Socket | None = None
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
-        self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
-                                    local_cpu_shares(self.mesh, args.engine.num_threads),
-                                    args.log_level,
-                                    args.startup_timeout, args.restart_dead_engines)
         self.controls: list[zmq.Socket] = []
         self.nodes: set[bytes] = set()  # identities of headless launchers
         self.ready: dict[int, p.Ready] = {}
@@ -164,8 +99,12 @@ class Launcher:
         return f"parashift is serving {self.model_name!r} at http://{host}:{self.args.port}/v1"
 
     def start(self) -> None:
-        logger.info("strategy %s; this node runs:\n%s", self.args.engine.strategy_spec(),
-                    self.mesh.table())
+        if self.mesh is not None:
+            logger.info("strategy %s; this node runs:\n%s", self.args.engine.strategy_spec(),
+                        self.mesh.table())
+        else:
+            logger.info("strategy %s on Ray: one placement group per rank, bundles %s",
+                        self.args.engine.strategy_spec(), self.engines.bundles)
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
         self.handshake = self.ctx.socket(zmq.ROUTER)
@@ -244,8 +183,9 @@ class Launcher:
         msg = p.decode(frame, p.Handshake)
         if isinstance(msg, p.Hello):
             engine_args = dataclasses.asdict(self.args.engine)
-            if msg.rank in self.local_ranks:  # resolved here: no second GGUF lookup
-                engine_args["model"] = self.config.model.path
+            if self.args.backend == "mp" and msg.rank in self.local_ranks:
+                engine_args["model"] = self.config.model.path  # resolved: no second lookup
+            engine_args["distributed_executor_backend"] = self.args.backend
             engine_args["data_parallel_rank"] = msg.rank
             coordinator = self.endpoints.coordinator_load if self.coordinator else None
             self.handshake.send_multipart([identity, p.encode(p.EngineInit(

@@ -1,0 +1,40 @@
+"""Options and the workload shared by every `parashift bench` command."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+NumPrompts = Annotated[int, typer.Option("--num-prompts")]
+InputLen = Annotated[int | None, typer.Option("--input-len")]
+OutputLen = Annotated[int | None, typer.Option("--output-len")]
+InputRange = Annotated[str | None, typer.Option("--input-len-range", help="A:B")]
+OutputRange = Annotated[str | None, typer.Option("--output-len-range", help="A:B")]
+Dataset = Annotated[str | None, typer.Option(
+    help=".jsonl (prompt or prompt_len, output_len) or ShareGPT .json/.jsonl")]
+Seed = Annotated[int, typer.Option(help="seeds the workload and the arrivals")]
+SaveJson = Annotated[str | None, typer.Option("--save-json", help="write everything here")]
+Plot = Annotated[str | None, typer.Option(help="write a PNG here")]
+
+
+
+def workload(num_prompts, input_len, output_len, input_range, output_range, dataset,
+              seed, tokenizer, vocab_size):
+    from parashift.bench.datasets import load_dataset, parse_range, random_requests
+
+    if dataset is not None:
+        if input_len or input_range:
+            raise ValueError("--dataset sets the prompts: drop --input-len/--input-len-range")
+        return load_dataset(dataset, num_prompts, tokenizer, vocab_size, seed, output_len)
+    if input_len is not None and input_range is not None:
+        raise ValueError("give --input-len or --input-len-range, not both")
+    if output_len is not None and output_range is not None:
+        raise ValueError("give --output-len or --output-len-range, not both")
+    ins = parse_range(input_range, "--input-len-range") if input_range else (
+        (input_len, input_len) if input_len else (128, 128))
+    outs = parse_range(output_range, "--output-len-range") if output_range else (
+        (output_len, output_len) if output_len else (128, 128))
+    if min(ins + outs) < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    return random_requests(num_prompts, ins, outs, vocab_size, seed)

@@ -1,0 +1,114 @@
+"""The executor for `--backend ray` with tensor parallel: the tp workers are Ray actors in
+bundles 1..tp of their engine's placement group; everything else is MultiprocExecutor's
+(ZMQ step commands over tcp, collective_rpc, tp rank 0 answers). The torch.distributed
+rendezvous is a TCP store on tp rank 0's node, so workers may sit on different nodes."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import tempfile
+
+import zmq
+
+from parashift.config import EngineConfig
+from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from parashift.executor.worker_process import WorkerArgs, run_worker
+
+logger = logging.getLogger(__name__)
+
+
+class _WorkerActor:
+    """One tp worker (made a Ray actor class by `worker_actor_class`)."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, args: WorkerArgs) -> None:
+        run_worker(args)
+
+
+def worker_actor_class():
+    import ray
+
+    return ray.remote(_WorkerActor)
+
+
+class RayExecutor(MultiprocExecutor):
+    def _start_workers(self, config: EngineConfig, worker_cpu_ids, log_level: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tp = config.parallel.tensor_parallel_size
+        dp_rank = config.parallel.data_parallel_rank
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            raise RuntimeError("the Ray executor runs inside an engine actor's placement group")
+        gpu = config.device.device != "cpu"
+        actor_cls = worker_actor_class()
+        self.actors = [actor_cls.options(
+            name=f"parashift-worker-dp{dp_rank}-tp{rank}",
+            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=1 + rank)).remote() for rank in range(tp)]
+        head_ip = ray.get(self.actors[0].node_ip.remote())
+        port = ray.get(self.actors[0].free_port.remote())
+        my_ip = ray.util.get_node_ip_address()
+        self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{dp_rank}-workers-")
+        self.ctx = zmq.Context()
+        self.results = self.ctx.socket(zmq.PULL)
+        result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
+        self.commands = []
+        self.refs = []
+        for rank, actor in enumerate(self.actors):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            command_port = sock.bind_to_random_port(f"tcp://{my_ip}")
+            self.commands.append(sock)
+            args = WorkerArgs(config, f"parashift-worker-dp{dp_rank}-tp{rank}", rank, tp,
+                              f"tcp://{head_ip}:{port}", f"tcp://{my_ip}:{command_port}",
+                              f"tcp://{my_ip}:{result_port}", [], 0 if gpu else None, log_level)
+            self.refs.append(actor.run.remote(args))
+
+    def check_health(self) -> None:
+        import ray
+
+        done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        for ref in done:
+            rank = self.refs.index(ref)
+            try:
+                ray.get(ref)
+                reason = "returned"
+            except Exception as e:  # RayActorError, a worker's exception
+                reason = str(e).splitlines()[0][:200]
+            raise WorkerDiedError(f"worker tp{rank} (Ray actor) stopped: {reason}")
+
+    def _alive(self) -> bool:
+        import ray
+
+        done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return not done
+
+    def _cleanup_call(self) -> tuple:
+        return _kill_actors, self.actors, self.ctx, self.dir
+
+
+def _kill_actors(actors: list, ctx: zmq.Context, folder: str) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception as e:  # already gone
+            logger.debug("ray.kill: %s", e)
+    ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)

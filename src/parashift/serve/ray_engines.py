@@ -1,0 +1,189 @@
+"""`parashift run --backend ray`: the engine cores (and their tp workers) as Ray actors, one
+placement group per data-parallel rank -- bundle 0 for the engine core, bundles 1..tp for the
+workers (tp1: the engine core runs the model in bundle 0). Same interface as LocalEngines, so
+the launcher, API servers and coordinator stay on this (the head) node unchanged; the
+engines join the launcher's handshake over TCP, its address travelling in the actor call.
+A cluster too small for the strategy is refused at once, naming what is missing."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+from parashift.config import EngineConfig
+from parashift.serve.local_engines import EngineDeath
+
+logger = logging.getLogger(__name__)
+
+# Ray must keep to 127.0.0.1 on a machine without a cluster network, in every process.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+PLACEMENT_TIMEOUT_S = 30.0
+
+
+class RayStartupError(ValueError):
+    """The cluster cannot hold the strategy (a user error, reported like a bad flag)."""
+
+
+def rank_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    """One rank's placement-group bundles: the engine core, then one per tp x pp worker."""
+    workers = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    gpu = config.device.device != "cpu"
+    if workers == 1:
+        return [{"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}]
+    return [{"CPU": 1.0}] + [{"GPU": 1.0} if gpu else {"CPU": 1.0}] * workers
+
+
+def connect(address: str | None, bundles: list[dict[str, float]], num_ranks: int) -> bool:
+    """Joins the cluster at `address` / RAY_ADDRESS, or starts a local one sized for the
+    strategy. Returns whether this process started it (and must stop it)."""
+    os.environ.update({k: os.environ.get(k, v) for k, v in RAY_ENV.items()})
+    try:
+        import ray
+    except ImportError:
+        raise RayStartupError("--backend ray needs Ray: pip install 'parashift[ray]'") from None
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": dict(RAY_ENV)}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return False
+    cpus = math.ceil(num_ranks * sum(b.get("CPU", 0.0) for b in bundles))
+    gpus = math.ceil(num_ranks * sum(b.get("GPU", 0.0) for b in bundles))
+    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+             runtime_env=runtime_env, log_to_driver=True)
+    return True
+
+
+def check_capacity(strategy: str, bundles: list[dict[str, float]], num_ranks: int) -> None:
+    import ray
+
+    free = ray.available_resources()
+    need = {k: num_ranks * sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    short = [k for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
+    if short:
+        workers = num_ranks * (len(bundles) - 1) if len(bundles) > 1 else num_ranks
+        kind = "GPU" if bundles[-1].get("GPU") else "CPU"
+        raise RayStartupError(
+            f"{strategy} needs {workers} {kind} worker bundle(s) + {num_ranks} engine "
+            f"bundle(s): {need['CPU']:g} CPUs and {need['GPU']:g} GPUs; the cluster has "
+            f"{free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free")
+
+
+class _EngineActor:
+    """An engine core (made a Ray actor class in RayEngines)."""
+
+    def run(self, rank: int, handshake_address: str, log_level: str, timeout: float) -> None:
+        from parashift.serve.engine_process import run_engine
+
+        run_engine(rank, handshake_address, log_level, None, timeout)
+
+
+class RayEngines:
+    def __init__(self, ranks: list[int], config: EngineConfig, strategy: str, log_level: str,
+                 handshake_timeout: float, address: str | None = None, placement: str = "pack",
+                 restart: bool = False):
+        self.ranks = ranks
+        self.handshake_address = ""  # the launcher's, once it knows this node's address
+        self.log_level = log_level
+        self.handshake_timeout = handshake_timeout
+        self.restart = restart
+        self.placement = placement
+        self.bundles = rank_bundles(config)
+        self.started_cluster = connect(address, self.bundles, len(ranks))
+        import ray
+
+        try:
+            check_capacity(strategy, self.bundles, len(ranks))
+        except RayStartupError:
+            if self.started_cluster:
+                ray.shutdown()
+            raise
+        self.node_ip = ray.util.get_node_ip_address()
+        self.groups: dict[int, object] = {}
+        self.actors: dict[int, object] = {}
+        self.refs: dict[int, object] = {}
+        self.restart_at: dict[int, float] = {}
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
+        for rank in self.ranks:
+            self.groups[rank] = placement_group(self.bundles, strategy=strategy,
+                                                name=f"parashift-dp{rank}")
+        for rank, group in self.groups.items():
+            try:
+                ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RayStartupError(
+                    f"the placement group of dp{rank} ({self.bundles}, {strategy}) was not "
+                    f"placed within {PLACEMENT_TIMEOUT_S:.0f} s: no node has room") from None
+            self._spawn(rank)
+
+    def _spawn(self, rank: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.bundles[0]
+        actor = ray.remote(_EngineActor).options(
+            name=f"parashift-engine-dp{rank}", num_cpus=bundle.get("CPU", 0.0),
+            num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.groups[rank], placement_group_bundle_index=0,
+                placement_group_capture_child_tasks=True)).remote()
+        self.actors[rank] = actor
+        self.refs[rank] = actor.run.remote(rank, self.handshake_address, self.log_level,
+                                           self.handshake_timeout)
+
+    def reap(self) -> list[EngineDeath]:
+        import ray
+
+        if not self.refs:
+            return []
+        refs = list(self.refs.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        deaths = []
+        for rank, ref in list(self.refs.items()):
+            if ref not in done:
+                continue
+            del self.refs[rank]
+            try:
+                ray.get(ref)
+                reason = "the engine actor returned"
+            except Exception as e:  # RayActorError when killed, the engine's own error
+                reason = f"Ray actor died: {str(e).splitlines()[0][:200]}"
+            deaths.append(EngineDeath(rank, 0, reason))
+            if self.restart:
+                self.restart_at[rank] = time.monotonic() + 1.0
+        return deaths
+
+    def restart_due(self) -> None:
+        now = time.monotonic()
+        for rank, when in list(self.restart_at.items()):
+            if when <= now:
+                del self.restart_at[rank]
+                logger.info("starting engine dp%d again (Ray)", rank)
+                self._spawn(rank)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor)
+            except Exception as e:  # already gone
+                logger.debug("ray.kill: %s", e)
+        for group in self.groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception as e:
+                logger.debug("remove_placement_group: %s", e)
+        self.actors.clear()
+        self.groups.clear()
+        if self.started_cluster:
+            ray.shutdown()

@@ -1,0 +1,97 @@
+"""`parashift run --backend ray`: engine cores (and tp workers) as Ray actors in one placement
+group per rank, on a local Ray cluster the launcher starts (or one the test starts)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from .conftest import TINY_ARGS, free_port, live, running_server
+from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(autouse=True)
+def ray_env(monkeypatch):
+    for key, value in RAY_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def ray_processes() -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "raylet" in cmd or "gcs_server" in cmd:
+                out.append(proc)
+    return live(out)
+
+
+def find(server, name: str) -> psutil.Process:
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        with contextlib.suppress(psutil.Error):
+            if name in (proc.info["name"] or "") or name in " ".join(proc.info["cmdline"] or []):
+                return proc
+    raise AssertionError(f"no {name} process:\n" + server.output()[-3000:])
+
+
+@pytest.mark.parametrize("strategy", ["dp2", "dp2xtp2"])
+def test_ray_backend_serves_like_mp(tiny_llama, strategy):
+    expected = greedy_texts(tiny_llama)
+    assert ray_processes() == []
+    with running_server(tiny_llama, *TINY_ARGS, "--backend", "ray", "--strategy", strategy) as s:
+        assert "placement group" in s.output()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            bodies = list(pool.map(lambda p: complete(s, p), PROMPTS))
+        assert [b["choices"][0]["text"] for b in bodies] == expected
+        assert routed(s, 0) > 0 and routed(s, 1) > 0
+        if strategy == "dp2xtp2":
+            find(s, "parashift-worker-dp1-tp1")
+        # An engine actor killed under load: its rank is reported, the other one serves.
+        find(s, "parashift-engine-dp1").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while s.get_json("/health")[0] != 503:
+            assert time.monotonic() < deadline, "the dead actor went unnoticed:\n" + s.output()
+            time.sleep(0.2)
+        assert "dp1" in s.get_json("/health")[1]["detail"]
+        for prompt, want in zip(PROMPTS[:4], expected[:4], strict=True):
+            assert complete(s, prompt)["choices"][0]["text"] == want
+    deadline = time.monotonic() + 30  # the launcher's local cluster is gone with it
+    while ray_processes():
+        assert time.monotonic() < deadline, ray_processes()
+        time.sleep(0.5)
+
+
+def test_too_small_cluster_is_refused_promptly(tiny_llama, tmp_path):
+    port = free_port()
+    env = {**os.environ, **RAY_ENV}
+    start = subprocess.run(["ray", "start", "--head", "--num-cpus", "3", "--port", str(port),
+                            "--include-dashboard", "false", "--node-ip-address", "127.0.0.1",
+                            "--temp-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert start.returncode == 0, start.stderr
+    try:
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "parashift.cli", "run", tiny_llama, *TINY_ARGS,
+             "--port", str(free_port()), "--backend", "ray", "--ray-address",
+             f"127.0.0.1:{port}", "--strategy", "dp2xtp2"],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "dp2xtp2 needs 4 CPU worker bundle(s) + 2 engine bundle(s)" in done.stderr
+        assert "the cluster has 3 CPUs" in done.stderr
+        assert time.monotonic() - began < 60
+    finally:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120, env=env)
