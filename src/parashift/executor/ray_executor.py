@@ -36,10 +36,11 @@ class _WorkerActor:
         run_worker(args)
 
 
-def worker_actor_class():
+def worker_actor_class(name: str):
+    """Ray titles the process after the class ("ray::ParashiftWorkerDp0Tp1.run")."""
     import ray
 
-    return ray.remote(_WorkerActor)
+    return ray.remote(type(name, (_WorkerActor,), {}))
 
 
 class RayExecutor(MultiprocExecutor):
@@ -53,8 +54,7 @@ class RayExecutor(MultiprocExecutor):
         if pg is None:
             raise RuntimeError("the Ray executor runs inside an engine actor's placement group")
         gpu = config.device.device != "cpu"
-        actor_cls = worker_actor_class()
-        self.actors = [actor_cls.options(
+        self.actors = [worker_actor_class(f"ParashiftWorkerDp{dp_rank}Tp{rank}").options(
             name=f"parashift-worker-dp{dp_rank}-tp{rank}",
             num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -127,7 +127,9 @@ class RayEngines:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundles[0]
-        actor = ray.remote(_EngineActor).options(
+        # Ray titles the process after the class ("ray::ParashiftEngineDp1.run"): one per rank.
+        cls = type(f"ParashiftEngineDp{rank}", (_EngineActor,), {})
+        actor = ray.remote(cls).options(
             name=f"parashift-engine-dp{rank}", num_cpus=bundle.get("CPU", 0.0),
             num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
