@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -74,24 +75,49 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
         time.sleep(0.5)
 
 
-def test_too_small_cluster_is_refused_promptly(tiny_llama):
-    port = free_port()
+def test_an_existing_cluster_too_small_planned_and_left_clean(tiny_llama):
+    """A cluster started like a user would (`ray start --head --num-cpus 3`): dp2xtp2 is
+    refused at once naming what is missing, `plan --backend ray` places dp2 on its node, and
+    a dp2 server leaves no actor or placement group behind."""
     env = {**os.environ, **RAY_ENV}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    start = subprocess.run([ray_cli, "start", "--head", "--num-cpus", "3", "--port", str(port),
-                            "--include-dashboard", "false"],
+    start = subprocess.run([ray_cli, "start", "--head", "--num-cpus", "3", "--port",
+                            str(free_port()), "--include-dashboard", "false"],
                            capture_output=True, text=True, timeout=120, env=env)
     assert start.returncode == 0, start.stderr
+    cli = [sys.executable, "-m", "parashift.cli"]
     try:
         began = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "parashift.cli", "run", tiny_llama, *TINY_ARGS,
-             "--port", str(free_port()), "--backend", "ray", "--ray-address", "auto",
-             "--strategy", "dp2xtp2"],
+            [*cli, "run", tiny_llama, *TINY_ARGS, "--port", str(free_port()), "--backend",
+             "ray", "--ray-address", "auto", "--strategy", "dp2xtp2"],
             capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 2, done.stderr[-3000:]
         assert "dp2xtp2 needs 4 CPU worker bundle(s) + 2 engine bundle(s)" in done.stderr
         assert "the cluster has 3 CPUs" in done.stderr
         assert time.monotonic() - began < 60
+
+        plan = subprocess.run([*cli, "plan", tiny_llama, "--strategy", "dp2", "--backend",
+                               "ray", "--ray-address", "auto", "--json"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        placement = json.loads(plan.stdout)["ray_placement"]
+        assert [p["node"] is not None for p in placement] == [True, True], plan.stdout
+
+        with running_server(tiny_llama, *TINY_ARGS, "--backend", "ray", "--ray-address",
+                            "auto", "--strategy", "dp2") as s:
+            assert complete(s, PROMPTS[0])["choices"][0]["finish_reason"] == "length"
+        check = subprocess.run([sys.executable, "-c", CHECK_CLEAN], capture_output=True,
+                               text=True, timeout=120, env=env)
+        assert check.stdout.strip() == "clean", check.stdout + check.stderr[-2000:]
     finally:
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120, env=env)
+
+
+# From the GCS tables (the state API would need the dashboard, which these clusters skip).
+CHECK_CLEAN = """
+import ray
+ray.init(address="auto", log_to_driver=False)
+groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+actors = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+print("clean" if not groups and not actors else f"left: {groups} {actors}")
+"""

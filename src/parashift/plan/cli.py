@@ -72,6 +72,9 @@ def plan(
                          ] = "throughput",
     slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON document")] = False,
+    backend: Annotated[str, typer.Option(help="ray: where each rank would go on the cluster")
+                       ] = "mp",
+    ray_address: Annotated[str | None, typer.Option("--ray-address")] = None,
 ) -> None:
     """Dry-run a topology: mesh, memory, KV capacity, communication, estimates."""
     from rich.console import Console
@@ -127,9 +130,39 @@ def plan(
     if spec.world_size > n:
         fail(f"strategy {spec} needs {spec.world_size} devices; --devices is {n}")
     result = make_plan(shape, spec, settings)
+    doc = report.to_json(result, settings)
+    if backend == "ray":
+        doc["ray_placement"] = _ray_placement(spec, settings, ray_address, console, as_json)
+    elif backend != "mp":
+        fail(f"--backend {backend!r}: use mp or ray")
     if as_json:
-        typer.echo(json.dumps(report.to_json(result, settings), indent=2))
+        typer.echo(json.dumps(doc, indent=2))
     else:
         report.show(result, settings, console)
     if not result.fits:
         raise typer.Exit(1)
+
+
+def _ray_placement(spec, settings, address, console, quiet: bool) -> list[dict]:
+    """Where `parashift run --backend ray` would put each rank on the connected cluster."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from parashift.plan.ray_nodes import cluster_nodes, place
+    from parashift.ray_cluster import rank_bundles
+
+    try:
+        nodes = cluster_nodes(address)
+    except ConnectionError as e:
+        fail(f"--ray-address {address or 'auto'}: {e}")
+    bundles = rank_bundles(spec.size("tp") * spec.size("pp"), settings.device.is_gpu)
+    placements = place(nodes, bundles, spec.size("dp"))
+    if not quiet:
+        table = Table(title=f"Ray placement ({len(nodes)} node(s))")
+        for col in ("dp rank", "node", "bundles"):
+            table.add_column(col)
+        for p in placements:
+            table.add_row(str(p.rank), p.node or "[red]no node has room[/]", str(p.bundles))
+        console.print(table)
+    return [dataclasses.asdict(p) for p in placements]

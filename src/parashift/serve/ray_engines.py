@@ -8,67 +8,15 @@ A cluster too small for the strategy is refused at once, naming what is missing.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 
 from parashift.config import EngineConfig
+from parashift.ray_cluster import RayStartupError, check_capacity, connect, rank_bundles
 from parashift.serve.local_engines import EngineDeath
 
 logger = logging.getLogger(__name__)
 
-# Ray must keep to 127.0.0.1 on a machine without a cluster network, in every process.
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 PLACEMENT_TIMEOUT_S = 30.0
-
-
-class RayStartupError(ValueError):
-    """The cluster cannot hold the strategy (a user error, reported like a bad flag)."""
-
-
-def rank_bundles(config: EngineConfig) -> list[dict[str, float]]:
-    """One rank's placement-group bundles: the engine core, then one per tp x pp worker."""
-    workers = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-    gpu = config.device.device != "cpu"
-    if workers == 1:
-        return [{"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}]
-    return [{"CPU": 1.0}] + [{"GPU": 1.0} if gpu else {"CPU": 1.0}] * workers
-
-
-def connect(address: str | None, bundles: list[dict[str, float]], num_ranks: int) -> bool:
-    """Joins the cluster at `address` / RAY_ADDRESS, or starts a local one sized for the
-    strategy. Returns whether this process started it (and must stop it)."""
-    os.environ.update({k: os.environ.get(k, v) for k, v in RAY_ENV.items()})
-    try:
-        import ray
-    except ImportError:
-        raise RayStartupError("--backend ray needs Ray: pip install 'parashift[ray]'") from None
-    address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": dict(RAY_ENV)}
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return False
-    cpus = math.ceil(num_ranks * sum(b.get("CPU", 0.0) for b in bundles))
-    gpus = math.ceil(num_ranks * sum(b.get("GPU", 0.0) for b in bundles))
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True)
-    return True
-
-
-def check_capacity(strategy: str, bundles: list[dict[str, float]], num_ranks: int) -> None:
-    import ray
-
-    free = ray.available_resources()
-    need = {k: num_ranks * sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
-    short = [k for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
-    if short:
-        workers = num_ranks * (len(bundles) - 1) if len(bundles) > 1 else num_ranks
-        kind = "GPU" if bundles[-1].get("GPU") else "CPU"
-        raise RayStartupError(
-            f"{strategy} needs {workers} {kind} worker bundle(s) + {num_ranks} engine "
-            f"bundle(s): {need['CPU']:g} CPUs and {need['GPU']:g} GPUs; the cluster has "
-            f"{free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free")
-
 
 class _EngineActor:
     """An engine core (made a Ray actor class in RayEngines)."""
@@ -89,7 +37,9 @@ class RayEngines:
         self.handshake_timeout = handshake_timeout
         self.restart = restart
         self.placement = placement
-        self.bundles = rank_bundles(config)
+        par = config.parallel
+        self.bundles = rank_bundles(par.tensor_parallel_size * par.pipeline_parallel_size,
+                                    config.device.device != "cpu")
         self.started_cluster = connect(address, self.bundles, len(ranks))
         import ray
 
