@@ -26,19 +26,53 @@ class EngineDeath:
     reason: str
 
 
-class LocalEngines:
+class RestartPolicy:
+    """When a dead rank starts again (with restart on): after 1 s, doubling for each quick
+    death in a row up to 30 s; a rank that lived a minute starts from 1 s again. Subclasses
+    provide `_spawn(rank)` and call `_spawned` / `_schedule_restart`."""
+
+    def __init__(self, restart: bool):
+        self.restart = restart
+        self.started_at: dict[int, float] = {}
+        self.restart_delay: dict[int, float] = {}
+        self.restart_at: dict[int, float] = {}  # dead ranks waiting for their restart
+
+    def _spawn(self, rank: int) -> None:
+        raise NotImplementedError
+
+    def _spawned(self, rank: int) -> None:
+        self.started_at[rank] = time.monotonic()
+
+    def _schedule_restart(self, rank: int) -> None:
+        if not self.restart:
+            return
+        lived = time.monotonic() - self.started_at.get(rank, 0.0)
+        previous = self.restart_delay.get(rank)
+        delay = (FIRST_RESTART_DELAY_S if previous is None or lived > STABLE_AFTER_S
+                 else min(MAX_RESTART_DELAY_S, 2 * previous))
+        self.restart_delay[rank] = delay
+        self.restart_at[rank] = time.monotonic() + delay
+        logger.info("restarting engine dp%d in %.0f s", rank, delay)
+
+    def restart_due(self) -> None:
+        now = time.monotonic()
+        for rank, when in list(self.restart_at.items()):
+            if when <= now:
+                del self.restart_at[rank]
+                logger.info("starting engine dp%d again", rank)
+                self._spawn(rank)
+
+
+class LocalEngines(RestartPolicy):
     def __init__(self, ranks: list[int], handshake_address: str, shares: dict[int, CpuShare],
                  log_level: str, handshake_timeout: float, restart: bool = False):
+        super().__init__(restart)
         self.ranks = ranks
         self.handshake_address = handshake_address
         self.shares = shares
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
-        self.restart = restart
         self.procs: dict[int, multiprocessing.Process] = {}
-        self.started_at: dict[int, float] = {}
-        self.restart_delay: dict[int, float] = {}
-        self.restart_at: dict[int, float] = {}  # dead ranks waiting for their restart
         self._mp = multiprocessing.get_context("spawn")
 
     def start(self) -> None:
@@ -51,7 +85,7 @@ class LocalEngines:
             self.handshake_timeout))
         proc.start()
         self.procs[rank] = proc
-        self.started_at[rank] = time.monotonic()
+        self._spawned(rank)
 
     def reap(self) -> list[EngineDeath]:
         """Ranks that died since the last call; with restart on, each gets a restart time."""
@@ -61,23 +95,8 @@ class LocalEngines:
                 continue
             del self.procs[rank]
             deaths.append(EngineDeath(rank, proc.pid, f"process exited with code {proc.exitcode}"))
-            if self.restart:
-                lived = time.monotonic() - self.started_at[rank]
-                previous = self.restart_delay.get(rank)
-                delay = (FIRST_RESTART_DELAY_S if previous is None or lived > STABLE_AFTER_S
-                         else min(MAX_RESTART_DELAY_S, 2 * previous))
-                self.restart_delay[rank] = delay
-                self.restart_at[rank] = time.monotonic() + delay
-                logger.info("restarting engine dp%d in %.0f s", rank, delay)
+            self._schedule_restart(rank)
         return deaths
-
-    def restart_due(self) -> None:
-        now = time.monotonic()
-        for rank, when in list(self.restart_at.items()):
-            if when <= now:
-                del self.restart_at[rank]
-                logger.info("starting engine dp%d again", rank)
-                self._spawn(rank)
 
     def stop(self, timeout: float = 10.0) -> None:
         procs = list(self.procs.values())

@@ -8,11 +8,10 @@ A cluster too small for the strategy is refused at once, naming what is missing.
 from __future__ import annotations
 
 import logging
-import time
 
 from parashift.config import EngineConfig
 from parashift.ray_cluster import RayStartupError, check_capacity, connect, rank_bundles
-from parashift.serve.local_engines import EngineDeath
+from parashift.serve.local_engines import EngineDeath, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +26,15 @@ class _EngineActor:
         run_engine(rank, handshake_address, log_level, None, timeout)
 
 
-class RayEngines:
+class RayEngines(RestartPolicy):
     def __init__(self, ranks: list[int], config: EngineConfig, strategy: str, log_level: str,
                  handshake_timeout: float, address: str | None = None, placement: str = "pack",
                  restart: bool = False):
+        super().__init__(restart)
         self.ranks = ranks
         self.handshake_address = ""  # the launcher's, once it knows this node's address
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
-        self.restart = restart
         self.placement = placement
         par = config.parallel
         self.bundles = rank_bundles(par.tensor_parallel_size * par.pipeline_parallel_size,
@@ -53,7 +52,6 @@ class RayEngines:
         self.groups: dict[int, object] = {}
         self.actors: dict[int, object] = {}
         self.refs: dict[int, object] = {}
-        self.restart_at: dict[int, float] = {}
 
     def start(self) -> None:
         import ray
@@ -88,6 +86,7 @@ class RayEngines:
         self.actors[rank] = actor
         self.refs[rank] = actor.run.remote(rank, self.handshake_address, self.log_level,
                                            self.handshake_timeout)
+        self._spawned(rank)
 
     def reap(self) -> list[EngineDeath]:
         import ray
@@ -107,17 +106,8 @@ class RayEngines:
             except Exception as e:  # RayActorError when killed, the engine's own error
                 reason = f"Ray actor died: {str(e).splitlines()[0][:200]}"
             deaths.append(EngineDeath(rank, 0, reason))
-            if self.restart:
-                self.restart_at[rank] = time.monotonic() + 1.0
+            self._schedule_restart(rank)
         return deaths
-
-    def restart_due(self) -> None:
-        now = time.monotonic()
-        for rank, when in list(self.restart_at.items()):
-            if when <= now:
-                del self.restart_at[rank]
-                logger.info("starting engine dp%d again (Ray)", rank)
-                self._spawn(rank)
 
     def stop(self, timeout: float = 10.0) -> None:
         import ray
