@@ -1,6 +1,7 @@
-"""`parashift plan --backend ray`: which node of the connected Ray cluster each rank's
-placement group would land on (first fit, a rank's bundles packed on one node, as
-`parashift run --backend ray` asks for them), read from `ray.nodes()`; nothing is launched."""
+"""Which node of a Ray cluster each data-parallel rank's placement group goes to: a rank's
+bundles packed on one node, the ranks spread over the nodes (the least used node with room
+first). `parashift run --backend ray` asks Ray for exactly this placement and `parashift
+plan --backend ray` prints it from `ray.nodes()` without launching anything."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 class RankPlacement:
     rank: int
     node: str | None  # node address, None when no node has room
+    node_id: str | None
     bundles: list[dict[str, float]]
 
 
@@ -23,23 +25,30 @@ def cluster_nodes(address: str | None) -> list[dict]:
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
              log_to_driver=False, logging_level="ERROR")
     try:
-        return [{"address": n["NodeManagerAddress"], "resources": dict(n["Resources"])}
-                for n in ray.nodes() if n.get("Alive")]
+        return alive_nodes(ray)
     finally:
         ray.shutdown()
+
+
+def alive_nodes(ray) -> list[dict]:
+    return [{"address": n["NodeManagerAddress"], "node_id": n["NodeID"],
+             "resources": dict(n["Resources"])} for n in ray.nodes() if n.get("Alive")]
 
 
 def place(nodes: list[dict], bundles: list[dict[str, float]], num_ranks: int
           ) -> list[RankPlacement]:
     free = [dict(n["resources"]) for n in nodes]
+    used = [0] * len(nodes)
     need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
     out = []
     for rank in range(num_ranks):
-        spot = next((i for i, f in enumerate(free)
-                     if all(f.get(k, 0.0) + 1e-9 >= v for k, v in need.items())), None)
+        room = [i for i, f in enumerate(free)
+                if all(f.get(k, 0.0) + 1e-9 >= v for k, v in need.items())]
+        spot = min(room, key=lambda i: (used[i], i)) if room else None
         if spot is not None:
+            used[spot] += 1
             for k, v in need.items():
                 free[spot][k] = free[spot].get(k, 0.0) - v
-        out.append(RankPlacement(rank, None if spot is None else nodes[spot]["address"],
-                                 bundles))
+        node = nodes[spot] if spot is not None else {}
+        out.append(RankPlacement(rank, node.get("address"), node.get("node_id"), bundles))
     return out

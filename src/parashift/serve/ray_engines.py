@@ -57,10 +57,15 @@ class RayEngines(RestartPolicy):
         import ray
         from ray.util.placement_group import placement_group
 
+        from parashift.plan.ray_nodes import alive_nodes, place
+
         strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
-        for rank in self.ranks:
+        # DP ranks spread over the nodes (the same choice `plan --backend ray` shows).
+        targets = place(alive_nodes(ray), self.bundles, len(self.ranks))
+        for rank, target in zip(self.ranks, targets, strict=True):
             self.groups[rank] = placement_group(self.bundles, strategy=strategy,
-                                                name=f"parashift-dp{rank}")
+                                                name=f"parashift-dp{rank}",
+                                                _soft_target_node_id=target.node_id)
         for rank, group in self.groups.items():
             try:
                 ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
