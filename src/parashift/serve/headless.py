@@ -26,6 +26,7 @@ class HeadlessLauncher:
         self.args = args
         self.config = args.engine.create_config()  # validates flags, converts a GGUF once
         self.local_ranks = args.local_ranks(self.config.parallel.data_parallel_size)
+        args.check_backend()  # --backend ray places ranks itself: no headless nodes
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
         self.engines = LocalEngines(self.local_ranks, self.head,

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 30.0
 
+
 class _EngineActor:
     """An engine core (made a Ray actor class in RayEngines)."""
 
@@ -45,8 +46,7 @@ class RayEngines(RestartPolicy):
         try:
             check_capacity(strategy, self.bundles, len(ranks))
         except RayStartupError:
-            if self.started_cluster:
-                ray.shutdown()
+            ray.shutdown()  # a local instance stops; from a cluster we only disconnect
             raise
         self.node_ip = ray.util.get_node_ip_address()
         self.groups: dict[int, object] = {}
