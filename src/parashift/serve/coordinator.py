@@ -80,9 +80,9 @@ class Coordinator:
         for rank, incarnation in silent:
             reason = f"no heartbeat for {self.heartbeat_timeout:g} s"
             logger.error("engine dp%d: %s; declaring it dead", rank, reason)
-            self.publish.send(p.encode(p.EngineDead(rank, reason, incarnation)))
             del self.last_seen[rank]  # until a new incarnation heartbeats
-            self.load[rank] = p.EngineLoad(rank, 0, 0, 0.0)
+            self.load[rank] = p.EngineLoad(rank, 0, 0, 0.0)  # a dead rank carries no load
+            self.publish.send(p.encode(p.EngineDead(rank, reason, incarnation)))
         return bool(silent)
 
     def close(self) -> None:
