@@ -43,7 +43,6 @@ def split_cores(cores: list[int], parts: int) -> list[list[int]]:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, worker_cpu_ids: list[list[int]] | None = None,
                  log_level: str = "INFO", startup_timeout: float = 600.0):
-        self.config = config
         tp = config.parallel.tensor_parallel_size
         self._start_workers(config, worker_cpu_ids, log_level)
         # However this executor ends (even unreferenced, or at exit), no worker outlives it.

@@ -4,7 +4,6 @@ part, KV bytes per token -- counted the way the engine lays them out over tp ran
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -133,7 +132,3 @@ def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
     """Layers split as evenly as possible, the extra ones on the first stages."""
     base, extra = divmod(num_layers, pp)
     return base + (1 if stage < extra else 0)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
