@@ -50,3 +50,47 @@ def test_parse_size():
     assert parse_size("2GiB", "--x") == 2 << 30
     assert parse_size("512MiB", "--x") == 512 << 20
     assert parse_size("1000", "--x") == 1000
+
+
+def test_engine_options_become_one_engine_args():
+    import typer
+    from typer.testing import CliRunner
+
+    from parashift.cli_options import engine_options
+    from parashift.engine.args import EngineArgs
+
+    seen = {}
+
+    @engine_options
+    def command(engine_args, repeat: int = 1) -> None:
+        seen.update(engine_args=engine_args, repeat=repeat)
+
+    app = typer.Typer()
+    app.command()(command)
+    result = CliRunner().invoke(app, ["my-model", "--repeat", "3", "-dp", "2", "--threads", "1",
+                                      "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching"])
+    assert result.exit_code == 0, result.output
+    assert seen["repeat"] == 3
+    assert seen["engine_args"] == EngineArgs(model="my-model", data_parallel_size=2,
+                                             num_threads=1, kv_cache_memory=2**30,
+                                             enable_prefix_caching=False)
+
+
+def test_every_engine_command_takes_every_engine_flag():
+    from typer.main import get_command
+
+    from parashift.cli import app
+
+    root = get_command(app)
+    bench = root.commands["bench"]
+    commands = {"run": root.commands["run"], "generate": root.commands["generate"],
+                "bench throughput": bench.commands["throughput"],
+                "bench latency": bench.commands["latency"]}
+    flags = {"--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+             "--block-size", "--kv-cache-memory", "--gpu-memory-utilization",
+             "--enable-prefix-caching", "--threads", "--strategy", "-dp", "-tp", "-pp",
+             "--enable-expert-parallel"}
+    for name, command in commands.items():
+        opts = {opt for param in command.params for opt in param.opts}
+        assert flags <= opts, (name, flags - opts)
+        assert command.params[0].name == "model", name  # MODEL stays the first argument

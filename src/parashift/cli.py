@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from parashift import env
 from parashift.bench.cli import bench_app
-from parashift.cli_options import (
-    BlockSize,
-    DataParallel,
-    Dtype,
-    ExpertParallel,
-    GpuMemoryUtilization,
-    KvCacheMemory,
-    MaxBatchedTokens,
-    MaxModelLen,
-    MaxNumSeqs,
-    ModelArg,
-    PipelineParallel,
-    PrefixCaching,
-    Strategy,
-    TensorParallel,
-    Threads,
-    fail,
-    make_engine_args,
-    setup_logging,
-)
+from parashift.cli_options import engine_options, fail, setup_logging
 from parashift.plan.cli import plan
+
+if TYPE_CHECKING:
+    from parashift.engine.args import EngineArgs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parashift: LLM inference whose parallel layout is a plugin.")
@@ -44,8 +28,9 @@ def _root() -> None:
 
 
 @app.command()
+@engine_options
 def generate(
-    model: ModelArg = None,
+    engine_args: EngineArgs,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p",
                                                      help="repeat for a batch")] = None,
     chat: Annotated[bool, typer.Option(help="apply the model's chat template")] = False,
@@ -59,30 +44,11 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 128,
-    max_num_batched_tokens: MaxBatchedTokens = None,
-    block_size: BlockSize = 16,
-    kv_cache_memory: KvCacheMemory = None,
-    gpu_memory_utilization: GpuMemoryUtilization = 0.9,
-    enable_prefix_caching: PrefixCaching = True,
-    threads: Threads = None,
-    strategy: Strategy = None,
-    data_parallel_size: DataParallel = None,
-    tensor_parallel_size: TensorParallel = None,
-    pipeline_parallel_size: PipelineParallel = None,
-    enable_expert_parallel: ExpertParallel = False,
 ) -> None:
     """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
     setup_logging()
     if not prompt:
         fail("give at least one --prompt")
-    engine_args = make_engine_args(model, dtype, max_model_len, max_num_seqs,
-                                   max_num_batched_tokens, block_size, kv_cache_memory,
-                                   gpu_memory_utilization, enable_prefix_caching, threads,
-                                   strategy, data_parallel_size, tensor_parallel_size,
-                                   pipeline_parallel_size, enable_expert_parallel)
     from parashift import LLM, SamplingParams
 
     try:
@@ -120,8 +86,9 @@ def generate(
 
 
 @app.command()
+@engine_options
 def run(
-    model: ModelArg = None,
+    engine_args: EngineArgs,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: int = 8000,
     api_server_count: Annotated[int, typer.Option("--api-server-count")] = 1,
@@ -131,21 +98,7 @@ def run(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
                                                     help="seconds to drain on SIGTERM")] = 10.0,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout")] = 600.0,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 128,
-    max_num_batched_tokens: MaxBatchedTokens = None,
-    block_size: BlockSize = 16,
-    kv_cache_memory: KvCacheMemory = None,
-    gpu_memory_utilization: GpuMemoryUtilization = 0.9,
-    enable_prefix_caching: PrefixCaching = True,
-    seed: int = 0,
-    threads: Threads = None,
-    strategy: Strategy = None,
-    data_parallel_size: DataParallel = None,
-    tensor_parallel_size: TensorParallel = None,
-    pipeline_parallel_size: PipelineParallel = None,
-    enable_expert_parallel: ExpertParallel = False,
+    seed: Annotated[int, typer.Option(help="the engines' random state (unseeded sampling)")] = 0,
     data_parallel_size_local: Annotated[int | None, typer.Option(
         "--data-parallel-size-local", "-dpl", help="dp ranks on this node (multi-node)")] = None,
     data_parallel_start_rank: Annotated[int, typer.Option(
@@ -171,11 +124,7 @@ def run(
     setup_logging()
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
-    engine_args = make_engine_args(model, dtype, max_model_len, max_num_seqs,
-                                   max_num_batched_tokens, block_size, kv_cache_memory,
-                                   gpu_memory_utilization, enable_prefix_caching, threads,
-                                   strategy, data_parallel_size, tensor_parallel_size,
-                                   pipeline_parallel_size, enable_expert_parallel, seed)
+    engine_args.seed = seed
     from parashift.serve.launcher import run as run_server
     from parashift.serve.node import ServeArgs
 

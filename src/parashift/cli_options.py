@@ -1,12 +1,15 @@
 """Command-line pieces shared by `parashift run`, `generate` and `bench`: vLLM's engine flags
-as typer option types, and turning them into EngineArgs."""
+as typer option types, and `engine_options`, which gives a command all of them at once."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import re
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -35,37 +38,60 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-# Engine flags shared by `generate` and `run` (vLLM's names).
 ModelArg = Annotated[str | None, typer.Argument(
     help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")]
-Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
-MaxModelLen = Annotated[int | None, typer.Option("--max-model-len")]
-MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs")]
-MaxBatchedTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens")]
-BlockSize = Annotated[int, typer.Option("--block-size")]
-KvCacheMemory = Annotated[str | None, typer.Option(
-    "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")]
-GpuMemoryUtilization = Annotated[float, typer.Option("--gpu-memory-utilization")]
-PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")]
-Threads = Annotated[int | None, typer.Option(help="CPU threads for torch")]
-Strategy = Annotated[str | None, typer.Option(
-    help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")]
-DataParallel = Annotated[int | None, typer.Option("--data-parallel-size", "-dp")]
-TensorParallel = Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp")]
-PipelineParallel = Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp")]
-ExpertParallel = Annotated[bool, typer.Option("--enable-expert-parallel")]
+
+# vLLM's engine flags, which every command that starts an engine takes:
+# (EngineArgs field, typer type, default).
+_ENGINE_FLAGS: list[tuple[str, Any, Any]] = [
+    ("dtype", Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")], "auto"),
+    ("max_model_len", Annotated[int | None, typer.Option("--max-model-len")], None),
+    ("max_num_seqs", Annotated[int, typer.Option("--max-num-seqs")], 128),
+    ("max_num_batched_tokens", Annotated[int | None, typer.Option("--max-num-batched-tokens")],
+     None),
+    ("block_size", Annotated[int, typer.Option("--block-size")], 16),
+    ("kv_cache_memory", Annotated[str | None, typer.Option(
+        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")], None),
+    ("gpu_memory_utilization", Annotated[float, typer.Option("--gpu-memory-utilization")], 0.9),
+    ("enable_prefix_caching", Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching")], True),
+    ("num_threads", Annotated[int | None, typer.Option(
+        "--threads", help="CPU threads for torch")], None),
+    ("strategy", Annotated[str | None, typer.Option(
+        help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")], None),
+    ("data_parallel_size", Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],
+     None),
+    ("tensor_parallel_size", Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "-tp")], None),
+    ("pipeline_parallel_size", Annotated[int | None, typer.Option(
+        "--pipeline-parallel-size", "-pp")], None),
+    ("enable_expert_parallel", Annotated[bool, typer.Option("--enable-expert-parallel")], False),
+]
 
 
-def make_engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                     block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                     threads, strategy, dp, tp, pp, ep, seed: int = 0):
-    from parashift.engine.args import EngineArgs
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a typer command the MODEL argument (first) and the engine flags (last). The command
+    declares `engine_args` instead and receives them as one EngineArgs."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    # Annotations are strings here (PEP 563); `engine_args` names a type only imported for
+    # type checkers, so it is left out before the others are evaluated, as typer needs them.
+    own = [p.replace(annotation=eval(p.annotation, command.__globals__))
+           if isinstance(p.annotation, str) else p
+           for p in inspect.signature(command).parameters.values() if p.name != "engine_args"]
+    engine = [inspect.Parameter("model", kind, annotation=ModelArg, default=None)]
+    engine += [inspect.Parameter(name, kind, annotation=type_, default=default)
+               for name, type_, default in _ENGINE_FLAGS]
 
-    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
-    return EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len,
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      block_size=block_size, kv_cache_memory=kv_bytes,
-                      gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=enable_prefix_caching, seed=seed, num_threads=threads,
-                      strategy=strategy, data_parallel_size=dp, tensor_parallel_size=tp,
-                      pipeline_parallel_size=pp, enable_expert_parallel=ep)
+    @functools.wraps(command)
+    def with_engine_args(**kwargs: Any) -> Any:
+        from parashift.engine.args import EngineArgs
+
+        values = {p.name: kwargs.pop(p.name) for p in engine}
+        if values["kv_cache_memory"] is not None:
+            values["kv_cache_memory"] = parse_size(values["kv_cache_memory"], "--kv-cache-memory")
+        return command(engine_args=EngineArgs(**values), **kwargs)
+
+    params = [engine[0], *own, *engine[1:]]
+    with_engine_args.__signature__ = inspect.Signature(params)  # what typer reads
+    with_engine_args.__annotations__ = {p.name: p.annotation for p in params}
+    return with_engine_args

@@ -78,6 +78,13 @@ def test_bad_throughput_input_names_the_flag(tiny_llama, args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
+def test_latency_batch_above_max_num_seqs_names_both_flags(tiny_llama):
+    done = bench("latency", tiny_llama, *ENGINE, "--batch-size", "9", "--max-num-seqs", "8",
+                 timeout=120)
+    assert done.returncode == 2
+    assert "--batch-size 9 is above --max-num-seqs 8" in done.stderr, done.stderr[-2000:]
+
+
 def test_serve_with_nothing_listening_fails_clearly():
     done = bench("serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2",
                  timeout=120)

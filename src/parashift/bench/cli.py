@@ -4,7 +4,7 @@ machine, results, per-request records) and --plot FILE.png, and prints a one-scr
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,35 +21,18 @@ from parashift.bench.options import (
     workload,
 )
 from parashift.bench.serve_cli import serve, sweep
-from parashift.cli_options import (
-    DataParallel,
-    Dtype,
-    KvCacheMemory,
-    MaxBatchedTokens,
-    MaxModelLen,
-    MaxNumSeqs,
-    ModelArg,
-    Strategy,
-    TensorParallel,
-    Threads,
-    fail,
-    make_engine_args,
-    setup_logging,
-)
+from parashift.cli_options import engine_options, fail, setup_logging
+
+if TYPE_CHECKING:
+    from parashift.engine.args import EngineArgs
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput, latency, serving.")
 
 
-def _engine(model, dtype, strategy, dp, tp, max_model_len, max_num_seqs,
-            max_num_batched_tokens, kv_cache_memory, threads):
-    return make_engine_args(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                            16, kv_cache_memory, 0.9, True, threads, strategy, dp, tp, None,
-                            False)
-
-
 @bench_app.command()
+@engine_options
 def throughput(
-    model: ModelArg = None,
+    engine_args: EngineArgs,
     num_prompts: NumPrompts = 64,
     input_len: InputLen = None,
     output_len: OutputLen = None,
@@ -62,15 +45,6 @@ def throughput(
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
-    dtype: Dtype = "auto",
-    strategy: Strategy = None,
-    data_parallel_size: DataParallel = None,
-    tensor_parallel_size: TensorParallel = None,
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 128,
-    max_num_batched_tokens: MaxBatchedTokens = None,
-    kv_cache_memory: KvCacheMemory = None,
-    threads: Threads = None,
 ) -> None:
     """Offline throughput of the engine (every DP rank for dp > 1), optionally against
     transformers on the same requests."""
@@ -83,10 +57,7 @@ def throughput(
     if hf_batch_size < 1:
         fail("--hf-batch-size must be >= 1")
     try:
-        args = _engine(model, dtype, strategy, data_parallel_size, tensor_parallel_size,
-                       max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-                       threads)
-        config = args.create_config()
+        config = engine_args.create_config()
         requests = workload(num_prompts, input_len, output_len, input_len_range,
                              output_len_range, dataset, seed, _tokenizer(config.model),
                              config.model.vocab_size)
@@ -95,8 +66,8 @@ def throughput(
     tokens = sum(r.prompt_len + r.output_len for r in requests)
     out_tokens = sum(r.output_len for r in requests)
     typer.echo(f"{len(requests)} requests, {tokens} tokens ({out_tokens} output); "
-               f"strategy {args.strategy_spec()}")
-    elapsed = run_throughput(args, requests)
+               f"strategy {engine_args.strategy_spec()}")
+    elapsed = run_throughput(engine_args, requests)
     results = {"parashift": _rates(elapsed, len(requests), tokens, out_tokens)}
     if baseline == "hf":
         from parashift.bench.hf_baseline import run_hf
@@ -114,7 +85,7 @@ def throughput(
     if "speedup_over_hf" in results:
         lines.append(f"parashift / hf: {results['speedup_over_hf']:.2f}x")
     typer.echo("\n".join(lines))
-    settings = {"model": config.model.path, "strategy": str(args.strategy_spec()),
+    settings = {"model": config.model.path, "strategy": str(engine_args.strategy_spec()),
                 "dtype": str(config.model.dtype), "num_prompts": len(requests),
                 "dataset": dataset, "seed": seed, "baseline": baseline}
     if save_json:
@@ -138,8 +109,9 @@ def _tokenizer(model_config):
 
 
 @bench_app.command()
+@engine_options
 def latency(
-    model: ModelArg = None,
+    engine_args: EngineArgs,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     input_len: Annotated[int, typer.Option("--input-len")] = 32,
     output_len: Annotated[int, typer.Option("--output-len")] = 128,
@@ -148,12 +120,6 @@ def latency(
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
-    dtype: Dtype = "auto",
-    strategy: Strategy = None,
-    tensor_parallel_size: TensorParallel = None,
-    max_model_len: MaxModelLen = None,
-    kv_cache_memory: KvCacheMemory = None,
-    threads: Threads = None,
 ) -> None:
     """End-to-end latency of one batch (prefill and every decode step)."""
     setup_logging()
@@ -168,12 +134,13 @@ def latency(
     if warmup < 0:
         fail("--warmup must be >= 0")
     try:
-        args = _engine(model, dtype, strategy, None, tensor_parallel_size, max_model_len, 256,
-                       None, kv_cache_memory, threads)
-        args.seed = seed
-        if args.strategy_spec().size("dp") > 1:
+        engine_args.seed = seed
+        if engine_args.strategy_spec().size("dp") > 1:
             raise ValueError("latency measures one engine: drop the dp axis")
-        latencies = run_latency(args, batch_size, input_len, output_len, iters, warmup)
+        if batch_size > engine_args.max_num_seqs:
+            raise ValueError(f"--batch-size {batch_size} is above --max-num-seqs "
+                             f"{engine_args.max_num_seqs}: one batch would take several steps")
+        latencies = run_latency(engine_args, batch_size, input_len, output_len, iters, warmup)
     except ValueError as e:
         fail(str(e))
     stats = distribution(latencies)
@@ -184,7 +151,7 @@ def latency(
     results = {"latency_ms": stats, "latencies_s": latencies}
     if save_json:
         report.save_json(save_json, "latency", {
-            "model": model, "batch_size": batch_size, "input_len": input_len,
+            "model": engine_args.model, "batch_size": batch_size, "input_len": input_len,
             "output_len": output_len, "iters": iters, "warmup": warmup, "seed": seed}, results)
     if plot:
         from parashift.bench.plots import latency_cdf
