@@ -15,7 +15,7 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import LONG_ARGS, running_server
+from .conftest import LONG_ARGS, running_server, stop
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
         "--strategy", "dp2")
@@ -114,6 +114,17 @@ def test_killed_rank_is_reported_and_the_other_serves(tiny_llama):
         status, raw = s.request("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2},
                                 headers={"X-data-parallel-rank": "1"})
         assert status == 503 and b"dp1" in raw
+
+
+def test_shutdown_declares_no_rank_dead(tiny_llama):
+    """A rank that exits seconds before its sibling is not a death: the coordinator stops
+    before the engines. dp1 is frozen, so it outlives dp0 by the launcher's whole engine
+    timeout (10 s), far past --heartbeat-timeout (2 s)."""
+    with running_server(tiny_llama, *ARGS, "--heartbeat-timeout", "2") as s:
+        complete(s, PROMPTS[0])
+        os.kill(s.engine_process(1).pid, signal.SIGSTOP)  # SIGKILL still ends it
+        assert stop(s) == 0
+        assert "engine dp0: no heartbeat" not in s.output(), s.output()[-3000:]
 
 
 def test_two_api_servers_share_the_port_and_route_outputs_back(tiny_llama, expected):

@@ -253,10 +253,12 @@ class Launcher:
             except zmq.ZMQError:
                 pass
         join_all(self.api_procs, timeout + 5)
-        self.engines.stop()
+        # The coordinator goes before the engines: with no API server left it has nobody to
+        # tell, and one engine exiting seconds before another must not be declared dead.
         if self.coordinator is not None:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
+        self.engines.stop()
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=500 if self.nodes else 0)
