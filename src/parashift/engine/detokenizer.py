@@ -4,7 +4,18 @@ For streaming, `take` hands out only text that no stop string can still claim.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from parashift.engine.outputs import EngineCoreOutput
+
+
+@dataclass
+class DetokenizedDelta:
+    text: str  # newly final text
+    finish_reason: str | None
+    stop_reason: int | str | None
+    abort: bool  # a stop string ended the sample before the engine did: abort it there
 
 
 class IncrementalDetokenizer:
@@ -40,6 +51,17 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             if self.stop and self._check_stop(before):
                 break
+
+    def apply(self, out: EngineCoreOutput) -> DetokenizedDelta:
+        """One engine delta: the text its tokens make final and how the sample ends. A stop
+        string wins over the engine's own reason (e.g. length)."""
+        self.update(out.new_token_ids)
+        finish_reason, stop_reason, abort = out.finish_reason, out.stop_reason, False
+        if self.stop_hit is not None:
+            abort = finish_reason is None
+            finish_reason, stop_reason = "stop", self.stop_hit
+        return DetokenizedDelta(self.take(finished=finish_reason is not None), finish_reason,
+                                stop_reason, abort)
 
     def take(self, finished: bool) -> str:
         """The text not handed out yet, minus a tail that could still start a stop string.

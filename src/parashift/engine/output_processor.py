@@ -63,19 +63,16 @@ class OutputProcessor:
                 lp = out.new_logprobs
                 completion.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
                 completion.cumulative_logprob += lp.logprobs[0]
-            sample.detokenizer.update(out.new_token_ids)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if sample.detokenizer.stop_hit is not None:  # a stop string wins over length
-                if finish_reason is None:
-                    result.to_abort.append(out.request_id)
-                finish_reason, stop_reason = "stop", sample.detokenizer.stop_hit
-            delta = sample.detokenizer.take(finished=finish_reason is not None)
+            delta = sample.detokenizer.apply(out)
+            if delta.abort:
+                result.to_abort.append(out.request_id)
             completion.text = sample.detokenizer.text
-            if delta:
-                result.text_deltas.append((out.request_id, delta))
-            if finish_reason is None:
+            if delta.text:
+                result.text_deltas.append((out.request_id, delta.text))
+            if delta.finish_reason is None:
                 continue
-            completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            completion.finish_reason = delta.finish_reason
+            completion.stop_reason = delta.stop_reason
             del self.samples[out.request_id]
             parent_id = sample.parent.request_id
             self.num_unfinished[parent_id] -= 1

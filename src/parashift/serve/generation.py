@@ -123,17 +123,13 @@ class Generation:
         choice.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             choice.logprobs.append(out.new_logprobs)
-        choice.detokenizer.update(out.new_token_ids)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if choice.detokenizer.stop_hit is not None:
-            if finish_reason is None:
-                self.broker.abort([child_id])
-            finish_reason, stop_reason = "stop", choice.detokenizer.stop_hit
-        finished = finish_reason is not None
+        delta = choice.detokenizer.apply(out)
+        if delta.abort:
+            self.broker.abort([child_id])
+        finished = delta.finish_reason is not None
         if finished:
-            choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
-        text = choice.detokenizer.take(finished)
-        return Delta(choice, text, 1 if out.new_logprobs is not None else 0, finished)
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return Delta(choice, delta.text, 1 if out.new_logprobs is not None else 0, finished)
 
     def abort_unfinished(self) -> None:
         for task in self._pumps:

@@ -1,0 +1,57 @@
+"""IncrementalDetokenizer.apply on a byte-level tokenizer (one token per byte): characters split
+over tokens, stop strings over token borders, and what streaming may hand out when."""
+
+from __future__ import annotations
+
+from conftest import make_tokenizer  # tests/conftest.py
+
+from parashift.engine.detokenizer import IncrementalDetokenizer
+from parashift.engine.outputs import EngineCoreOutput
+
+TOKENIZER = make_tokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def detok(stop: list[str], include_stop: bool = False) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(TOKENIZER, ids("prompt"), True, stop, include_stop)
+
+
+def out(text: str, finish_reason: str | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput("r", ids(text), finish_reason=finish_reason)
+
+
+def test_a_character_split_over_tokens_waits_for_its_last_byte():
+    d = detok([])
+    e_acute = ids("é")
+    assert len(e_acute) == 2
+    first = d.apply(EngineCoreOutput("r", [*ids("h"), e_acute[0]]))
+    assert first.text == "h" and first.finish_reason is None
+    assert d.apply(EngineCoreOutput("r", [e_acute[1]])).text == "é"
+
+
+def test_stop_string_over_token_borders_ends_the_sample_and_asks_for_an_abort():
+    d = detok(["END"])
+    held = d.apply(out("abc E"))  # the last 2 characters could start "END": held back
+    assert held.text == "abc" and not held.abort
+    assert d.apply(out("N")).text == " "
+    hit = d.apply(out("Dxyz"))
+    assert (hit.finish_reason, hit.stop_reason, hit.abort) == ("stop", "END", True)
+    assert hit.text == "" and d.text == "abc "  # nothing of the stop string, nothing after
+    assert d.apply(out("more")).text == ""  # late tokens of an aborted sample are ignored
+
+
+def test_stop_string_wins_over_length_without_an_abort():
+    d = detok(["!"], include_stop=True)
+    end = d.apply(out("hi!", finish_reason="length"))
+    assert (end.text, end.finish_reason, end.stop_reason, end.abort) == ("hi!", "stop", "!",
+                                                                         False)
+
+
+def test_finish_flushes_what_was_held_back():
+    d = detok(["STOP"])
+    assert d.apply(out("say ST")).text == "say"
+    end = d.apply(out("", finish_reason="length"))
+    assert (end.text, end.finish_reason, end.abort) == (" ST", "length", False)
