@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Tensor parallel on CPU: per-step decode latency and throughput of tp1 (one core) and tp2
 (two worker processes, one core each) on a random Llama big enough for compute and weight
-streaming to dominate, and the share of tp2's decode time spent in all-reduce.
+streaming to dominate, and the share of tp2's decode time spent in all-reduce. Every tp > 1 is
+measured twice: all-reduce through shared memory (the default) and through gloo only.
 
     python scripts/bench_tensor_parallel.py --repeat 3
     python scripts/bench_tensor_parallel.py --model /path/to/hf-folder --tp 1,2,4
@@ -46,9 +47,10 @@ def make_model(folder: str, args) -> str:
     return folder
 
 
-def measure(model: str, tp: int, args) -> dict:
+def measure(model: str, tp: int, args, shm: bool = True) -> dict:
     from parashift import LLM, SamplingParams
 
+    os.environ["PARASHIFT_SHM_ALL_REDUCE"] = "1" if shm else "0"  # read when workers start
     llm = LLM(model, dtype="float32", tensor_parallel_size=tp, max_model_len=512,
               kv_cache_memory=256 << 20, num_threads=1 if tp == 1 else None)
     prompts = [[100 + 7 * i + j for j in range(16)] for i in range(args.batch)]
@@ -74,7 +76,8 @@ def measure(model: str, tp: int, args) -> dict:
             comm_runs.append((stats["seconds"] / many, stats["calls"] / args.steps))
     llm.shutdown()
     med = statistics.median(steps)
-    out = {"tp": tp, "step_ms": [s * 1e3 for s in steps], "median_step_ms": med * 1e3,
+    out = {"tp": tp, "all_reduce": "none" if tp == 1 else "shm" if shm else "gloo",
+           "step_ms": [s * 1e3 for s in steps], "median_step_ms": med * 1e3,
            "min_step_ms": min(steps) * 1e3, "decode_tokens_per_s": args.batch / med}
     if comm_runs:
         out["allreduce_fraction"] = statistics.median(f for f, _ in comm_runs)
@@ -100,19 +103,23 @@ def main() -> int:
     folder = args.model or make_model(os.path.join(tempfile.gettempdir(),
                                                    "parashift-bench-llama"), args)
     results = []
-    for tp in (int(t) for t in args.tp.split(",")):
-        print(f"tp{tp} ...", flush=True)
-        results.append(measure(folder, tp, args))
+    for tp, shm in ((int(t), shm) for t in args.tp.split(",") for shm in (True, False)):
+        if tp == 1 and not shm:
+            continue
+        label = f"tp{tp}" + ("" if tp == 1 else " shm" if shm else " gloo")
+        print(f"{label} ...", flush=True)
+        results.append(measure(folder, tp, args, shm))
         r = results[-1]
         extra = (f", all-reduce {100 * r['allreduce_fraction']:.1f}% of the run "
                  f"({r['allreduces_per_step']:.0f} per step)" if "allreduce_fraction" in r
                  else "")
-        print(f"tp{tp}: decode step median {r['median_step_ms']:.1f} ms (min "
+        print(f"{label}: decode step median {r['median_step_ms']:.1f} ms (min "
               f"{r['min_step_ms']:.1f}), {r['decode_tokens_per_s']:.1f} tok/s at batch "
               f"{args.batch}{extra}", flush=True)
     base = results[0]["median_step_ms"]
     for r in results[1:]:
-        print(f"speed-up tp{r['tp']} over tp{results[0]['tp']}: {base / r['median_step_ms']:.2f}x")
+        print(f"speed-up tp{r['tp']} ({r['all_reduce']}) over tp{results[0]['tp']}: "
+              f"{base / r['median_step_ms']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),

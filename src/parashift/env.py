@@ -13,3 +13,9 @@ def cache_dir() -> str:
 
 def log_level() -> str:
     return os.environ.get("PARASHIFT_LOG_LEVEL", "INFO").upper()
+
+
+def shm_all_reduce() -> bool:
+    """PARASHIFT_SHM_ALL_REDUCE=0 makes CPU tensor-parallel workers all-reduce through gloo
+    only (to compare, or to rule the shared-memory path out)."""
+    return os.environ.get("PARASHIFT_SHM_ALL_REDUCE", "1") != "0"

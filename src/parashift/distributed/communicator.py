@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from parashift.distributed.shm_all_reduce import ShmAllReduce
 
 
 @dataclass
@@ -21,18 +25,23 @@ class CommStats:
 class GroupCommunicator:
     """Collectives over one process group. At size 1 every call is the identity, so models run
     unchanged in a single process; a real group (gloo on CPU, nccl on GPU) is passed in by the
-    strategy that creates it."""
+    strategy that creates it. On one CPU node, all-reduces that fit go through `shm`."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1):
+    def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
+                 shm: ShmAllReduce | None = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.shm = shm
         self.stats = CommStats()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             start = time.perf_counter()
-            dist.all_reduce(tensor, group=self.group)
+            if self.shm is not None and self.shm.fits(tensor):
+                self.shm.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
             self.stats.calls += 1
             self.stats.seconds += time.perf_counter() - start
             self.stats.bytes += tensor.numel() * tensor.element_size()

@@ -6,6 +6,7 @@ and workers die with their engine (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 import zmq
 
+from parashift import env
 from parashift.config import EngineConfig
+from parashift.distributed.shm_all_reduce import shm_path
 from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.serve import protocol as p
@@ -71,6 +74,9 @@ class MultiprocExecutor:
         if config.device.device != "cpu" and tp > gpus:
             raise ValueError(f"tp{tp} needs {tp} GPUs on this node; {gpus} visible")
         first_gpu = (dp_rank * tp) % gpus if gpus else 0  # this node's dp ranks, side by side
+        # Workers on CPU sum through shared memory; the file is gone once all have mapped it.
+        self.shm_path = (shm_path(f"{os.getpid()}-dp{dp_rank}")
+                         if gpus == 0 and env.shm_all_reduce() else None)
         mp = multiprocessing.get_context("spawn")
         self.procs: list[multiprocessing.Process] = []
         for rank in range(tp):
@@ -83,13 +89,14 @@ class MultiprocExecutor:
             args = WorkerArgs(config, name, rank, tp, f"file://{self.dir}/dist-init",
                               f"ipc://{self.dir}/worker{rank}", f"ipc://{self.dir}/results",
                               worker_cpu_ids[rank] if worker_cpu_ids else [],
-                              (first_gpu + rank) % gpus if gpus else None, log_level)
+                              (first_gpu + rank) % gpus if gpus else None, log_level,
+                              self.shm_path)
             proc = mp.Process(target=run_worker, args=(args,), name=name)
             proc.start()
             self.procs.append(proc)
 
     def _cleanup_call(self) -> tuple:
-        return _kill_workers, self.procs, self.ctx, self.dir
+        return _kill_workers, self.procs, self.ctx, self.dir, self.shm_path
 
     def _alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -156,7 +163,8 @@ class MultiprocExecutor:
         return out
 
 
-def _kill_workers(procs: list[multiprocessing.Process], ctx: zmq.Context, folder: str) -> None:
+def _kill_workers(procs: list[multiprocessing.Process], ctx: zmq.Context, folder: str,
+                  shm_file: str | None) -> None:
     for proc in procs:  # after a "stop" call they are on their way out
         proc.join(5)
     for proc in procs:
@@ -169,3 +177,6 @@ def _kill_workers(procs: list[multiprocessing.Process], ctx: zmq.Context, folder
             proc.join(5)
     ctx.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)
+    if shm_file is not None:  # workers that died before tp rank 0 removed it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shm_file)

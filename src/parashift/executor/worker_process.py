@@ -20,6 +20,7 @@ import torch.distributed as dist
 import zmq
 
 from parashift.config import EngineConfig
+from parashift.distributed import shm_all_reduce
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.parallel_state import set_tp_group
 from parashift.serve import protocol as p
@@ -44,6 +45,7 @@ class WorkerArgs:
     cpu_ids: list[int]  # this worker's cores (empty: no pinning)
     cuda_device: int | None  # GPU index on this node
     log_level: str
+    shm_path: str | None = None  # where the ranks meet for shared-memory all-reduce (one node)
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -91,7 +93,11 @@ def _init(args: WorkerArgs):
     dist.init_process_group(backend, init_method=args.init_method,
                             rank=args.tp_rank, world_size=args.tp_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    set_tp_group(GroupCommunicator(dist.group.WORLD, args.tp_rank, args.tp_size))
+    shm = None
+    if backend == "gloo" and args.shm_path and shm_all_reduce.supported():
+        shm = shm_all_reduce.ShmAllReduce.open(args.shm_path, args.tp_rank, args.tp_size,
+                                               dist.group.WORLD)
+    set_tp_group(GroupCommunicator(dist.group.WORLD, args.tp_rank, args.tp_size, shm))
     return Worker(config)
 
 
