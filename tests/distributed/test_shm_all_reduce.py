@@ -75,6 +75,27 @@ def test_sums_are_right_and_identical_on_every_rank(tmp_path, world, dtype):
     assert not any(name.startswith("all-reduce") for name in os.listdir(tmp_path))
 
 
+def open_where_nothing_can_be_created(rank: int, world: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank,
+                            world_size=world)
+    path = os.path.join(folder, "no-such-folder", "all-reduce")
+    assert ShmAllReduce.open(path, rank, world, dist.group.WORLD, SLOT_BYTES) is None
+    dist.destroy_process_group()
+
+
+def test_every_rank_falls_back_to_gloo_when_rank_0_cannot_create_the_mapping(tmp_path):
+    mp = multiprocessing.get_context("spawn")
+    procs = [mp.Process(target=open_where_nothing_can_be_created, args=(r, 2, str(tmp_path)))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+
+
 def test_a_peer_that_never_comes_is_an_error_not_a_hang(tmp_path, monkeypatch):
     buffer = torch.zeros(2 * 2 * 64 + 2 * 1024, dtype=torch.uint8)
     shm = ShmAllReduce(buffer, 0, 2, 1024)

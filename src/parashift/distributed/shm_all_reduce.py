@@ -11,6 +11,7 @@ them), so other CPUs keep gloo."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import time
@@ -19,10 +20,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 SLOT_BYTES = 4 << 20  # a decode step's hidden states at any batch the CPU serves, and more
 _LINE = 64  # one cache line per flag, so that ranks never write the same line
 _SPIN_S = 1e-3  # spin this long (yielding the core) before polling with short sleeps
 _TIMEOUT_S = 600.0  # as the gloo group's: a peer this late is gone
+
+
+def _create(path: str, size: int) -> None:
+    """A zero-filled file (every flag starts at call 0) whose pages are reserved now: a full
+    /dev/shm fails here rather than with SIGBUS at the first write."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def supported() -> bool:
@@ -49,15 +68,21 @@ class ShmAllReduce:
 
     @classmethod
     def open(cls, path: str, rank: int, world_size: int, group: dist.ProcessGroup,
-             slot_bytes: int = SLOT_BYTES) -> ShmAllReduce:
+             slot_bytes: int = SLOT_BYTES) -> ShmAllReduce | None:
         """Collective over `group`: rank 0 creates the file, every rank maps it, then rank 0
         removes the name. The mapping outlives it, so nothing is left behind however the
-        processes end."""
+        processes end. None on every rank (gloo then) if rank 0 cannot reserve the memory."""
         size = 2 * world_size * _LINE + world_size * slot_bytes
+        ok = torch.ones(1, dtype=torch.int32)
         if rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(size)  # zero-filled: every flag starts at call 0
-        dist.barrier(group=group)
+            try:
+                _create(path, size)
+            except OSError as e:
+                logger.warning("no shared memory for the tp all-reduce (%s): using gloo", e)
+                ok.zero_()
+        dist.broadcast(ok, src=dist.get_global_rank(group, 0), group=group)
+        if not ok.item():
+            return None
         buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         dist.barrier(group=group)
         if rank == 0:
