@@ -127,6 +127,7 @@ def run(
     engine_args.seed = seed
     from parashift.serve.launcher import run as run_server
     from parashift.serve.node import ServeArgs
+    from parashift.serve.process_util import exit_now
 
     args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
                      shutdown_timeout, startup_timeout, env.log_level(),
@@ -137,7 +138,7 @@ def run(
         code = run_server(args)
     except ValueError as e:
         fail(str(e))
-    raise typer.Exit(code)
+    exit_now(code)  # every child is stopped and reaped: no second spent unloading torch
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from parashift.serve.openai_protocol import (
 )
 from parashift.serve.process_util import (
     die_with_parent,
+    exit_now,
     set_process_name,
     setup_child_logging,
 )
@@ -275,3 +276,4 @@ def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:
     except ImportError:
         pass
     asyncio.run(_serve(args, sock))
+    exit_now(0)

@@ -10,7 +10,7 @@ import multiprocessing
 import time
 from dataclasses import dataclass
 
-from parashift.serve.engine_process import CpuShare, run_engine
+from parashift.serve.engine_process import CpuShare, engine_main
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class LocalEngines(RestartPolicy):
             self._spawn(rank)
 
     def _spawn(self, rank: int) -> None:
-        proc = self._mp.Process(target=run_engine, name=f"parashift-engine-dp{rank}", args=(
+        proc = self._mp.Process(target=engine_main, name=f"parashift-engine-dp{rank}", args=(
             rank, self.handshake_address, self.log_level, self.shares.get(rank, CpuShare()),
             self.handshake_timeout))
         proc.start()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
+from typing import NoReturn
 
 
 def set_process_name(name: str) -> None:
@@ -35,3 +37,12 @@ def setup_child_logging(level: str) -> None:
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a process that has closed everything it owns without the interpreter's teardown,
+    which spends about a second unloading torch and friends on every server stop."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
