@@ -23,8 +23,9 @@ from parashift import env
 from parashift.config import EngineConfig
 from parashift.distributed.shm_all_reduce import shm_path
 from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from parashift.executor.worker_process import WorkerArgs, worker_main
+from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.serve import protocol as p
+from parashift.serve.process_util import exit_after
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class MultiprocExecutor:
                               worker_cpu_ids[rank] if worker_cpu_ids else [],
                               (first_gpu + rank) % gpus if gpus else None, log_level,
                               self.shm_path)
-            proc = mp.Process(target=worker_main, args=(args,), name=name)
+            proc = mp.Process(target=exit_after, args=(run_worker, args), name=name)
             proc.start()
             self.procs.append(proc)
 

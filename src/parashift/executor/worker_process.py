@@ -14,7 +14,6 @@ import signal
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ from parashift.distributed.parallel_state import set_tp_group
 from parashift.serve import protocol as p
 from parashift.serve.process_util import (
     die_with_parent,
-    exit_now,
     set_process_name,
     setup_child_logging,
 )
@@ -52,16 +50,6 @@ class WorkerArgs:
     cuda_device: int | None  # GPU index on this node
     log_level: str
     shm_path: str | None = None  # where the ranks meet for shared-memory all-reduce (one node)
-
-
-def worker_main(args: WorkerArgs) -> NoReturn:
-    """multiprocessing target: `run_worker`, then a quick exit (its process owns nothing
-    else). Ray actors call `run_worker` itself: their worker process is Ray's to end."""
-    try:
-        run_worker(args)
-    except SystemExit as e:
-        exit_now(e.code if isinstance(e.code, int) else 1)
-    exit_now(0)
 
 
 def run_worker(args: WorkerArgs) -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import torch
@@ -23,7 +23,6 @@ from parashift.engine.request import Request
 from parashift.serve import protocol as p
 from parashift.serve.process_util import (
     die_with_parent,
-    exit_now,
     set_process_name,
     setup_child_logging,
 )
@@ -232,16 +231,6 @@ class EngineProcess:
         if self._heartbeat is not None:  # it closes its own socket (sockets are per thread)
             self._heartbeat.join(2 * HEARTBEAT_INTERVAL_S)
         self.ctx.destroy(linger=linger_ms)
-
-
-def engine_main(*args: Any) -> NoReturn:
-    """multiprocessing target: `run_engine`, then a quick exit (its process owns nothing
-    else). Ray actors call `run_engine` itself: their worker process is Ray's to end."""
-    try:
-        run_engine(*args)
-    except SystemExit as e:
-        exit_now(e.code if isinstance(e.code, int) else 1)
-    exit_now(0)
 
 
 def run_engine(rank: int, handshake_address: str, log_level: str,

@@ -10,7 +10,8 @@ import multiprocessing
 import time
 from dataclasses import dataclass
 
-from parashift.serve.engine_process import CpuShare, engine_main
+from parashift.serve.engine_process import CpuShare, run_engine
+from parashift.serve.process_util import exit_after
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ class LocalEngines(RestartPolicy):
             self._spawn(rank)
 
     def _spawn(self, rank: int) -> None:
-        proc = self._mp.Process(target=engine_main, name=f"parashift-engine-dp{rank}", args=(
-            rank, self.handshake_address, self.log_level, self.shares.get(rank, CpuShare()),
-            self.handshake_timeout))
+        proc = self._mp.Process(target=exit_after, name=f"parashift-engine-dp{rank}", args=(
+            run_engine, rank, self.handshake_address, self.log_level,
+            self.shares.get(rank, CpuShare()), self.handshake_timeout))
         proc.start()
         self.procs[rank] = proc
         self._spawned(rank)

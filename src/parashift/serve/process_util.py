@@ -6,7 +6,8 @@ import ctypes
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 
 def set_process_name(name: str) -> None:
@@ -46,3 +47,14 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_after(entry: Callable[..., Any], *args: Any) -> NoReturn:
+    """multiprocessing target for a child that owns nothing but what `entry` closes: run it,
+    then `exit_now` with its exit code. (Ray actors call the entry itself: their process is
+    Ray's to end.)"""
+    try:
+        entry(*args)
+    except SystemExit as e:
+        exit_now(e.code if isinstance(e.code, int) else 1)
+    exit_now(0)
