@@ -24,6 +24,17 @@ def rank_bundles(workers: int, gpu: bool) -> list[dict[str, float]]:
     return [{"CPU": 1.0}] + [{"GPU": 1.0} if gpu else {"CPU": 1.0}] * workers
 
 
+def bundle_totals(bundles: list[dict[str, float]], num_ranks: int = 1) -> dict[str, float]:
+    """CPUs and GPUs that `num_ranks` ranks of these bundles take in all."""
+    return {k: num_ranks * sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+
+
+def named_actor_class(base: type, name: str) -> type:
+    """A subclass called `name`: Ray titles an actor's process after its class
+    ("ray::ParashiftEngineDp1.run"), so that `ps` tells the ranks apart."""
+    return type(name, (base,), {})
+
+
 def import_ray():
     """Ray, with this project's environment set first (and a clear error without it)."""
     os.environ.update({k: os.environ.get(k, v) for k, v in RAY_ENV.items()})
@@ -46,9 +57,9 @@ def connect(address: str | None, bundles: list[dict[str, float]], num_ranks: int
         except ConnectionError as e:
             raise RayStartupError(f"--ray-address {address}: {e}") from None
         return False
-    cpus = math.ceil(num_ranks * sum(b.get("CPU", 0.0) for b in bundles))
-    gpus = math.ceil(num_ranks * sum(b.get("GPU", 0.0) for b in bundles))
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+    need = bundle_totals(bundles, num_ranks)
+    ray.init(address="local", num_cpus=math.ceil(need["CPU"]), num_gpus=math.ceil(need["GPU"]),
+             include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True)
     return True
 
@@ -57,7 +68,7 @@ def check_capacity(strategy: str, bundles: list[dict[str, float]], num_ranks: in
     import ray
 
     free = ray.available_resources()
-    need = {k: num_ranks * sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    need = bundle_totals(bundles, num_ranks)
     if all(v <= free.get(k, 0.0) + 1e-9 for k, v in need.items()):
         return
     workers = num_ranks * (len(bundles) - 1) if len(bundles) > 1 else num_ranks

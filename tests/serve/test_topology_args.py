@@ -11,8 +11,9 @@ import pytest
 from parashift.engine.args import EngineArgs
 from parashift.mesh import DeviceMesh
 from parashift.serve.endpoints import Endpoints, free_ports
-from parashift.serve.local_engines import FIRST_RESTART_DELAY_S, LocalEngines
+from parashift.serve.local_engines import LocalEngines
 from parashift.serve.node import ServeArgs, local_cpu_shares
+from parashift.serve.restart_policy import FIRST_RESTART_DELAY_S
 from parashift.strategies.spec import StrategySpec
 
 

@@ -15,12 +15,13 @@ import zmq
 from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
+from parashift.ray_cluster import named_actor_class
 
 logger = logging.getLogger(__name__)
 
 
 class _WorkerActor:
-    """One tp worker (made a Ray actor class by `worker_actor_class`)."""
+    """One tp worker (made a Ray actor class in RayExecutor)."""
 
     def node_ip(self) -> str:
         import ray
@@ -36,13 +37,6 @@ class _WorkerActor:
         run_worker(args)
 
 
-def worker_actor_class(name: str):
-    """Ray titles the process after the class ("ray::ParashiftWorkerDp0Tp1.run")."""
-    import ray
-
-    return ray.remote(type(name, (_WorkerActor,), {}))
-
-
 class RayExecutor(MultiprocExecutor):
     def _start_workers(self, config: EngineConfig, worker_cpu_ids, log_level: str) -> None:
         import ray
@@ -54,7 +48,8 @@ class RayExecutor(MultiprocExecutor):
         if pg is None:
             raise RuntimeError("the Ray executor runs inside an engine actor's placement group")
         gpu = config.device.device != "cpu"
-        self.actors = [worker_actor_class(f"ParashiftWorkerDp{dp_rank}Tp{rank}").options(
+        self.actors = [ray.remote(named_actor_class(
+            _WorkerActor, f"ParashiftWorkerDp{dp_rank}Tp{rank}")).options(
             name=f"parashift-worker-dp{dp_rank}-tp{rank}",
             num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from parashift.ray_cluster import bundle_totals
+
 
 @dataclass
 class RankPlacement:
@@ -39,7 +41,7 @@ def place(nodes: list[dict], bundles: list[dict[str, float]], num_ranks: int
           ) -> list[RankPlacement]:
     free = [dict(n["resources"]) for n in nodes]
     used = [0] * len(nodes)
-    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    need = bundle_totals(bundles)
     out = []
     for rank in range(num_ranks):
         room = [i for i, f in enumerate(free)

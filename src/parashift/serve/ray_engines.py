@@ -10,8 +10,14 @@ from __future__ import annotations
 import logging
 
 from parashift.config import EngineConfig
-from parashift.ray_cluster import RayStartupError, check_capacity, connect, rank_bundles
-from parashift.serve.local_engines import EngineDeath, RestartPolicy
+from parashift.ray_cluster import (
+    RayStartupError,
+    check_capacity,
+    connect,
+    named_actor_class,
+    rank_bundles,
+)
+from parashift.serve.restart_policy import EngineDeath, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +86,7 @@ class RayEngines(RestartPolicy):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundles[0]
-        # Ray titles the process after the class ("ray::ParashiftEngineDp1.run"): one per rank.
-        cls = type(f"ParashiftEngineDp{rank}", (_EngineActor,), {})
-        actor = ray.remote(cls).options(
+        actor = ray.remote(named_actor_class(_EngineActor, f"ParashiftEngineDp{rank}")).options(
             name=f"parashift-engine-dp{rank}", num_cpus=bundle.get("CPU", 0.0),
             num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
