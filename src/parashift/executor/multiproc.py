@@ -21,7 +21,7 @@ import zmq
 
 from parashift import env
 from parashift.config import EngineConfig
-from parashift.distributed.shm_all_reduce import shm_path
+from parashift.distributed import shm_all_reduce
 from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.serve import protocol as p
@@ -76,8 +76,8 @@ class MultiprocExecutor:
             raise ValueError(f"tp{tp} needs {tp} GPUs on this node; {gpus} visible")
         first_gpu = (dp_rank * tp) % gpus if gpus else 0  # this node's dp ranks, side by side
         # Workers on CPU sum through shared memory; the file is gone once all have mapped it.
-        self.shm_path = (shm_path(f"{os.getpid()}-dp{dp_rank}")
-                         if gpus == 0 and env.shm_all_reduce() else None)
+        use_shm = gpus == 0 and env.shm_all_reduce() and shm_all_reduce.supported()
+        self.shm_path = shm_all_reduce.shm_path(f"{os.getpid()}-dp{dp_rank}") if use_shm else None
         mp = multiprocessing.get_context("spawn")
         self.procs: list[multiprocessing.Process] = []
         for rank in range(tp):

@@ -20,15 +20,11 @@ import torch.distributed as dist
 import zmq
 
 from parashift.config import EngineConfig
-from parashift.distributed import shm_all_reduce
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.parallel_state import set_tp_group
+from parashift.distributed.shm_all_reduce import ShmAllReduce
 from parashift.serve import protocol as p
-from parashift.serve.process_util import (
-    die_with_parent,
-    set_process_name,
-    setup_child_logging,
-)
+from parashift.serve.process_util import die_with_parent, set_process_name, setup_child_logging
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +94,8 @@ def _init(args: WorkerArgs):
                             rank=args.tp_rank, world_size=args.tp_size,
                             timeout=COLLECTIVE_TIMEOUT)
     shm = None
-    if backend == "gloo" and args.shm_path and shm_all_reduce.supported():
-        shm = shm_all_reduce.ShmAllReduce.open(args.shm_path, args.tp_rank, args.tp_size,
-                                               dist.group.WORLD)
+    if args.shm_path:  # set by the engine only for CPU workers that can use it
+        shm = ShmAllReduce.open(args.shm_path, args.tp_rank, args.tp_size, dist.group.WORLD)
     set_tp_group(GroupCommunicator(dist.group.WORLD, args.tp_rank, args.tp_size, shm))
     return Worker(config)
 
