@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from parashift.engine.llm import LLM
     from parashift.engine.request_output import CompletionOutput, RequestOutput
-    from parashift.engine.sampling_params import SamplingParams
+    from parashift.types.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
-_WHERE = {"LLM": "parashift.engine.llm", "SamplingParams": "parashift.engine.sampling_params",
+_WHERE = {"LLM": "parashift.engine.llm", "SamplingParams": "parashift.types.sampling_params",
           "RequestOutput": "parashift.engine.request_output",
           "CompletionOutput": "parashift.engine.request_output"}
 

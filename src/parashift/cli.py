@@ -125,9 +125,9 @@ def run(
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
     engine_args.seed = seed
-    from parashift.serve.launcher import run as run_server
-    from parashift.serve.node import ServeArgs
-    from parashift.serve.process_util import exit_now
+    from parashift.runtime.launcher import run as run_server
+    from parashift.runtime.node import ServeArgs
+    from parashift.wire.process_util import exit_now
 
     args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
                      shutdown_timeout, startup_timeout, env.log_level(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import make_tokenizer  # tests/conftest.py
 
 from parashift.engine.detokenizer import IncrementalDetokenizer
-from parashift.engine.outputs import EngineCoreOutput
+from parashift.types.outputs import EngineCoreOutput
 
 TOKENIZER = make_tokenizer()
 

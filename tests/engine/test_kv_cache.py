@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from parashift.engine.kv_cache import BlockPool, KVCacheManager
 from parashift.engine.request import Request
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.sampling_params import SamplingParams
 
 BS = 4  # block size for the hand-written cases
 

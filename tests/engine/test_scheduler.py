@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
-from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.engine.request import Request, RequestStatus
-from parashift.engine.sampling_params import SamplingParams
 from parashift.engine.scheduler import Scheduler
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.types.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from parashift import LLM, SamplingParams
+from parashift.layers.weights import safetensors_files
 from parashift.models import gguf
 from parashift.models.loader import resolve_model_path
-from parashift.models.weights import safetensors_files
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_llama, tmp_path):

@@ -9,8 +9,8 @@ import time
 
 import zmq
 
-from parashift.serve import protocol as p
-from parashift.serve.coordinator import HEARTBEAT_INTERVAL_S, Coordinator
+from parashift.runtime.coordinator import HEARTBEAT_INTERVAL_S, Coordinator
+from parashift.wire import protocol as p
 
 
 @contextlib.contextmanager

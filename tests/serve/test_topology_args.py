@@ -9,11 +9,11 @@ import time
 import pytest
 
 from parashift.engine.args import EngineArgs
-from parashift.mesh import DeviceMesh
-from parashift.serve.endpoints import Endpoints, free_ports
-from parashift.serve.local_engines import LocalEngines
-from parashift.serve.node import ServeArgs, local_cpu_shares
-from parashift.serve.restart_policy import FIRST_RESTART_DELAY_S
+from parashift.runtime.endpoints import Endpoints, free_ports
+from parashift.runtime.local_engines import LocalEngines
+from parashift.runtime.node import ServeArgs, local_cpu_shares
+from parashift.runtime.restart_policy import FIRST_RESTART_DELAY_S
+from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 
 
@@ -110,8 +110,8 @@ def test_a_rank_that_keeps_dying_is_restarted_with_a_growing_delay(tmp_path):
 
 
 def test_ray_placement_packs_a_rank_and_spreads_the_ranks():
-    from parashift.plan.ray_nodes import place
-    from parashift.ray_cluster import rank_bundles
+    from parashift.runtime.ray_cluster import rank_bundles
+    from parashift.runtime.ray_nodes import place
 
     nodes = [{"address": f"10.0.0.{i}", "node_id": f"n{i}", "resources": {"CPU": 8.0}}
              for i in (1, 2)]

@@ -45,7 +45,7 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
     dp = config.parallel.data_parallel_size
     if dp == 1:
         return _generate(engine_args, requests, progress)
-    from parashift.serve.node import local_cpu_shares, node_mesh
+    from parashift.runtime.node import local_cpu_shares, node_mesh
 
     shares = local_cpu_shares(node_mesh(config, list(range(dp))), engine_args.num_threads)
     mp = multiprocessing.get_context("spawn")
@@ -98,7 +98,7 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
     """One data-parallel rank: an independent engine (dp1 inside) on its own cores."""
     import os
 
-    from parashift.serve.process_util import die_with_parent
+    from parashift.wire.process_util import die_with_parent
 
     die_with_parent()
     if share.cpu_ids:

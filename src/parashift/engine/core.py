@@ -6,10 +6,10 @@ import logging
 
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
-from parashift.engine.outputs import EngineCoreOutput, SchedulerStats
 from parashift.engine.request import Request
 from parashift.engine.scheduler import Scheduler
 from parashift.executor.local import LocalExecutor
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

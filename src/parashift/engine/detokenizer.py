@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parashift.engine.outputs import EngineCoreOutput
+from parashift.types.outputs import EngineCoreOutput
 
 
 @dataclass

@@ -15,7 +15,7 @@ from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
 from parashift.engine.request import Request
 from parashift.engine.request_output import RequestOutput
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

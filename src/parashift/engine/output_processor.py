@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from parashift.engine.detokenizer import IncrementalDetokenizer
-from parashift.engine.outputs import EngineCoreOutput
 from parashift.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.outputs import EngineCoreOutput
+from parashift.types.sampling_params import SamplingParams
 
 
 @dataclass

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
-from parashift.engine.outputs import (
+from parashift.engine.request import Request, RequestStatus
+from parashift.types.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -20,7 +21,6 @@ from parashift.engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from parashift.engine.request import Request, RequestStatus
 
 
 class Scheduler:

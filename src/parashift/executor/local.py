@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from parashift.config import EngineConfig
-from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.worker import Worker
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class LocalExecutor:

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from parashift.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from parashift.engine.sampling_params import SamplingParams
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed
+from parashift.types.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from parashift.types.sampling_params import SamplingParams
 
 
 @dataclass

@@ -22,10 +22,10 @@ import zmq
 from parashift import env
 from parashift.config import EngineConfig
 from parashift.distributed import shm_all_reduce
-from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.worker_process import WorkerArgs, run_worker
-from parashift.serve import protocol as p
-from parashift.serve.process_util import exit_after
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.wire import protocol as p
+from parashift.wire.process_util import exit_after
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import zmq
 from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
-from parashift.ray_cluster import named_actor_class
+from parashift.wire.process_util import named_actor_class
 
 logger = logging.getLogger(__name__)
 

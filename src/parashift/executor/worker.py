@@ -11,10 +11,10 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.communicator import CommStats
 from parashift.distributed.parallel_state import get_tp_group
-from parashift.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.models.loader import load_model
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

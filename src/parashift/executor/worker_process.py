@@ -23,8 +23,8 @@ from parashift.config import EngineConfig
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.parallel_state import set_tp_group
 from parashift.distributed.shm_all_reduce import ShmAllReduce
-from parashift.serve import protocol as p
-from parashift.serve.process_util import die_with_parent, set_process_name, setup_child_logging
+from parashift.wire import protocol as p
+from parashift.wire.process_util import die_with_parent, set_process_name, setup_child_logging
 
 logger = logging.getLogger(__name__)
 

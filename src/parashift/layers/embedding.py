@@ -9,7 +9,7 @@ from torch import nn
 
 from parashift.distributed.parallel_state import get_tp_group
 from parashift.layers.gemm import linear
-from parashift.models.weights import WeightSource
+from parashift.layers.weights import WeightSource
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parashift.engine.outputs import TokenLogprobs
+from parashift.types.outputs import TokenLogprobs
 
 _GOLDEN = 0x9E3779B97F4A7C15
 

@@ -20,7 +20,7 @@ from parashift.layers.linear import (
 )
 from parashift.layers.norm import RMSNorm
 from parashift.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from parashift.models.weights import WeightSource
+from parashift.layers.weights import WeightSource
 
 
 class LlamaAttention(nn.Module):

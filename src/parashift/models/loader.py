@@ -13,9 +13,9 @@ from transformers import AutoConfig
 
 from parashift.layers.attention.backend import AttentionBackend
 from parashift.layers.gemm import prepare_gemm_weights
+from parashift.layers.weights import iterate_weights
 from parashift.models.gguf import converted_gguf_folder, embedded_default_gguf
 from parashift.models.registry import architecture_of, get_model_class
-from parashift.models.weights import iterate_weights
 
 logger = logging.getLogger(__name__)
 

@@ -149,8 +149,8 @@ def _ray_placement(spec, settings, address, console, quiet: bool) -> list[dict]:
 
     from rich.table import Table
 
-    from parashift.plan.ray_nodes import cluster_nodes, place
-    from parashift.ray_cluster import rank_bundles
+    from parashift.runtime.ray_cluster import rank_bundles
+    from parashift.runtime.ray_nodes import cluster_nodes, place
 
     try:
         nodes = cluster_nodes(address)

@@ -8,8 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from parashift.mesh import DeviceMesh
 from parashift.plan.estimate import Plan, PlanSettings
+from parashift.strategies.mesh import DeviceMesh
 
 GIB = 2**30
 

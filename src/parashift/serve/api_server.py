@@ -27,7 +27,7 @@ from parashift.serve.openai_protocol import (
     parse,
     sampling_params,
 )
-from parashift.serve.process_util import (
+from parashift.wire.process_util import (
     die_with_parent,
     exit_now,
     set_process_name,

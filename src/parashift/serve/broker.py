@@ -13,9 +13,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from parashift.engine.outputs import EngineCoreOutput, SchedulerStats
-from parashift.engine.sampling_params import SamplingParams
-from parashift.serve import protocol as p
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats
+from parashift.types.sampling_params import SamplingParams
+from parashift.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 

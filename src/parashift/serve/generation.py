@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.detokenizer import IncrementalDetokenizer
-from parashift.engine.outputs import EngineCoreOutput, TokenLogprobs
-from parashift.engine.sampling_params import SamplingParams
 from parashift.serve.broker import Broker
 from parashift.serve.openai_protocol import OpenAIError
+from parashift.types.outputs import EngineCoreOutput, TokenLogprobs
+from parashift.types.sampling_params import SamplingParams
 
 
 @dataclass

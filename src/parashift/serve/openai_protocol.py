@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.sampling_params import SamplingParams
 
 
 class OpenAIError(Exception):

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from parashift.engine.outputs import TokenLogprobs
 from parashift.serve.generation import Choice, Delta, Generation
+from parashift.types.outputs import TokenLogprobs
 
 
 def sse(data: Any) -> bytes:

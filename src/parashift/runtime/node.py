@@ -11,8 +11,8 @@ import torch
 
 from parashift.config import EngineConfig
 from parashift.engine.args import EngineArgs
-from parashift.mesh import DeviceMesh
-from parashift.serve.engine_process import CpuShare
+from parashift.engine.engine_process import CpuShare
+from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 
 

@@ -18,10 +18,10 @@ import zmq
 
 from parashift.engine.args import EngineArgs
 from parashift.engine.core import EngineCore
-from parashift.engine.outputs import EngineCoreOutput
 from parashift.engine.request import Request
-from parashift.serve import protocol as p
-from parashift.serve.process_util import (
+from parashift.types.outputs import EngineCoreOutput
+from parashift.wire import protocol as p
+from parashift.wire.process_util import (
     die_with_parent,
     set_process_name,
     setup_child_logging,

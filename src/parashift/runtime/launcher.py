@@ -17,12 +17,12 @@ import time
 import zmq
 
 from parashift.models.gguf import DEFAULT_MODEL_NAME
-from parashift.serve import protocol as p
+from parashift.runtime.coordinator import run_coordinator
+from parashift.runtime.endpoints import Endpoints, free_ports
+from parashift.runtime.local_engines import LocalEngines, join_all
+from parashift.runtime.node import ServeArgs, local_cpu_shares, node_mesh
 from parashift.serve.api_server import ApiServerArgs, run_api_server
-from parashift.serve.coordinator import run_coordinator
-from parashift.serve.endpoints import Endpoints, free_ports
-from parashift.serve.local_engines import LocalEngines, join_all
-from parashift.serve.node import ServeArgs, local_cpu_shares, node_mesh
+from parashift.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Launcher:
         args.check_backend()
         n = args.api_server_count
         if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
-            from parashift.serve.ray_engines import RayEngines
+            from parashift.runtime.ray_engines import RayEngines
 
             self.mesh = None
             self.engines = RayEngines(self.local_ranks, self.config,
@@ -267,7 +267,7 @@ class Launcher:
 
 def run(args: ServeArgs) -> int:
     if args.headless:
-        from parashift.serve.headless import HeadlessLauncher
+        from parashift.runtime.headless import HeadlessLauncher
 
         launcher: Launcher | HeadlessLauncher = HeadlessLauncher(args)
     else:

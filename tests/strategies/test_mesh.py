@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parashift.mesh import DeviceMesh
+from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 
 

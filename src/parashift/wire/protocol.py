@@ -25,13 +25,13 @@ from typing import Any
 
 import msgspec
 
-from parashift.engine.outputs import (
+from parashift.types.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
 )
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.sampling_params import SamplingParams
 
 
 class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=True):

@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from parashift.serve import protocol as p
-from parashift.serve.process_util import die_with_parent, set_process_name, setup_child_logging
+from parashift.wire import protocol as p
+from parashift.wire.process_util import die_with_parent, set_process_name, setup_child_logging
 
 logger = logging.getLogger(__name__)
 

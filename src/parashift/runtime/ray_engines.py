@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 
 from parashift.config import EngineConfig
-from parashift.ray_cluster import (
+from parashift.runtime.ray_cluster import (
     RayStartupError,
     check_capacity,
     connect,
-    named_actor_class,
     rank_bundles,
 )
-from parashift.serve.restart_policy import EngineDeath, RestartPolicy
+from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
+from parashift.wire.process_util import named_actor_class
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class _EngineActor:
     """An engine core (made a Ray actor class in RayEngines)."""
 
     def run(self, rank: int, handshake_address: str, log_level: str, timeout: float) -> None:
-        from parashift.serve.engine_process import run_engine
+        from parashift.engine.engine_process import run_engine
 
         run_engine(rank, handshake_address, log_level, None, timeout)
 
@@ -63,7 +63,7 @@ class RayEngines(RestartPolicy):
         import ray
         from ray.util.placement_group import placement_group
 
-        from parashift.plan.ray_nodes import alive_nodes, place
+        from parashift.runtime.ray_nodes import alive_nodes, place
 
         strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
         # DP ranks spread over the nodes (the same choice `plan --backend ray` shows).

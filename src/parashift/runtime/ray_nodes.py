@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from parashift.ray_cluster import bundle_totals
+from parashift.runtime.ray_cluster import bundle_totals
 
 
 @dataclass
@@ -21,7 +21,7 @@ class RankPlacement:
 
 def cluster_nodes(address: str | None) -> list[dict]:
     """Alive nodes with their total resources (connects, reads, disconnects)."""
-    from parashift.ray_cluster import import_ray
+    from parashift.runtime.ray_cluster import import_ray
 
     ray = import_ray()
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",

@@ -58,3 +58,9 @@ def exit_after(entry: Callable[..., Any], *args: Any) -> NoReturn:
     except SystemExit as e:
         exit_now(e.code if isinstance(e.code, int) else 1)
     exit_now(0)
+
+
+def named_actor_class(base: type, name: str) -> type:
+    """A subclass called `name`: Ray titles an actor's process after its class
+    ("ray::ParashiftEngineDp1.run"), so that `ps` tells the ranks apart."""
+    return type(name, (base,), {})

@@ -29,12 +29,6 @@ def bundle_totals(bundles: list[dict[str, float]], num_ranks: int = 1) -> dict[s
     return {k: num_ranks * sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
 
 
-def named_actor_class(base: type, name: str) -> type:
-    """A subclass called `name`: Ray titles an actor's process after its class
-    ("ray::ParashiftEngineDp1.run"), so that `ps` tells the ranks apart."""
-    return type(name, (base,), {})
-
-
 def import_ray():
     """Ray, with this project's environment set first (and a clear error without it)."""
     os.environ.update({k: os.environ.get(k, v) for k, v in RAY_ENV.items()})

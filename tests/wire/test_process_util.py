@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parashift.serve.process_util import exit_after
+from parashift.wire.process_util import exit_after
 
 
 def finishes() -> None:

@@ -9,9 +9,9 @@ import logging
 import multiprocessing
 import time
 
-from parashift.serve.engine_process import CpuShare, run_engine
-from parashift.serve.process_util import exit_after
-from parashift.serve.restart_policy import EngineDeath, RestartPolicy
+from parashift.engine.engine_process import CpuShare, run_engine
+from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
+from parashift.wire.process_util import exit_after
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parashift.engine.sampling_params import SamplingParams
+from parashift.types.sampling_params import SamplingParams
 
 
 @dataclass

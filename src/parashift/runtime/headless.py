@@ -12,11 +12,11 @@ import time
 
 import zmq
 
-from parashift.serve import protocol as p
-from parashift.serve.endpoints import tcp_url
-from parashift.serve.launcher import StartupError
-from parashift.serve.local_engines import LocalEngines
-from parashift.serve.node import ServeArgs, local_cpu_shares, node_mesh
+from parashift.runtime.endpoints import tcp_url
+from parashift.runtime.launcher import StartupError
+from parashift.runtime.local_engines import LocalEngines
+from parashift.runtime.node import ServeArgs, local_cpu_shares, node_mesh
+from parashift.wire import protocol as p
 
 logger = logging.getLogger(__name__)
 

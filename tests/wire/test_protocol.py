@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from parashift.engine.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
-from parashift.engine.sampling_params import SamplingParams
-from parashift.serve import protocol as p
 from parashift.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -15,6 +12,9 @@ from parashift.serve.openai_protocol import (
     parse,
     sampling_params,
 )
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from parashift.types.sampling_params import SamplingParams
+from parashift.wire import protocol as p
 
 
 @pytest.mark.parametrize("msg,kind", [
