@@ -3,32 +3,57 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+from parashift.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    resolve_dtype_name,
+)
+
+if TYPE_CHECKING:
+    from parashift.strategies.spec import StrategySpec
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
-    """`auto` keeps the checkpoint's half precision on GPU; on CPU it uses bfloat16 for half
-    checkpoints (float16 matmuls are slow on CPUs) and float32 otherwise."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
-        return _DTYPES[dtype]
-    if checkpoint_dtype in (torch.float16, torch.bfloat16):
-        return checkpoint_dtype if device != "cpu" else torch.bfloat16
-    return torch.float32
+    """The engine's dtype (the rule, torch-free for `plan`, is defaults.resolve_dtype_name)."""
+    checkpoint = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else None
+    return getattr(torch, resolve_dtype_name(dtype, checkpoint, device))
+
+
+@dataclass
+class EngineArgs:
+    """The user-facing engine knobs (CLI flags and `LLM(...)` keywords), with their defaults
+    written once: the CLI options are generated from these fields (cli_options.py) and `plan`
+    reads the same defaults. engine/args.py turns them into the validated configs."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None
+    num_threads: int | None = None
+    strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
+    data_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
+    data_parallel_rank: int = 0
+    distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
+
+
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,9 @@ class CacheConfig:
     """Paged KV cache. On CPU the budget is `kv_cache_memory` bytes; on GPU it is the share
     `gpu_memory_utilization` of device memory left after a profiling pass."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
 
@@ -86,7 +111,7 @@ class SchedulerConfig:
     """Continuous batching limits for one engine step."""
 
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
 
@@ -106,29 +131,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of each parallel axis, from the strategy (strategies/spec.py). Data parallel runs
-    one engine process per rank (`parashift run`); the other axes arrive with their issues and
-    are refused by their strategy classes until then."""
+    """The parsed strategy (its axis objects, plugins included: the layout is theirs to
+    decide) and which data-parallel rank this engine is."""
 
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    strategy: StrategySpec
     data_parallel_rank: int = 0
-    distributed_executor_backend: str = "mp"  # "ray": tp workers are Ray actors
+    distributed_executor_backend: str = "mp"  # "ray": workers are Ray actors
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            size = getattr(self, name)
-            if size < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {size}")
-        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+        num_engines = self.strategy.processes().num_engines
+        if not 0 <= self.data_parallel_rank < num_engines:
             raise ValueError(f"data parallel rank {self.data_parallel_rank} is outside "
-                             f"0..{self.data_parallel_size - 1}")
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+                             f"0..{num_engines - 1}")
 
 
 @dataclass(frozen=True)

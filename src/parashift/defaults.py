@@ -6,6 +6,26 @@ from __future__ import annotations
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # KV budget of a CPU worker without --kv-cache-memory
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+# The dtype table: --dtype names (and aliases) -> the dtype, and its bytes per value.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None, device: str) -> str:
+    """`auto` keeps the checkpoint's half precision on GPU; on CPU it uses bfloat16 for half
+    checkpoints (float16 matmuls are slow on CPUs) and float32 otherwise (a GGUF is
+    dequantized to float32)."""
+    if dtype != "auto":
+        name = DTYPE_ALIASES.get(dtype, dtype)
+        if name not in DTYPE_BYTES:
+            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        return name
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return checkpoint_dtype if device != "cpu" else "bfloat16"
+    return "float32"
 
 
 def default_max_num_batched_tokens(max_num_seqs: int) -> int:

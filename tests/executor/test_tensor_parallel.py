@@ -65,7 +65,8 @@ def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
     """Sharded loading: each worker reads only its slice of the safetensors checkpoint."""
     from conftest import save_tiny_model
 
-    from parashift.engine.args import EngineArgs
+    from parashift.engine.args import EngineArgs, create_config
+    from parashift.engine.placement import engine_placement
     from parashift.executor.multiproc import MultiprocExecutor
 
     folder = save_tiny_model(str(tmp_path), "llama", hidden_size=512, intermediate_size=2048,
@@ -73,9 +74,10 @@ def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
                              vocab_size=8192)  # 42 M parameters: 168 MB in float32
 
     def load_peaks(tp: int) -> list[int]:
-        config = EngineArgs(folder, dtype="float32", max_model_len=256,
-                            tensor_parallel_size=tp).create_config()
-        executor = MultiprocExecutor(config)  # also at tp1: a worker process like the others
+        config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256,
+                                          tensor_parallel_size=tp))
+        # also at tp1: a worker process like the others
+        executor = MultiprocExecutor(config, engine_placement(config.parallel.strategy, "cpu", 0))
         try:
             return executor.collective_rpc("load_peak_rss_bytes")
         finally:

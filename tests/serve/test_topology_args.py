@@ -111,12 +111,13 @@ def test_a_rank_that_keeps_dying_is_restarted_with_a_growing_delay(tmp_path):
 
 def test_ray_placement_packs_a_rank_and_spreads_the_ranks():
     from parashift.runtime.ray_cluster import rank_bundles
+    from parashift.strategies.layout import ProcessPlan
     from parashift.runtime.ray_nodes import place
 
     nodes = [{"address": f"10.0.0.{i}", "node_id": f"n{i}", "resources": {"CPU": 8.0}}
              for i in (1, 2)]
-    bundles = rank_bundles(2, gpu=False)  # dp rank: engine core + two tp workers, 3 CPUs
+    bundles = rank_bundles(ProcessPlan(workers_per_engine=2), gpu=False)  # dp rank: engine core + two tp workers, 3 CPUs
     placed = place(nodes, bundles, 3)
     assert [p.node for p in placed] == ["10.0.0.1", "10.0.0.2", "10.0.0.1"]
     assert place(nodes, bundles, 6)[-1].node is None  # 6 x 3 CPUs > 16: no room for dp5
-    assert rank_bundles(1, gpu=True) == [{"CPU": 1.0, "GPU": 1.0}]
+    assert rank_bundles(ProcessPlan(), gpu=True) == [{"CPU": 1.0, "GPU": 1.0}]

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 from conftest import tiny_config
 
-from parashift.engine.args import EngineArgs
+from parashift.engine.args import EngineArgs, create_config, strategy_spec
+from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 
 
@@ -56,15 +57,16 @@ def test_validation_against_the_model():
 
 
 def test_flags_and_strategy_are_interchangeable(tiny_llama):
-    by_flag = EngineArgs(model=tiny_llama, data_parallel_size=2).create_config().parallel
-    by_spec = EngineArgs(model=tiny_llama, strategy="dp2").create_config().parallel
-    assert by_flag == by_spec and by_spec.data_parallel_size == 2
+    by_flag = create_config(EngineArgs(model=tiny_llama, data_parallel_size=2)).parallel
+    by_spec = create_config(EngineArgs(model=tiny_llama, strategy="dp2")).parallel
+    assert str(by_flag.strategy) == str(by_spec.strategy) == "dp2"
+    assert by_spec.strategy.processes().num_engines == 2
     agreeing = EngineArgs(model=tiny_llama, strategy="dp2", data_parallel_size=2)
-    assert agreeing.create_config().parallel.data_parallel_size == 2
+    assert create_config(agreeing).parallel.strategy.processes().num_engines == 2
     with pytest.raises(ValueError, match="--strategy dp2 sets dp=2 but --data-parallel-size is 4"):
-        EngineArgs(model=tiny_llama, strategy="dp2", data_parallel_size=4).create_config()
+        create_config(EngineArgs(model=tiny_llama, strategy="dp2", data_parallel_size=4))
     with pytest.raises(ValueError, match="--enable-expert-parallel"):
-        EngineArgs(model=tiny_llama, strategy="dp2", enable_expert_parallel=True).strategy_spec()
+        strategy_spec(EngineArgs(model=tiny_llama, strategy="dp2", enable_expert_parallel=True))
 
 
 def test_offline_llm_refuses_data_parallel(tiny_llama):
@@ -75,14 +77,46 @@ def test_offline_llm_refuses_data_parallel(tiny_llama):
 
 
 PLUGIN = '''
+import dataclasses
+
 from parashift.strategies.base import Strategy
+from parashift.strategies.layout import GroupSpec, MeshAxis
 
 
 class ContextParallel(Strategy):
+    """A sequence split over ranks inside an engine (for the mesh and the plan)."""
+
     name, axis = "cp", "context"
 
-    def validate(self, hf_config):
+    def check_model(self, hf_config):
         return [] if self.size <= 4 else [f"cp{self.size}: at most 4"]
+
+    def mesh(self):
+        return MeshAxis("cp", self.size, spans_engines=False)
+
+    def groups(self):
+        return [GroupSpec("cp", ("cp",))]
+
+    def shard(self, plan, at, hf_config):
+        return plan
+
+    def cost(self, cost, plan):
+        return cost
+
+    def processes(self, plan):
+        return dataclasses.replace(plan, workers_per_engine=plan.workers_per_engine * self.size)
+
+
+class HalfDone(Strategy):
+    """Parses and validates, but says nothing of where its ranks go."""
+
+    name, axis = "hd", "half"
+
+    def check_model(self, hf_config):
+        return []
+
+    def groups(self):
+        return []
 '''
 
 
@@ -108,6 +142,21 @@ def test_entry_point_plugin_is_found_and_used(plugin_package):
     assert spec.size("cp") == 2
     with pytest.raises(ValueError, match="cp8: at most 4"):
         StrategySpec.parse("cp8").validate(tiny_config("llama"))
+    # It shapes the layout: its own mesh axis and group, two workers per engine.
+    assert spec.processes().workers_per_engine == 2 and spec.world_size == 4
+    mesh = DeviceMesh(spec, 4)
+    assert mesh.group("cp") == [[0, 1], [2, 3]]
+    assert mesh.ranks[1].process_name == "parashift-worker-dp0-cp1"
+    # ... and it travels as itself (class and size), not as integers.
+    assert str(StrategySpec.from_wire(spec.to_wire())) == "dp2xcp2"
+
+
+def test_a_plugin_missing_hooks_is_refused_at_parse_time(tmp_path, monkeypatch):
+    (tmp_path / "half_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'hd' \(half_plugin:HalfDone\) does not implement "
+                                         r"the hook\(s\) mesh, shard, cost, processes"):
+        StrategySpec.parse("hd2", extra=["half_plugin:HalfDone"])
 
 
 def test_module_class_plugin(tmp_path, monkeypatch):

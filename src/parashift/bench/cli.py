@@ -51,13 +51,14 @@ def throughput(
     setup_logging()
     from parashift.bench import report
     from parashift.bench.offline import run_throughput
+    from parashift.engine.args import create_config, strategy_spec
 
     if baseline not in (None, "hf"):
         fail(f"--baseline {baseline!r}: the only baseline is hf")
     if hf_batch_size < 1:
         fail("--hf-batch-size must be >= 1")
     try:
-        config = engine_args.create_config()
+        config = create_config(engine_args)
         requests = workload(num_prompts, input_len, output_len, input_len_range,
                              output_len_range, dataset, seed, _tokenizer(config.model),
                              config.model.vocab_size)
@@ -66,7 +67,7 @@ def throughput(
     tokens = sum(r.prompt_len + r.output_len for r in requests)
     out_tokens = sum(r.output_len for r in requests)
     typer.echo(f"{len(requests)} requests, {tokens} tokens ({out_tokens} output); "
-               f"strategy {engine_args.strategy_spec()}")
+               f"strategy {strategy_spec(engine_args)}")
     elapsed = run_throughput(engine_args, requests)
     results = {"parashift": _rates(elapsed, len(requests), tokens, out_tokens)}
     if baseline == "hf":
@@ -85,7 +86,7 @@ def throughput(
     if "speedup_over_hf" in results:
         lines.append(f"parashift / hf: {results['speedup_over_hf']:.2f}x")
     typer.echo("\n".join(lines))
-    settings = {"model": config.model.path, "strategy": str(engine_args.strategy_spec()),
+    settings = {"model": config.model.path, "strategy": str(strategy_spec(engine_args)),
                 "dtype": str(config.model.dtype), "num_prompts": len(requests),
                 "dataset": dataset, "seed": seed, "baseline": baseline}
     if save_json:
@@ -126,6 +127,7 @@ def latency(
     from parashift.bench import report
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_latency
+    from parashift.engine.args import strategy_spec
 
     for flag, value in (("--batch-size", batch_size), ("--input-len", input_len),
                         ("--output-len", output_len), ("--iters", iters)):
@@ -135,7 +137,7 @@ def latency(
         fail("--warmup must be >= 0")
     try:
         engine_args.seed = seed
-        if engine_args.strategy_spec().size("dp") > 1:
+        if strategy_spec(engine_args).processes().num_engines > 1:
             raise ValueError("latency measures one engine: drop the dp axis")
         if batch_size > engine_args.max_num_seqs:
             raise ValueError(f"--batch-size {batch_size} is above --max-num-seqs "

@@ -11,7 +11,8 @@ import time
 import msgspec
 
 from parashift.bench.datasets import BenchRequest
-from parashift.engine.args import EngineArgs
+from parashift.engine.args import EngineArgs, create_config
+from parashift.engine.placement import node_mesh
 
 
 def _params(requests: list[BenchRequest]):
@@ -41,24 +42,26 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
                    progress: bool = True) -> float:
     """Seconds to finish every request. dp > 1: each rank's process takes every dp-th request
     and they start together; the slowest rank's time counts."""
-    config = engine_args.create_config()  # validates, converts a GGUF once
-    dp = config.parallel.data_parallel_size
+    config = create_config(engine_args)  # validates, converts a GGUF once
+    spec = config.parallel.strategy
+    dp = spec.processes().num_engines
     if dp == 1:
         return _generate(engine_args, requests, progress)
-    from parashift.runtime.node import local_cpu_shares, node_mesh
-
-    shares = local_cpu_shares(node_mesh(config, list(range(dp))), engine_args.num_threads)
+    mesh = node_mesh(spec, config.device.device, list(range(dp)))
+    # Each rank's process runs one engine: the strategy without its data-parallel axis.
+    engine_strategy = "x".join(a.token for a in spec.axes
+                               if not (a.mesh() and a.mesh().spans_engines)) or "dp1"
     mp = multiprocessing.get_context("spawn")
     barrier = mp.Barrier(dp)
     pipes, procs = [], []
     for rank in range(dp):
         receive, send = mp.Pipe(duplex=False)
-        args = dataclasses.replace(engine_args, model=config.model.path, strategy=None,
-                                   data_parallel_size=1,
-                                   tensor_parallel_size=config.parallel.tensor_parallel_size,
-                                   pipeline_parallel_size=config.parallel.pipeline_parallel_size)
+        args = dataclasses.replace(engine_args, model=config.model.path,
+                                   strategy=engine_strategy, data_parallel_size=None,
+                                   tensor_parallel_size=None, pipeline_parallel_size=None)
         proc = mp.Process(target=_rank_main, name=f"parashift-bench-dp{rank}", args=(
-            rank, args, requests[rank::dp], shares[rank], barrier, send, progress and rank == 0))
+            rank, args, requests[rank::dp], mesh.engine_placement(rank).cpu_ids, barrier, send,
+            progress and rank == 0))
         proc.start()
         send.close()  # the child holds the write end: its death then reads as EOF here
         procs.append(proc)
@@ -93,17 +96,17 @@ def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[float]:
     return [times[r] for r in range(len(procs))]
 
 
-def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest], share,
-               barrier, pipe, progress: bool) -> None:
-    """One data-parallel rank: an independent engine (dp1 inside) on its own cores."""
+def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
+               cpu_ids: tuple[int, ...], barrier, pipe, progress: bool) -> None:
+    """One data-parallel rank: an independent engine on its cores from the mesh (its engine
+    places its own workers on them, by the same rule)."""
     import os
 
     from parashift.wire.process_util import die_with_parent
 
     die_with_parent()
-    if share.cpu_ids:
-        os.sched_setaffinity(0, share.cpu_ids)
-    engine_args = dataclasses.replace(engine_args, num_threads=share.num_threads)
+    if cpu_ids:
+        os.sched_setaffinity(0, cpu_ids)
     try:
         from parashift import LLM
 

@@ -6,34 +6,43 @@ import logging
 
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.placement import engine_placement, ray_engine_placement
 from parashift.engine.request import Request
 from parashift.engine.scheduler import Scheduler
 from parashift.executor.local import LocalExecutor
+from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-def make_executor(config: EngineConfig, worker_cpu_ids: list[list[int]] | None = None):
-    """In this process for tp1; tp worker processes otherwise."""
-    if config.parallel.tensor_parallel_size > 1:
-        if config.parallel.distributed_executor_backend == "ray":
-            from parashift.executor.ray_executor import RayExecutor as MultiprocExecutor
-        else:
-            from parashift.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, worker_cpu_ids, logging.getLevelName(
-            logging.getLogger().getEffectiveLevel()))
-    return LocalExecutor(config)
+def make_executor(config: EngineConfig, placement: EnginePlacement | None = None):
+    """The engine's own process runs the model when the strategy gives it one worker; worker
+    processes (or Ray actors) otherwise. `placement`: from the launcher's mesh; by default
+    this engine alone on the devices this process sees."""
+    par = config.parallel
+    if placement is None:
+        place = (ray_engine_placement if par.distributed_executor_backend == "ray"
+                 else engine_placement)
+        placement = place(par.strategy, config.device.device, par.data_parallel_rank)
+    if len(placement.workers) == 1:
+        return LocalExecutor(config, placement)
+    if par.distributed_executor_backend == "ray":
+        from parashift.executor.ray_executor import RayExecutor as Executor
+    else:
+        from parashift.executor.multiproc import MultiprocExecutor as Executor
+    return Executor(config, placement, logging.getLevelName(
+        logging.getLogger().getEffectiveLevel()))
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None,
-                 worker_cpu_ids: list[list[int]] | None = None):
+                 placement: EnginePlacement | None = None):
         self.config = config
-        self.executor = executor or make_executor(config, worker_cpu_ids)
+        self.executor = executor or make_executor(config, placement)
         try:
             self._init_kv_cache()
+            self.weight_bytes = self.executor.weight_bytes()
         except BaseException:
             self.executor.shutdown()
             raise

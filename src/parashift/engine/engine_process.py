@@ -9,16 +9,16 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
-from parashift.engine.args import EngineArgs
+from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.request import Request
+from parashift.strategies.mesh import EnginePlacement, engine_process_name
+from parashift.strategies.spec import StrategySpec
 from parashift.types.outputs import EngineCoreOutput
 from parashift.wire import protocol as p
 from parashift.wire.process_util import (
@@ -33,23 +33,15 @@ IDLE_POLL_MS = 100  # blocking poll; wakes only to notice a shutdown signal (soo
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-@dataclass
-class CpuShare:
-    """A rank's share of its node's cores (empty: no pinning), split further between its
-    tensor-parallel workers when it has some."""
-
-    cpu_ids: list[int] = field(default_factory=list)
-    num_threads: int | None = None
-    workers: list[list[int]] | None = None  # per tp rank
-
-
 class EngineProcess:
-    def __init__(self, rank: int, handshake_address: str, share: CpuShare | None = None,
-                 handshake_timeout: float = 600.0):
+    def __init__(self, rank: int, handshake_address: str,
+                 placement: EnginePlacement | None = None, handshake_timeout: float = 600.0):
+        """`placement`: this rank's part of the launcher's mesh (None: this engine alone on
+        the devices its process sees, as a Ray actor does)."""
         self.rank = rank
         self.handshake_timeout = handshake_timeout
         self.incarnation = os.getpid()
-        self.share = share or CpuShare()
+        self.placement = placement
         self.ctx = zmq.Context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
@@ -74,15 +66,11 @@ class EngineProcess:
             raise TimeoutError(f"no launcher answered the handshake within "
                                f"{self.handshake_timeout:.0f} s")
         init = p.decode(self.handshake.recv(), p.EngineInit)
-        args = EngineArgs(**init.engine_args)
-        if self.share.cpu_ids:  # this rank's own cores, so ranks do not fight over them
-            os.sched_setaffinity(0, self.share.cpu_ids)
-        if self.share.num_threads:
-            args.num_threads = self.share.num_threads
-        config = args.create_config()
-        if torch.cuda.is_available() and config.parallel.tensor_parallel_size == 1:
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        self.core = EngineCore(config, worker_cpu_ids=self.share.workers)
+        if self.placement is not None and self.placement.cpu_ids:
+            # this rank's own cores (its workers'), so that ranks do not fight over them
+            os.sched_setaffinity(0, self.placement.cpu_ids)
+        config = create_config(init.engine_args, StrategySpec.from_wire(init.strategy))
+        self.core = EngineCore(config, placement=self.placement)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
@@ -108,7 +96,7 @@ class EngineProcess:
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
-                                     cfg.model.max_model_len))
+                                     cfg.model.max_model_len, self.core.weight_bytes))
 
     def _heartbeats(self, address: str) -> None:
         """From a thread with its own socket, so that a long step never looks like death."""
@@ -234,12 +222,13 @@ class EngineProcess:
 
 
 def run_engine(rank: int, handshake_address: str, log_level: str,
-               share: CpuShare | None = None, handshake_timeout: float = 600.0) -> None:
+               placement: EnginePlacement | None = None, handshake_timeout: float = 600.0
+               ) -> None:
     """Process entry point (multiprocessing target)."""
-    set_process_name(f"parashift-engine-dp{rank}")
+    set_process_name(engine_process_name(rank))
     die_with_parent()
     setup_child_logging(log_level)
-    engine = EngineProcess(rank, handshake_address, share, handshake_timeout)
+    engine = EngineProcess(rank, handshake_address, placement, handshake_timeout)
 
     def on_term(*_: Any) -> None:
         engine.stopping = True

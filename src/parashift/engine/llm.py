@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from parashift.engine.args import EngineArgs
+from parashift.engine.args import EngineArgs, create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
 from parashift.engine.request import Request
@@ -37,8 +37,8 @@ class LLM:
         return llm
 
     def _init(self, engine_args: EngineArgs) -> None:
-        self.config = engine_args.create_config()
-        if self.config.parallel.data_parallel_size > 1:
+        self.config = create_config(engine_args)
+        if self.config.parallel.strategy.processes().num_engines > 1:
             raise ValueError("offline generation runs one engine: data parallel (dp > 1) is "
                              "served by `parashift run --strategy dpN`")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)

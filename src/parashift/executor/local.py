@@ -1,18 +1,32 @@
-"""The executor for one worker in the engine's own process (tp1, pp1)."""
+"""The executor for an engine whose one worker is the engine process itself."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from parashift.config import EngineConfig
 from parashift.executor.worker import Worker
+from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement: EnginePlacement):
+        (rank,) = placement.workers
+        if rank.cuda_index is not None:
+            torch.cuda.set_device(rank.cuda_index)
+        if rank.cpu_ids and config.device.num_threads is None:
+            config = dataclasses.replace(config, device=dataclasses.replace(
+                config.device, num_threads=len(rank.cpu_ids)))
         self.worker = Worker(config)
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
+
+    def weight_bytes(self) -> list[int]:
+        return [self.worker.weight_bytes()]
 
     def kv_block_bytes(self) -> int:
         return self.worker.kv_block_bytes()

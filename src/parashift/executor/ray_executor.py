@@ -1,10 +1,12 @@
-"""The executor for `--backend ray` with tensor parallel: the tp workers are Ray actors in
-bundles 1..tp of their engine's placement group; everything else is MultiprocExecutor's
-(ZMQ step commands over tcp, collective_rpc, tp rank 0 answers). The torch.distributed
-rendezvous is a TCP store on tp rank 0's node, so workers may sit on different nodes."""
+"""The executor for `--backend ray` with workers: each worker of the engine's placement is a
+Ray actor in bundle 1 + its index of the engine's placement group. The mesh names and orders
+the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
+commands over tcp, collective_rpc, worker 0 answers). The torch.distributed rendezvous is a
+TCP store on worker 0's node, so workers may sit on different nodes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import socket
@@ -15,6 +17,7 @@ import zmq
 from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
+from parashift.strategies.mesh import EnginePlacement
 from parashift.wire.process_util import named_actor_class
 
 logger = logging.getLogger(__name__)
@@ -38,40 +41,42 @@ class _WorkerActor:
 
 
 class RayExecutor(MultiprocExecutor):
-    def _start_workers(self, config: EngineConfig, worker_cpu_ids, log_level: str) -> None:
+    def _start_workers(self, config: EngineConfig, placement: EnginePlacement,
+                       log_level: str) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        tp = config.parallel.tensor_parallel_size
-        dp_rank = config.parallel.data_parallel_rank
         pg = ray.util.get_current_placement_group()
         if pg is None:
             raise RuntimeError("the Ray executor runs inside an engine actor's placement group")
         gpu = config.device.device != "cpu"
-        self.actors = [ray.remote(named_actor_class(
-            _WorkerActor, f"ParashiftWorkerDp{dp_rank}Tp{rank}")).options(
-            name=f"parashift-worker-dp{dp_rank}-tp{rank}",
-            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=1 + rank)).remote() for rank in range(tp)]
+        # Inside its actor a worker sees the one GPU Ray gave it, and no core set of ours.
+        workers = [dataclasses.replace(w, cpu_ids=(), cuda_index=0 if gpu else None)
+                   for w in placement.workers]
+        self.actors = [ray.remote(named_actor_class(_WorkerActor, _class_name(w.process_name)))
+                       .options(name=w.process_name, num_cpus=0 if gpu else 1,
+                                num_gpus=1 if gpu else 0,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                    pg, placement_group_bundle_index=1 + w.local_rank)).remote()
+                       for w in workers]
         head_ip = ray.get(self.actors[0].node_ip.remote())
         port = ray.get(self.actors[0].free_port.remote())
         my_ip = ray.util.get_node_ip_address()
-        self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{dp_rank}-workers-")
+        self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{placement.engine}-workers-")
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
         self.commands = []
         self.refs = []
-        for rank, actor in enumerate(self.actors):
+        for worker, actor in zip(workers, self.actors, strict=True):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             command_port = sock.bind_to_random_port(f"tcp://{my_ip}")
             self.commands.append(sock)
-            args = WorkerArgs(config, f"parashift-worker-dp{dp_rank}-tp{rank}", rank, tp,
-                              f"tcp://{head_ip}:{port}", f"tcp://{my_ip}:{command_port}",
-                              f"tcp://{my_ip}:{result_port}", [], 0 if gpu else None, log_level)
+            args = WorkerArgs(config, worker, f"tcp://{head_ip}:{port}",
+                              f"tcp://{my_ip}:{command_port}", f"tcp://{my_ip}:{result_port}",
+                              log_level)
             self.refs.append(actor.run.remote(args))
 
     def check_health(self) -> None:
@@ -85,7 +90,7 @@ class RayExecutor(MultiprocExecutor):
                 reason = "returned"
             except Exception as e:  # RayActorError, a worker's exception
                 reason = str(e).splitlines()[0][:200]
-            raise WorkerDiedError(f"worker tp{rank} (Ray actor) stopped: {reason}")
+            raise WorkerDiedError(f"worker {rank} (Ray actor) stopped: {reason}")
 
     def _alive(self) -> bool:
         import ray
@@ -95,6 +100,11 @@ class RayExecutor(MultiprocExecutor):
 
     def _cleanup_call(self) -> tuple:
         return _kill_actors, self.actors, self.ctx, self.dir
+
+
+def _class_name(process_name: str) -> str:
+    """parashift-worker-dp0-tp1 -> ParashiftWorkerDp0Tp1 (Ray titles the process with it)."""
+    return "".join(part.capitalize() for part in process_name.split("-"))
 
 
 def _kill_actors(actors: list, ctx: zmq.Context, folder: str) -> None:

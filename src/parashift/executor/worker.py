@@ -10,7 +10,7 @@ import torch
 from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.communicator import CommStats
-from parashift.distributed.parallel_state import get_tp_group
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.models.loader import load_model
@@ -19,10 +19,13 @@ from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-
 class Worker:
-    def __init__(self, config: EngineConfig):
+    """`parallel`: this rank's shard plan and process groups (a size-1 context: the whole
+    model, no collectives)."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
         self.config = config
+        self.parallel = parallel or ParallelContext()
         self.device = config.device.torch_device
         if self.device.type == "cpu" and config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -31,7 +34,7 @@ class Worker:
         self.backend = get_attention_backend("torch")
         rss_before = _reset_peak_rss()
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
-                                mc.max_model_len)
+                                mc.max_model_len, self.parallel)
         # Peak resident memory the load added: a tp shard must read only its slice.
         self.load_peak_rss = _peak_rss() - rss_before
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device)
@@ -39,9 +42,14 @@ class Worker:
     def load_peak_rss_bytes(self) -> int:
         return self.load_peak_rss
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied weight once): what `plan` predicts."""
+        seen = {id(p): p for p in self.model.parameters()}
+        return sum(p.numel() * p.element_size() for p in seen.values())
+
     def take_comm_stats(self) -> dict[str, float]:
         """The tp group's all-reduce cost since the last call (then reset)."""
-        group = get_tp_group()
+        group = self.parallel.tp
         stats, group.stats = group.stats, CommStats()
         return dataclasses.asdict(stats)
 

@@ -1,8 +1,9 @@
-"""A tensor-parallel worker process: one device, the model shard and its slice of the KV cache.
-It joins its engine's tp group (torch.distributed: gloo on CPU, nccl on GPU; rendezvous through
+"""A worker process: one device of its engine, the model shard and its slice of the KV cache.
+It joins its engine's workers (torch.distributed: gloo on CPU, nccl on GPU; rendezvous through
 a file in the engine's private folder, so that engines starting at once never fight over a
-port), then runs the step commands its engine core sends. Every worker runs every step;
-only tp rank 0 answers with the sampled tokens."""
+port), forms the in-engine process groups the strategy names, loads the shard its plan says,
+then runs the step commands its engine core sends. Every worker runs every step; only worker 0
+answers with the sampled tokens."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import zmq
 
 from parashift.config import EngineConfig
 from parashift.distributed.communicator import GroupCommunicator
-from parashift.distributed.parallel_state import set_tp_group
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
+from parashift.strategies.layout import MeshPoint
+from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
 from parashift.wire.process_util import die_with_parent, set_process_name, setup_child_logging
 
@@ -36,16 +39,20 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 @dataclass
 class WorkerArgs:
     config: EngineConfig  # the engine's, model path resolved
-    name: str  # process name, e.g. parashift-worker-dp0-tp1
-    tp_rank: int
-    tp_size: int
+    placement: RankPlacement  # from the mesh: name, coordinates, cores or GPU
     init_method: str  # torch.distributed rendezvous: file:// (mp) or tcp:// (Ray)
     command_address: str  # engine PUSH -> this worker's PULL
     result_address: str  # this worker's PUSH -> engine PULL
-    cpu_ids: list[int]  # this worker's cores (empty: no pinning)
-    cuda_device: int | None  # GPU index on this node
     log_level: str
-    shm_path: str | None = None  # where the ranks meet for shared-memory all-reduce (one node)
+    shm_path: str | None = None  # where tp ranks meet for shared-memory all-reduce (one node)
+
+    @property
+    def name(self) -> str:
+        return self.placement.process_name
+
+    @property
+    def rank(self) -> int:  # among its engine's workers
+        return self.placement.local_rank
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -63,12 +70,12 @@ def run_worker(args: WorkerArgs) -> None:
     results.connect(args.result_address)
     try:
         worker = _init(args)
-        results.send(p.encode(p.WorkerReady(args.tp_rank)))
-        _serve(worker, args.tp_rank, commands, results)
+        results.send(p.encode(p.WorkerReady(args.rank)))
+        _serve(worker, args.rank, commands, results)
     except Exception:
         error = traceback.format_exc()
         logger.error("%s failed:\n%s", args.name, error)
-        results.send(p.encode(p.WorkerReply(args.tp_rank, None, error.strip().splitlines()[-1])))
+        results.send(p.encode(p.WorkerReply(args.rank, None, error.strip().splitlines()[-1])))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -79,25 +86,43 @@ def run_worker(args: WorkerArgs) -> None:
 def _init(args: WorkerArgs):
     from parashift.executor.worker import Worker
 
-    config = args.config
-    if args.cuda_device is not None:
-        torch.cuda.set_device(args.cuda_device)
+    config, placement = args.config, args.placement
+    if placement.cuda_index is not None:
+        torch.cuda.set_device(placement.cuda_index)
         backend = "nccl"
     else:
         backend = "gloo"
-        if args.cpu_ids:
-            os.sched_setaffinity(0, args.cpu_ids)
-        threads = config.device.num_threads or len(args.cpu_ids) or None
+        if placement.cpu_ids:
+            os.sched_setaffinity(0, placement.cpu_ids)
+        threads = config.device.num_threads or len(placement.cpu_ids) or None
         config = dataclasses.replace(config, device=dataclasses.replace(
             config.device, num_threads=threads))
-    dist.init_process_group(backend, init_method=args.init_method,
-                            rank=args.tp_rank, world_size=args.tp_size,
+    spec = config.parallel.strategy
+    dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
+                            world_size=spec.processes().workers_per_engine,
                             timeout=COLLECTIVE_TIMEOUT)
-    shm = None
-    if args.shm_path:  # set by the engine only for CPU workers that can use it
-        shm = ShmAllReduce.open(args.shm_path, args.tp_rank, args.tp_size, dist.group.WORLD)
-    set_tp_group(GroupCommunicator(dist.group.WORLD, args.tp_rank, args.tp_size, shm))
-    return Worker(config)
+    groups = _join_groups(spec.local_groups(), args.rank, args.shm_path)
+    shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
+    return Worker(config, ParallelContext(shard, groups))
+
+
+def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None
+                 ) -> dict[str, GroupCommunicator]:
+    """A communicator for each named group this worker is in. Every worker creates every
+    group, in the same order (torch.distributed requires it)."""
+    world = dist.get_world_size()
+    mine = {}
+    for name, member_lists in groups.items():
+        for index, members in enumerate(member_lists):
+            group = dist.group.WORLD if len(members) == world else dist.new_group(members)
+            if rank not in members or len(members) == 1:
+                continue
+            shm = None
+            if shm_path and name == "tp":  # all-reduces that fit go through shared memory
+                shm = ShmAllReduce.open(f"{shm_path}-{index}", members.index(rank),
+                                        len(members), group)
+            mine[name] = GroupCommunicator(group, members.index(rank), len(members), shm)
+    return mine
 
 
 def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None:

@@ -7,19 +7,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parashift.distributed.parallel_state import get_tp_group
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.gemm import linear
 from parashift.layers.weights import WeightSource
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext):
         super().__init__()
-        self.tp = get_tp_group()
+        self.tp = parallel.tp
         self.vocab_size = vocab_size
         self.dtype = dtype
-        per_rank = -(-vocab_size // self.tp.world_size)  # padded so every rank has equal rows
-        self.vocab_start = self.tp.rank * per_rank
+        shard = parallel.shard
+        per_rank = -(-vocab_size // shard.tp_size)  # padded so every rank has equal rows
+        self.vocab_start = shard.tp_rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, vocab_size)
         self.weight = nn.Parameter(torch.zeros(per_rank, hidden_size, dtype=dtype),
                                    requires_grad=False)
@@ -43,8 +45,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows being sampled. Each rank computes its vocabulary slice; rank 0
     gathers the full row (other ranks get None)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
-        super().__init__(vocab_size, hidden_size, dtype)
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext, bias: bool = False):
+        super().__init__(vocab_size, hidden_size, dtype, parallel)
         if bias:
             raise ValueError("an LM head with bias is not supported")
 

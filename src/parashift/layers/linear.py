@@ -6,15 +6,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parashift.distributed.parallel_state import get_tp_group
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.gemm import linear
 from parashift.layers.weights import WeightSource
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 parallel: ParallelContext):
         super().__init__()
-        self.tp = get_tp_group()
+        self.tp = parallel.tp  # the all-reduces
+        self.tp_rank = parallel.shard.tp_rank  # which slice this rank loads
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
@@ -34,15 +36,16 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by columns (output features): each rank computes its slice of Y."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_group().world_size
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 parallel: ParallelContext):
+        tp_size = parallel.shard.tp_size
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp={tp_size}")
-        super().__init__(input_size, output_size // tp_size, bias, dtype)
+        super().__init__(input_size, output_size // tp_size, bias, dtype, parallel)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
         rows = param.shape[0]
-        param.data.copy_(source.narrow(0, self.tp.rank * rows, rows))
+        param.data.copy_(source.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
@@ -52,18 +55,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one weight (gate_up_proj).
     Checkpoint shard `i` lands in rows of block `i` of every rank."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_group().world_size
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 parallel: ParallelContext):
+        tp_size = parallel.shard.tp_size
         for size in output_sizes:
             if size % tp_size:
                 raise ValueError(f"output size {size} is not divisible by tp={tp_size}")
         self.shard_sizes = [size // tp_size for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, parallel)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: int) -> None:
         size = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
-        param.data[offset : offset + size].copy_(source.narrow(0, self.tp.rank * size, size))
+        param.data[offset : offset + size].copy_(source.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -71,8 +75,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     kv head is replicated over tp_size // num_kv_heads consecutive ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_group().world_size
+                 bias: bool, dtype: torch.dtype, parallel: ParallelContext):
+        tp_size = parallel.shard.tp_size
         if num_heads % tp_size:
             raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tp={tp_size}")
         if num_kv_heads % tp_size and tp_size % num_kv_heads:
@@ -84,16 +88,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, output_size, bias, dtype)
+        super().__init__(hidden_size, output_size, bias, dtype, parallel)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp.rank
+            offset, size, rank = 0, q_size, self.tp_rank
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank = kv_size, self.tp.rank // self.kv_replicas
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
         param.data[offset : offset + size].copy_(source.narrow(0, rank * size, size))
 
 
@@ -101,18 +105,19 @@ class RowParallelLinear(LinearBase):
     """Y = X A with A split by rows (input features): each rank multiplies its slice of X and
     the partial sums are all-reduced. The bias is added once, after the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_group().world_size
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 parallel: ParallelContext):
+        tp_size = parallel.shard.tp_size
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp={tp_size}")
-        super().__init__(input_size // tp_size, output_size, bias, dtype)
+        super().__init__(input_size // tp_size, output_size, bias, dtype, parallel)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
         if param.dim() == 1:  # bias: not sharded
             param.data.copy_(source.load())
             return
         cols = param.shape[1]
-        param.data.copy_(source.narrow(1, self.tp.rank * cols, cols))
+        param.data.copy_(source.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))

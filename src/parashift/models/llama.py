@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.activation import silu_and_mul
 from parashift.layers.attention.backend import AttentionBackend
 from parashift.layers.attention.layer import Attention
@@ -25,17 +26,17 @@ from parashift.layers.weights import WeightSource
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 parallel: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
-                                          num_kv_heads, qkv_bias, dtype)
+                                          num_kv_heads, qkv_bias, dtype, parallel)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size,
-                                        o_bias, dtype)
+                                        o_bias, dtype, parallel)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
@@ -56,27 +57,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype):
+    def __init__(self, cfg: Any, dtype: torch.dtype, parallel: ParallelContext):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias, dtype
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias, dtype, parallel
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, dtype,
+                                           parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend, **attn_flags):
+    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 parallel: ParallelContext, **attn_flags):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, dtype, backend, **attn_flags)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, parallel, **attn_flags)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, parallel)
 
     def forward(self, hidden, residual, cos_sin, metadata):
         if residual is None:
@@ -100,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
     attn_flags: dict[str, bool] | None = None  # None: read attention_bias from the config
 
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
-                 max_position: int):
+                 max_position: int, parallel: ParallelContext):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
@@ -111,13 +114,15 @@ class LlamaForCausalLM(nn.Module):
         }
         self.sliding_window = self._sliding_window(cfg, max_position)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
+                                                   parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, backend, **flags) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, dtype, backend, parallel, **flags)
+            for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.attention.backend import AttentionBackend
 from parashift.layers.gemm import prepare_gemm_weights
 from parashift.layers.weights import iterate_weights
@@ -42,11 +43,13 @@ def load_hf_config(path: str) -> Any:
 
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend, max_position: int) -> nn.Module:
+               backend: AttentionBackend, max_position: int, parallel: ParallelContext
+               ) -> nn.Module:
+    """The model for this rank's shard plan (`parallel.shard`), reading only its slices."""
     model_cls = get_model_class(architecture_of(hf_config))
     start = time.perf_counter()
     with torch.device(device):
-        model = model_cls(hf_config, dtype, backend, max_position)
+        model = model_cls(hf_config, dtype, backend, max_position, parallel)
     model.load_weights(iterate_weights(path))
     for note in prepare_gemm_weights(model, device):
         logger.info(note)

@@ -10,6 +10,13 @@ from typing import Annotated
 import typer
 
 from parashift.cli_options import fail, parse_size
+from parashift.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPE_BYTES,
+    resolve_dtype_name,
+)
 
 
 def load_shape(model: str | None):
@@ -61,12 +68,14 @@ def plan(
                           ] = None,
     inter_node: Annotated[str, typer.Option("--inter-node", help="ib | ethernet")] = "ib",
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-    dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32 | fp8")] = "bf16",
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+    dtype: Annotated[str, typer.Option(
+        help="auto (the engine's choice) | float32 | bfloat16 | float16 | fp8")] = "auto",
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")
+                                      ] = DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_memory: Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="CPU: the KV budget per worker, e.g. 2GiB")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 128,
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = DEFAULT_MAX_NUM_SEQS,
+    block_size: Annotated[int, typer.Option("--block-size")] = DEFAULT_BLOCK_SIZE,
     auto: Annotated[bool, typer.Option(help="rank every strategy for these devices")] = False,
     objective: Annotated[str, typer.Option(help="throughput | latency (with --auto)")
                          ] = "throughput",
@@ -91,10 +100,6 @@ def plan(
         fail(f"--intra-node {intra_node!r}: use {' | '.join(INTRA_NODE)}")
     if inter_node not in INTER_NODE:
         fail(f"--inter-node {inter_node!r}: use {' | '.join(INTER_NODE)}")
-    sizes = {"bf16": 2, "fp16": 2, "bfloat16": 2, "float16": 2, "fp32": 4, "float32": 4,
-             "fp8": 1}
-    if dtype not in sizes:
-        fail(f"--dtype {dtype!r}: use bf16, fp16, fp32 or fp8")
     if objective not in ("throughput", "latency"):
         fail(f"--objective {objective!r}: use throughput or latency")
     if nodes < 1:
@@ -110,12 +115,17 @@ def plan(
         if nodes > n:
             raise ValueError(f"--nodes {nodes} is more than --devices {n}")
         spec = spec or StrategySpec.from_sizes(dp=n)
+        # The engine's dtype rule and table (defaults.py), on the checkpoint's dtype.
+        dtype_bytes = 1 if dtype == "fp8" else DTYPE_BYTES[resolve_dtype_name(
+            dtype, shape.checkpoint_dtype, "cuda" if DEVICES[device].is_gpu else "cpu")]
         settings = PlanSettings(
             DEVICES[device], n, nodes, INTRA_NODE.get(intra_node or ""), INTER_NODE[inter_node],
-            max_model_len, sizes[dtype], gpu_memory_utilization,
+            max_model_len, dtype_bytes, gpu_memory_utilization,
             parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
             parse_size(device_memory, "--device-memory") if device_memory else None,
-            block_size, max_num_seqs)
+            block_size, max_num_seqs,
+            # CPU: this machine's cores, as `parashift run` would place the ranks on them
+            cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))))
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()
@@ -156,8 +166,9 @@ def _ray_placement(spec, settings, address, console, quiet: bool) -> list[dict]:
         nodes = cluster_nodes(address)
     except ConnectionError as e:
         fail(f"--ray-address {address or 'auto'}: {e}")
-    bundles = rank_bundles(spec.size("tp") * spec.size("pp"), settings.device.is_gpu)
-    placements = place(nodes, bundles, spec.size("dp"))
+    processes = spec.processes()
+    bundles = rank_bundles(processes, settings.device.is_gpu)
+    placements = place(nodes, bundles, processes.num_engines)
     if not quiet:
         table = Table(title=f"Ray placement ({len(nodes)} node(s))")
         for col in ("dp rank", "node", "bundles"):

@@ -1,7 +1,7 @@
-"""The numbers of a plan: per-device memory (weights share, reserve, KV cache), KV capacity,
-per-step communication, and a roofline estimate of decode / prefill throughput and per-token
-latency. Every formula follows how the engine lays the model out (layers/linear.py,
-layers/embedding.py, executor/worker.py); the roofline is an estimate, not a measurement."""
+"""The numbers of a plan, from the strategy's hooks: the mesh places every rank (and says
+where a CPU is oversubscribed), `cost` gives per-device memory and the traffic on each group,
+`processes` the replicas; then KV capacity and a roofline estimate of decode / prefill
+throughput and per-token latency. The roofline is an estimate, not a measurement."""
 
 from __future__ import annotations
 
@@ -11,15 +11,19 @@ from dataclasses import dataclass, field
 from parashift.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
-from parashift.plan.shape import ModelShape, layers_of_stage
+from parashift.plan.shape import ModelShape
+from parashift.strategies.layout import DeviceCost, MeshPoint
+from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 
 CUDA_CONTEXT_BYTES = 1 << 30  # CUDA context, NCCL buffers, allocator slack per GPU
 DECODE_CONTEXT = 1024  # tokens of context a decoding sequence holds, for the roofline
+LOGIT_BYTES = 4  # logits are sampled in float32
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,13 @@ class PlanSettings:
     inter: Link | None = None
     max_model_len: int | None = None
     dtype_bytes: int = 2
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_memory: int | None = None  # CPU: the KV budget (the engine's default: 2 GiB)
     device_memory: int | None = None  # overrides the device's
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
+    cpu_ids: tuple[int, ...] | None = None  # CPU: the cores of a node (default 0..n-1)
 
     @property
     def devices_per_node(self) -> int:
@@ -71,6 +76,8 @@ class Plan:
     concurrent_max_len_seqs: float
     experts_per_rank: int | None
     comm: dict[str, dict[str, float]]
+    costs: list[DeviceCost]  # per stage
+    mesh: DeviceMesh | None
     estimate: dict[str, float]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -84,64 +91,54 @@ class Plan:
         return self.fits and not self.spec.unavailable()
 
 
-def weights_per_device(shape: ModelShape, spec: StrategySpec, stage: int, dtype_bytes: int
-                       ) -> int:
-    """Bytes of one tp rank of pipeline stage `stage` (the ranks of a stage hold equal
-    shares, up to replicated kv heads which every rank holds)."""
-    tp, pp = spec.size("tp"), spec.size("pp")
-    ep = spec.size("dp") * tp if spec.size("ep") else 1
-    layers = layers_of_stage(shape.num_layers, pp, stage)
-    first = sum(layers_of_stage(shape.num_layers, pp, s) for s in range(stage))
-    moe_layers = sum(1 for i in range(first, first + layers) if i >= shape.first_dense_layers
-                     and shape.is_moe)
-    h = shape.hidden_size
-    if shape.is_mla:
-        attention = shape.attention_params() // tp
-    else:
-        d, kv = shape.head_dim, shape.kv_heads_per_rank(tp)
-        attention = 2 * h * shape.num_heads * d // tp + 2 * h * kv * d
-    params = layers * (attention + 2 * h)  # + the two norms
-    params += (layers - moe_layers) * shape.dense_mlp_params() // tp
-    if moe_layers:
-        routed = (-(-shape.num_experts // ep) * shape.expert_params() if ep > 1
-                  else shape.num_experts * shape.expert_params() // tp)
-        shared = shape.num_shared_experts * shape.expert_params() // tp
-        params += moe_layers * (routed + shared + h * shape.num_experts)
-    vocab_rows = -(-shape.vocab_size // tp) * h  # padded: equal rows on every rank
-    if stage == 0:
-        params += vocab_rows
-    if stage == pp - 1 and not (shape.tie_word_embeddings and pp == 1):
-        params += vocab_rows
-    return params * dtype_bytes
+def plan_mesh(spec: StrategySpec, s: PlanSettings) -> DeviceMesh:
+    """The mesh `run` would build: GPUs by index, or the cores of a CPU node."""
+    if s.device.is_gpu:
+        return DeviceMesh(spec, s.devices_per_node, "cuda", s.nodes)
+    cores = s.cpu_ids or tuple(range(s.devices_per_node))
+    return DeviceMesh(spec, len(cores), "cpu", s.nodes, cpu_ids=list(cores))
 
 
-def activation_reserve(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> int:
-    """Peak activations of the largest step plus the logits of a full decode batch."""
-    tp = spec.size("tp")
-    per_token = (4 * shape.hidden_size + (shape.num_heads + 2 * shape.num_kv_heads)
-                 * shape.head_dim // tp + 2 * max(shape.intermediate_size,
-                                                   shape.moe_intermediate_size) // tp)
-    logits = s.max_num_seqs * shape.vocab_size * 4
+def stage_costs(shape: ModelShape, spec: StrategySpec) -> list[DeviceCost]:
+    """The cost hook's answer for the first worker of every pipeline stage of one engine (the
+    workers of a stage hold equal shares, up to kv heads shared by several tp ranks)."""
+    sizes = spec.sizes()
+    hf_config = shape.as_hf_config()
+    return [spec.cost(shape.whole_model_cost(), MeshPoint(
+        {name: (stage if name == "pp" else 0) for name in sizes}, sizes), hf_config)
+        for stage in range(sizes.get("pp", 1))]
+
+
+def activation_reserve(cost: DeviceCost, shape: ModelShape, s: PlanSettings) -> int:
+    """Peak activations of the largest step plus the logits of a full decode batch (on the
+    stage with the LM head)."""
+    logits = s.max_num_seqs * shape.vocab_size * LOGIT_BYTES if cost.has_final_norm else 0
     extra = CUDA_CONTEXT_BYTES if s.device.is_gpu else 0
-    return s.batched_tokens * per_token * s.dtype_bytes + logits + extra
+    return s.batched_tokens * cost.activation_values_per_token() * s.dtype_bytes + logits + extra
 
 
 def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
-    tp, pp, dp = spec.size("tp"), spec.size("pp"), spec.size("dp")
     errors = [f"strategy {spec}: {e}" for e in spec.model_errors(shape.as_hf_config())]
     warnings = list(spec.unavailable())
     if spec.world_size > s.devices:
         errors.append(f"{spec} needs {spec.world_size} devices; --devices is {s.devices}")
     elif spec.world_size < s.devices:
         warnings.append(f"{spec} uses {spec.world_size} of the {s.devices} devices")
+    mesh = None
+    if spec.world_size <= s.devices:
+        try:
+            mesh = plan_mesh(spec, s)
+            warnings += mesh.warnings
+        except ValueError as e:
+            errors.append(str(e))
     max_len = s.max_model_len or shape.max_position_embeddings
     memory = s.device_memory or s.device.memory_bytes
+    costs = stage_costs(shape, spec)
     stages = []
-    for stage in range(pp):
-        layers = layers_of_stage(shape.num_layers, pp, stage)
-        weights = weights_per_device(shape, spec, stage, s.dtype_bytes)
-        reserve = activation_reserve(shape, spec, s)
-        block_bytes = s.block_size * shape.kv_bytes_per_token(tp, layers, s.dtype_bytes)
+    for stage, cost in enumerate(costs):
+        weights = cost.weight_params() * s.dtype_bytes
+        reserve = activation_reserve(cost, shape, s)
+        block_bytes = s.block_size * cost.kv_values_per_token() * s.dtype_bytes
         if s.device.is_gpu:
             budget = int(memory * s.gpu_memory_utilization)
             kv = max(0, budget - weights - reserve)
@@ -151,7 +148,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
             budget = weights + reserve + kv
             free = memory - budget
         blocks = kv // block_bytes if block_bytes else 0
-        stages.append(StageMemory(stage, layers, weights, reserve, blocks * block_bytes,
+        stages.append(StageMemory(stage, cost.layers, weights, reserve, blocks * block_bytes,
                                   free, budget, blocks, blocks * s.block_size))
         if s.device.is_gpu and weights + reserve > budget:
             errors.append(
@@ -168,20 +165,20 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
         errors.append(f"KV cache below one max-length sequence: {kv_tokens} tokens per "
                       f"replica < max_model_len {max_len} (lower --max-model-len, or spread "
                       "the model over more devices)")
-    experts = None
-    if shape.is_moe:
-        experts = (-(-shape.num_experts // (dp * tp)) if spec.size("ep")
-                   else shape.num_experts)
-    if tp > s.devices_per_node:
-        warnings.append(f"tp{tp} crosses nodes ({s.devices_per_node} devices per node): every "
-                        f"layer's all-reduces go over {_inter(s).name}")
+    experts = max(c.experts_held for c in costs) if shape.is_moe else None
+    comm = communication(costs, s.dtype_bytes)
+    if mesh is not None:
+        for name in sorted({g for c in costs for g in c.traffic}):
+            if mesh.group_spans_nodes(name):
+                warnings.append(f"the {name} group crosses nodes ({s.devices_per_node} devices "
+                                f"per node): its collectives go over {_inter(s).name}")
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
-                experts, communication(shape, spec, s), {}, errors, warnings)
+                experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
-    if pp > 1 and plan.estimate.get("decode_batch", 0) < 4 * pp:
-        warnings.append(f"pp{pp}: with {plan.estimate.get('decode_batch', 0):.0f} sequences "
-                        "per replica the pipeline has bubbles (needs several micro-batches "
-                        "per stage)")
+    if len(stages) > 1 and plan.estimate.get("decode_batch", 0) < 4 * len(stages):
+        warnings.append(f"{len(stages)} pipeline stages: with "
+                        f"{plan.estimate.get('decode_batch', 0):.0f} sequences per replica "
+                        "the pipeline has bubbles (needs several micro-batches per stage)")
     return plan
 
 
@@ -193,26 +190,34 @@ def _intra(s: PlanSettings) -> Link:
     return s.intra or INTRA_NODE["nvlink" if s.device.is_gpu else "shm"]
 
 
-def communication(shape: ModelShape, spec: StrategySpec, s: PlanSettings
-                  ) -> dict[str, dict[str, float]]:
-    """Per replica and per token, what each axis moves every step."""
-    tp, pp = spec.size("tp"), spec.size("pp")
-    h, b = shape.hidden_size, s.dtype_bytes
+def communication(costs: list[DeviceCost], dtype_bytes: int) -> dict[str, dict[str, float]]:
+    """Per device and step, what each group moves (the busiest stage's figures)."""
     out: dict[str, dict[str, float]] = {}
-    if tp > 1:
-        count = 2 * shape.num_layers + 1  # o_proj and down_proj per layer, the embedding
-        out["tp all-reduce"] = {
-            "count_per_step": count, "bytes_per_token": count * h * b,
-            "sent_per_device_per_token": count * h * b * 2 * (tp - 1) / tp,
-            "lm_head_gather_per_sequence": (tp - 1) * -(-shape.vocab_size // tp) * 4}
-    if pp > 1:
-        out["pp send/recv"] = {"count_per_step": pp - 1, "bytes_per_token": (pp - 1) * h * b}
-    if spec.size("ep") and shape.is_moe:
-        ep = spec.size("dp") * tp
-        per_layer = 2 * shape.num_experts_per_tok * h * b * (ep - 1) / ep  # dispatch + combine
-        out["ep all-to-all"] = {"count_per_step": 2 * shape.moe_layers,
-                                "bytes_per_token": shape.moe_layers * per_layer}
+    for cost in costs:
+        for name, t in cost.traffic.items():
+            row = {"group_size": t.group_size, "count_per_step": t.count_per_step,
+                   "bytes_per_token": t.values_per_token * dtype_bytes}
+            if t.values_per_sequence:
+                row["bytes_per_sequence"] = t.values_per_sequence * LOGIT_BYTES
+            key = f"{name} {t.kind}"
+            if key not in out or row["bytes_per_token"] > out[key]["bytes_per_token"]:
+                out[key] = row
     return out
+
+
+def _comm_seconds(plan: Plan, s: PlanSettings, cost: DeviceCost, tokens: int) -> float:
+    total = 0.0
+    for name, t in cost.traffic.items():
+        crosses = plan.mesh is not None and plan.mesh.group_spans_nodes(name)
+        link = _inter(s) if crosses else _intra(s)
+        moved = tokens * t.values_per_token * s.dtype_bytes
+        if t.kind == "all-reduce":
+            # Small all-reduces go tree-like (NCCL's LL protocols): latency grows with log2.
+            total += (t.count_per_step * 2 * math.ceil(math.log2(t.group_size)) * link.latency
+                      + 2 * (t.group_size - 1) / t.group_size * moved / link.bandwidth)
+        else:  # all-to-all, send/recv: one latency per call, the bytes once
+            total += t.count_per_step * link.latency + moved / link.bandwidth
+    return total
 
 
 def roofline(plan: Plan, s: PlanSettings) -> dict[str, float]:
@@ -220,52 +225,33 @@ def roofline(plan: Plan, s: PlanSettings) -> dict[str, float]:
     each stage takes max(memory time, compute time) plus its communication."""
     if not plan.fits:
         return {}
-    shape, spec = plan.shape, plan.spec
-    dp, tp, pp = spec.size("dp"), spec.size("tp"), spec.size("pp")
+    shape, processes = plan.shape, plan.spec.processes()
+    depth = len(plan.stages)
     ctx = min(plan.max_model_len, DECODE_CONTEXT)
     batch = max(1, min(s.max_num_seqs, plan.kv_tokens // ctx))
-    tp_link = _inter(s) if tp > s.devices_per_node else _intra(s)
-    ep_size = dp * tp if spec.size("ep") else 1
-    ep_link = _inter(s) if ep_size > s.devices_per_node else _intra(s)
-    pp_link = _inter(s) if s.nodes > 1 and pp > 1 else _intra(s)
-    active_per_device = shape.active_params() / (tp * pp)
-    ar_count = (2 * shape.num_layers + 1) / pp if tp > 1 else 0
+    active_per_device = shape.active_params() / processes.workers_per_engine
 
     def stage_time(tokens: int, kv_tokens: int) -> float:
-        weights = max(st.weights for st in plan.stages)
-        if shape.is_moe:  # a small batch reads only the experts its tokens pick
-            touched = min(1.0, tokens * shape.num_experts_per_tok / shape.num_experts)
-            expert_bytes = (shape.moe_layers / pp * shape.num_experts * shape.expert_params()
-                            * s.dtype_bytes / max(tp, ep_size))
-            weights -= expert_bytes * (1 - touched)
-        kv_read = kv_tokens * shape.kv_bytes_per_token(tp, shape.num_layers // pp,
-                                                       s.dtype_bytes)
-        t_mem = (weights + kv_read) / s.device.memory_bw
-        t_cmp = 2 * tokens * active_per_device / s.device.bf16_flops
-        t_comm = 0.0
-        if tp > 1:
-            # Small all-reduces go tree-like (NCCL's LL protocols): latency grows with log2(tp).
-            t_comm += ar_count * (2 * math.ceil(math.log2(tp)) * tp_link.latency
-                                  + 2 * (tp - 1) / tp * tokens * shape.hidden_size
-                                  * s.dtype_bytes / tp_link.bandwidth)
-        if ep_size > 1 and shape.is_moe:
-            t_comm += (2 * shape.moe_layers / pp) * (ep_link.latency + tokens
-                                                     * shape.num_experts_per_tok
-                                                     * shape.hidden_size * s.dtype_bytes
-                                                     / ep_link.bandwidth)
-        if pp > 1:
-            t_comm += pp_link.latency + tokens * shape.hidden_size * s.dtype_bytes / (
-                pp_link.bandwidth)
-        return max(t_mem, t_cmp) + t_comm
+        worst = 0.0
+        for cost in plan.costs:
+            weights = cost.weight_params() * s.dtype_bytes
+            if shape.is_moe:  # a small batch reads only the experts its tokens pick
+                touched = min(1.0, tokens * shape.num_experts_per_tok / shape.num_experts)
+                weights -= cost.expert_weight_params() * s.dtype_bytes * (1 - touched)
+            kv_read = kv_tokens * cost.kv_values_per_token() * s.dtype_bytes
+            t_mem = (weights + kv_read) / s.device.memory_bw
+            t_cmp = 2 * tokens * active_per_device / s.device.bf16_flops
+            worst = max(worst, max(t_mem, t_cmp) + _comm_seconds(plan, s, cost, tokens))
+        return worst
 
     t_decode = stage_time(batch, batch * ctx)
-    tpot = pp * t_decode
-    single = pp * stage_time(1, ctx)  # one sequence alone: the latency floor
-    # With at least pp micro-batches in flight every stage stays busy; with fewer, it idles.
-    per_replica = batch / t_decode if batch >= pp else batch / tpot
+    tpot = depth * t_decode
+    single = depth * stage_time(1, ctx)  # one sequence alone: the latency floor
+    # With at least one micro-batch per stage in flight every stage stays busy.
+    per_replica = batch / t_decode if batch >= depth else batch / tpot
     prefill_tokens = s.batched_tokens
     t_prefill = stage_time(prefill_tokens, prefill_tokens)
     return {"decode_batch": batch, "decode_context": ctx, "tpot_ms": tpot * 1e3,
             "tpot_single_ms": single * 1e3,
-            "decode_tokens_per_s": dp * per_replica,
-            "prefill_tokens_per_s": dp * prefill_tokens / t_prefill}
+            "decode_tokens_per_s": processes.num_engines * per_replica,
+            "prefill_tokens_per_s": processes.num_engines * prefill_tokens / t_prefill}

@@ -9,25 +9,21 @@ from rich.console import Console
 from rich.table import Table
 
 from parashift.plan.estimate import Plan, PlanSettings
-from parashift.strategies.mesh import DeviceMesh
+from parashift.strategies.layout import MeshPoint
+from parashift.strategies.mesh import RankPlacement
 
 GIB = 2**30
 
 
-def plan_mesh(plan: Plan, s: PlanSettings) -> DeviceMesh:
-    return DeviceMesh(plan.spec, num_nodes=s.nodes, devices_per_node=s.devices_per_node,
-                      device_type="cuda" if s.device.is_gpu else "cpu")
-
-
 def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
-    mesh = plan_mesh(plan, s) if plan.spec.world_size <= s.devices else None
+    mesh = plan.mesh
     return {
         "model": plan.shape.name, "strategy": str(plan.spec), "fits": plan.fits,
         "runnable": plan.runnable, "errors": plan.errors, "warnings": plan.warnings,
         "parameters": plan.shape.total_params(), "active_parameters": plan.shape.active_params(),
         "max_model_len": plan.max_model_len,
-        "mesh": [dataclasses.asdict(r) | {"ep": _ep(plan, r)} for r in mesh.ranks] if mesh
-        else [],
+        "mesh": [_rank_row(plan, r) for r in mesh.ranks] if mesh else [],
+        "api_server_cpus": list(mesh.api_server_cpus) if mesh else [],
         "memory_per_device": [dataclasses.asdict(st) for st in plan.stages],
         "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
                         "max_length_sequences": plan.concurrent_max_len_seqs},
@@ -36,8 +32,20 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
     }
 
 
-def _ep(plan: Plan, rank) -> int | None:
-    return rank.dp * plan.spec.size("tp") + rank.tp if plan.spec.size("ep") else None
+def _rank_row(plan: Plan, rank: RankPlacement) -> dict[str, Any]:
+    row = dataclasses.asdict(rank)
+    row.update(row.pop("coords"))
+    row["cpu_ids"] = list(rank.cpu_ids)
+    row["ep"] = _ep(plan, rank)
+    return row
+
+
+def _ep(plan: Plan, rank: RankPlacement) -> int | None:
+    """The rank's place in its expert-parallel group, from the strategy's shard plan."""
+    if plan.spec.axis("ep") is None:
+        return None
+    at = MeshPoint(rank.coords, plan.spec.sizes())
+    return plan.spec.shard(at, plan.shape.as_hf_config()).ep_rank
 
 
 def show(plan: Plan, s: PlanSettings, console: Console) -> None:
@@ -47,16 +55,19 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   + f") as [bold]{plan.spec}[/] on {s.devices} x {s.device.name}"
                   + (f" over {s.nodes} nodes" if s.nodes > 1 else "")
                   + f", max_model_len {plan.max_model_len}")
-    if plan.spec.world_size <= s.devices:
-        mesh = plan_mesh(plan, s)
+    if plan.mesh is not None:
+        mesh = plan.mesh
+        names = list(mesh.ranks[0].coords) if mesh.ranks else []
         table = Table(title="device mesh")
-        for col in ("rank", "node", "device", "dp", "pp", "tp", "ep", "process"):
+        for col in ("rank", "node", "device", *names, "ep", "process"):
             table.add_column(col)
         for r in mesh.ranks:
             ep = _ep(plan, r)
-            table.add_row(str(r.rank), str(r.node), r.device, str(r.dp), str(r.pp), str(r.tp),
+            table.add_row(str(r.rank), str(r.node), r.device, *(str(r.coords[n]) for n in names),
                           "-" if ep is None else str(ep), r.process_name)
         console.print(table)
+        if mesh.api_server_cpus:
+            console.print(f"API servers on cpu{list(mesh.api_server_cpus)}")
     table = Table(title="memory per device (GiB)")
     for col in ("pp stage", "layers", "weights", "reserve", "KV cache", "free", "KV tokens"):
         table.add_column(col, justify="right")

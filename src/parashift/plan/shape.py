@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from parashift.strategies.layout import DeviceCost
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -32,6 +34,11 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # As the engine builds the layers (models/llama.py and its subclasses).
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    checkpoint_dtype: str | None = "bfloat16"  # what --dtype auto starts from
 
     @property
     def is_moe(self) -> bool:
@@ -81,16 +88,22 @@ class ModelShape:
         idle = self.num_experts - self.num_experts_per_tok
         return self.total_params() - self.moe_layers * idle * self.expert_params()
 
-    # --- KV cache -----------------------------------------------------------------------------
-    def kv_heads_per_rank(self, tp: int) -> int:
-        """kv heads split over tp; fewer heads than ranks are replicated (one per rank)."""
-        return max(1, self.num_kv_heads // tp)
-
-    def kv_bytes_per_token(self, tp: int, num_layers: int, dtype_bytes: int) -> int:
-        """K and V of one token on one tp rank, over `num_layers` layers."""
-        if self.is_mla:  # one latent + rope key per token, replicated on every tp rank
-            return num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-        return num_layers * 2 * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+    def whole_model_cost(self) -> DeviceCost:
+        """The whole model on one device: what the strategy's cost hooks start from."""
+        return DeviceCost(
+            hidden_size=self.hidden_size, head_dim=self.head_dim, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
+            qk_norm=self.qk_norm, intermediate_size=self.intermediate_size,
+            layers=self.num_layers, moe_layers=self.moe_layers,
+            first_dense_layers=self.first_dense_layers, num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok, experts_held=self.num_experts,
+            moe_intermediate_size=self.moe_intermediate_size if self.is_moe else 0,
+            shared_intermediate_size=self.num_shared_experts * self.moe_intermediate_size,
+            vocab_rows=self.vocab_size, has_embedding=True,
+            has_lm_head=not self.tie_word_embeddings, has_final_norm=True,
+            mla_attention_params=self.attention_params() if self.is_mla else 0,
+            # one latent + rope key per token, replicated on every tp rank
+            mla_kv_values=self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else 0)
 
     def as_hf_config(self) -> Any:
         """The attributes the strategies validate against."""
@@ -104,6 +117,9 @@ class ModelShape:
 def from_hf_config(cfg: Any, name: str) -> ModelShape:
     """Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral and DeepSeek-V3-style configs."""
     heads = cfg.num_attention_heads
+    arch = (getattr(cfg, "architectures", None) or [""])[0]
+    bias = bool(getattr(cfg, "attention_bias", False))
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     experts = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
                or getattr(cfg, "n_routed_experts", None) or 0)
     return ModelShape(
@@ -125,10 +141,6 @@ def from_hf_config(cfg: Any, name: str) -> ModelShape:
         qk_rope_head_dim=getattr(cfg, "qk_rope_head_dim", 0) or 0,
         qk_nope_head_dim=getattr(cfg, "qk_nope_head_dim", 0) or 0,
         v_head_dim=getattr(cfg, "v_head_dim", 0) or 0,
+        qkv_bias=bias or arch.startswith("Qwen2"), o_bias=bias,
+        qk_norm=arch.startswith("Qwen3"), checkpoint_dtype=str(dtype) if dtype else None,
     )
-
-
-def layers_of_stage(num_layers: int, pp: int, stage: int) -> int:
-    """Layers split as evenly as possible, the extra ones on the first stages."""
-    base, extra = divmod(num_layers, pp)
-    return base + (1 if stage < extra else 0)

@@ -12,10 +12,12 @@ import time
 
 import zmq
 
+from parashift.engine.args import create_config
+from parashift.engine.placement import node_mesh
 from parashift.runtime.endpoints import tcp_url
 from parashift.runtime.launcher import StartupError
 from parashift.runtime.local_engines import LocalEngines
-from parashift.runtime.node import ServeArgs, local_cpu_shares, node_mesh
+from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -24,16 +26,16 @@ logger = logging.getLogger(__name__)
 class HeadlessLauncher:
     def __init__(self, args: ServeArgs):
         self.args = args
-        self.config = args.engine.create_config()  # validates flags, converts a GGUF once
-        self.local_ranks = args.local_ranks(self.config.parallel.data_parallel_size)
+        self.config = create_config(args.engine)  # validates flags, converts a GGUF once
+        spec = self.config.parallel.strategy
+        self.local_ranks = args.local_ranks(spec.processes().num_engines)
         args.check_backend()  # --backend ray places ranks itself: no headless nodes
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
-        self.engines = LocalEngines(self.local_ranks, self.head,
-                                    local_cpu_shares(node_mesh(self.config, self.local_ranks),
-                                                     args.engine.num_threads),
-                                    args.log_level, args.startup_timeout,
-                                    args.restart_dead_engines)
+        self.mesh = node_mesh(spec, self.config.device.device, self.local_ranks)
+        self.engines = LocalEngines(
+            {r: self.mesh.engine_placement(r) for r in self.local_ranks}, self.head,
+            args.log_level, args.startup_timeout, args.restart_dead_engines)
         self.ctx = zmq.Context()
         self.to_head = self.ctx.socket(zmq.DEALER)
         self.to_head.setsockopt(zmq.IDENTITY, f"node-{self.local_ranks[0]}".encode())
@@ -46,8 +48,8 @@ class HeadlessLauncher:
         return f"parashift headless node: engines {ranks} serve the head at {self.head}"
 
     def start(self) -> None:
-        logger.info("headless node: engines %s, head at %s",
-                    ", ".join(f"dp{r}" for r in self.local_ranks), self.head)
+        logger.info("headless node: engines %s, head at %s; this node runs:\n%s",
+                    ", ".join(f"dp{r}" for r in self.local_ranks), self.head, self.mesh.table())
         self.to_head.connect(self.head)
         self.to_head.send(p.encode(p.NodeHello(self.local_ranks[0], len(self.local_ranks))))
         self.engines.start()

@@ -16,11 +16,13 @@ import time
 
 import zmq
 
+from parashift.engine.args import create_config
+from parashift.engine.placement import node_mesh
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, free_ports
 from parashift.runtime.local_engines import LocalEngines, join_all
-from parashift.runtime.node import ServeArgs, local_cpu_shares, node_mesh
+from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
 
@@ -51,8 +53,10 @@ def bind_listener(host: str, port: int) -> socket.socket:
 class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
-        self.config = args.engine.create_config()  # validates flags, converts a GGUF once
-        self.num_engines = self.config.parallel.data_parallel_size
+        self.config = create_config(args.engine)  # validates flags, converts a GGUF once
+        self.spec = self.config.parallel.strategy
+        self.processes = self.spec.processes()  # what to launch: the strategy's answer
+        self.num_engines = self.processes.num_engines
         self.local_ranks = args.local_ranks(self.num_engines)
         args.check_backend()
         n = args.api_server_count
@@ -60,22 +64,21 @@ class Launcher:
             from parashift.runtime.ray_engines import RayEngines
 
             self.mesh = None
-            self.engines = RayEngines(self.local_ranks, self.config,
-                                      str(args.engine.strategy_spec()), args.log_level,
+            self.engines = RayEngines(self.local_ranks, self.config, args.log_level,
                                       args.startup_timeout, args.ray_address, args.ray_placement,
                                       args.restart_dead_engines)
             host = self.engines.node_ip
             self.endpoints = Endpoints.tcp(host, free_ports(host, 1)[0], n)
             self.engines.handshake_address = self.endpoints.handshake
         else:
-            self.mesh = node_mesh(self.config, self.local_ranks)
+            self.mesh = node_mesh(self.spec, self.config.device.device, self.local_ranks)
             self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
                                             args.data_parallel_rpc_port, n)
                               if args.multi_node(self.num_engines) else Endpoints.local(n))
-            self.engines = LocalEngines(self.local_ranks, self.endpoints.handshake,
-                                        local_cpu_shares(self.mesh, args.engine.num_threads),
-                                        args.log_level, args.startup_timeout,
-                                        args.restart_dead_engines)
+            self.engines = LocalEngines(
+                {r: self.mesh.engine_placement(r) for r in self.local_ranks},
+                self.endpoints.handshake, args.log_level, args.startup_timeout,
+                args.restart_dead_engines)
         self.ctx = zmq.Context()
         self.handshake: zmq.Socket | None = None
         self.coordinator: multiprocessing.Process | None = None
@@ -100,11 +103,10 @@ class Launcher:
 
     def start(self) -> None:
         if self.mesh is not None:
-            logger.info("strategy %s; this node runs:\n%s", self.args.engine.strategy_spec(),
-                        self.mesh.table())
+            logger.info("strategy %s; this node runs:\n%s", self.spec, self.mesh.table())
         else:
             logger.info("strategy %s on Ray: one placement group per rank, bundles %s",
-                        self.args.engine.strategy_spec(), self.engines.bundles)
+                        self.spec, self.engines.bundles)
         mp = multiprocessing.get_context("spawn")
         self.listener = bind_listener(self.args.host, self.args.port)
         self.handshake = self.ctx.socket(zmq.ROUTER)
@@ -118,7 +120,7 @@ class Launcher:
         mc = self.config.model
         eos = getattr(mc.hf_config, "eos_token_id", None)
         coordinator_pub = None
-        if self.num_engines > 1:
+        if self.processes.coordinator:
             self.coordinator = mp.Process(
                 target=run_coordinator, name="parashift-dp-coordinator",
                 args=(self.num_engines, self.endpoints.coordinator_load,
@@ -135,6 +137,8 @@ class Launcher:
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()
+            if self.mesh is not None and self.mesh.api_server_cpus:  # the strategy kept them
+                os.sched_setaffinity(proc.pid, self.mesh.api_server_cpus)
             self.api_procs.append(proc)
             control = self.ctx.socket(zmq.DEALER)
             control.setsockopt(zmq.IDENTITY, b"launcher")
@@ -182,20 +186,22 @@ class Launcher:
         identity, frame = self.handshake.recv_multipart()
         msg = p.decode(frame, p.Handshake)
         if isinstance(msg, p.Hello):
-            engine_args = dataclasses.asdict(self.args.engine)
+            engine_args = dataclasses.replace(
+                self.args.engine, distributed_executor_backend=self.args.backend,
+                data_parallel_rank=msg.rank)
             if self.args.backend == "mp" and msg.rank in self.local_ranks:
-                engine_args["model"] = self.config.model.path  # resolved: no second lookup
-            engine_args["distributed_executor_backend"] = self.args.backend
-            engine_args["data_parallel_rank"] = msg.rank
+                engine_args.model = self.config.model.path  # resolved: no second lookup
             coordinator = self.endpoints.coordinator_load if self.coordinator else None
             self.handshake.send_multipart([identity, p.encode(p.EngineInit(
-                engine_args, self.endpoints.requests, self.endpoints.outputs, coordinator))])
+                engine_args, self.spec.to_wire(), self.endpoints.requests,
+                self.endpoints.outputs, coordinator))])
         elif isinstance(msg, p.Ready):
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg
-            logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d",
-                        msg.rank, "ready again" if again else "ready", msg.num_blocks,
-                        msg.block_size, msg.max_model_len)
+            logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weights "
+                        "per worker %s MiB", msg.rank, "ready again" if again else "ready",
+                        msg.num_blocks, msg.block_size, msg.max_model_len,
+                        "/".join(f"{b / 2**20:.1f}" for b in msg.weight_bytes))
         elif isinstance(msg, p.StartupFailed):
             if starting:
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")

@@ -1,5 +1,6 @@
 """The engine-core processes one launcher runs on its node (all ranks on a single node; a
-slice of them on each node of a multi-node deployment): spawn with the rank's own CPU share,
+slice of them on each node of a multi-node deployment): spawn each with its placement from
+the mesh (name, cores, its workers' devices),
 notice a death at once (process sentinel), and restart a dead rank when asked, with a backoff
 so that a rank that cannot start does not spin."""
 
@@ -9,19 +10,21 @@ import logging
 import multiprocessing
 import time
 
-from parashift.engine.engine_process import CpuShare, run_engine
+from parashift.engine.engine_process import run_engine
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
+from parashift.strategies.mesh import EnginePlacement
 from parashift.wire.process_util import exit_after
 
 logger = logging.getLogger(__name__)
 
+
 class LocalEngines(RestartPolicy):
-    def __init__(self, ranks: list[int], handshake_address: str, shares: dict[int, CpuShare],
+    def __init__(self, placements: dict[int, EnginePlacement], handshake_address: str,
                  log_level: str, handshake_timeout: float, restart: bool = False):
         super().__init__(restart)
-        self.ranks = ranks
+        self.ranks = sorted(placements)
         self.handshake_address = handshake_address
-        self.shares = shares
+        self.placements = placements
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
         self.procs: dict[int, multiprocessing.Process] = {}
@@ -32,9 +35,10 @@ class LocalEngines(RestartPolicy):
             self._spawn(rank)
 
     def _spawn(self, rank: int) -> None:
-        proc = self._mp.Process(target=exit_after, name=f"parashift-engine-dp{rank}", args=(
-            run_engine, rank, self.handshake_address, self.log_level,
-            self.shares.get(rank, CpuShare()), self.handshake_timeout))
+        placement = self.placements[rank]
+        proc = self._mp.Process(target=exit_after, name=placement.process_name, args=(
+            run_engine, rank, self.handshake_address, self.log_level, placement,
+            self.handshake_timeout))
         proc.start()
         self.procs[rank] = proc
         self._spawned(rank)

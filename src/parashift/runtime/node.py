@@ -1,19 +1,11 @@
-"""What one node of a deployment runs: the `parashift run` settings (ServeArgs, with the
-multi-node flags and their checks), this node's part of the device mesh, and each local
-rank's share of the cores."""
+"""The `parashift run` settings (ServeArgs), with the multi-node flags and their checks. Where
+this node's ranks go is the device mesh's to say (engine/placement.py)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import torch
-
-from parashift.config import EngineConfig
-from parashift.engine.args import EngineArgs
-from parashift.engine.engine_process import CpuShare
-from parashift.strategies.mesh import DeviceMesh
-from parashift.strategies.spec import StrategySpec
+from parashift.config import EngineArgs
 
 
 @dataclass
@@ -70,32 +62,3 @@ class ServeArgs:
     def multi_node(self, dp_size: int) -> bool:
         return (self.headless or self.data_parallel_address is not None
                 or len(self.local_ranks(dp_size)) < dp_size)
-
-
-def node_mesh(config: EngineConfig, ranks: list[int]) -> DeviceMesh:
-    """This node's part of the strategy: its dp ranks, each with its tp x pp workers, on its
-    devices. Too few GPUs is an error here, before anything starts."""
-    device = config.device.device
-    units = len(os.sched_getaffinity(0)) if device == "cpu" else torch.cuda.device_count()
-    par = config.parallel
-    spec = StrategySpec.from_sizes(dp=len(ranks), tp=par.tensor_parallel_size,
-                                   pp=par.pipeline_parallel_size)
-    return DeviceMesh(spec, devices_per_node=max(1, units), device_type=device,
-                      first_dp_rank=ranks[0])
-
-
-def local_cpu_shares(mesh: DeviceMesh, num_threads: int | None) -> dict[int, CpuShare]:
-    """On CPU every worker of this node's ranks gets its own slice of this process's cores
-    (the mesh's rule; round-robin when there are more workers than cores). A lone rank
-    without tensor parallel keeps them all, unpinned."""
-    ranks = sorted({w.dp for w in mesh.ranks})
-    if mesh.device_type != "cpu" or mesh.world_size == 1:
-        return {rank: CpuShare([], num_threads) for rank in ranks}
-    cores = sorted(os.sched_getaffinity(0))
-    shares = {}
-    for rank in ranks:
-        workers = [[cores[c] for c in w.cpu_indices] for w in mesh.ranks if w.dp == rank]
-        ids = sorted({c for w in workers for c in w})
-        shares[rank] = (CpuShare(ids, num_threads or len(ids)) if mesh.tp == 1 else
-                        CpuShare(ids, num_threads, workers))
-    return shares

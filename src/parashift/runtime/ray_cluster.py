@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import os
 
+from parashift.strategies.layout import ProcessPlan
+
 # Ray must keep to 127.0.0.1 on a machine without a cluster network, in every process.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -16,9 +18,10 @@ class RayStartupError(ValueError):
     """The cluster cannot hold the strategy (a user error, reported like a bad flag)."""
 
 
-def rank_bundles(workers: int, gpu: bool) -> list[dict[str, float]]:
-    """One rank's bundles: the engine core, then one per tp x pp worker. A rank without
-    workers of its own (tp1, pp1) runs the model in the engine core's bundle."""
+def rank_bundles(processes: ProcessPlan, gpu: bool) -> list[dict[str, float]]:
+    """One engine's bundles, from the strategy's `processes` hook: the engine core, then one
+    per worker. An engine without workers of its own runs the model in its own bundle."""
+    workers = processes.workers_per_engine
     if workers == 1:
         return [{"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}]
     return [{"CPU": 1.0}] + [{"GPU": 1.0} if gpu else {"CPU": 1.0}] * workers

@@ -17,6 +17,7 @@ from parashift.runtime.ray_cluster import (
     rank_bundles,
 )
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
+from parashift.strategies.mesh import engine_process_name
 from parashift.wire.process_util import named_actor_class
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class _EngineActor:
 
 
 class RayEngines(RestartPolicy):
-    def __init__(self, ranks: list[int], config: EngineConfig, strategy: str, log_level: str,
+    def __init__(self, ranks: list[int], config: EngineConfig, log_level: str,
                  handshake_timeout: float, address: str | None = None, placement: str = "pack",
                  restart: bool = False):
         super().__init__(restart)
@@ -43,14 +44,13 @@ class RayEngines(RestartPolicy):
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
         self.placement = placement
-        par = config.parallel
-        self.bundles = rank_bundles(par.tensor_parallel_size * par.pipeline_parallel_size,
-                                    config.device.device != "cpu")
+        spec = config.parallel.strategy
+        self.bundles = rank_bundles(spec.processes(), config.device.device != "cpu")
         self.started_cluster = connect(address, self.bundles, len(ranks))
         import ray
 
         try:
-            check_capacity(strategy, self.bundles, len(ranks))
+            check_capacity(str(spec), self.bundles, len(ranks))
         except RayStartupError:
             ray.shutdown()  # a local instance stops; from a cluster we only disconnect
             raise
@@ -86,8 +86,9 @@ class RayEngines(RestartPolicy):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundles[0]
-        actor = ray.remote(named_actor_class(_EngineActor, f"ParashiftEngineDp{rank}")).options(
-            name=f"parashift-engine-dp{rank}", num_cpus=bundle.get("CPU", 0.0),
+        name = engine_process_name(rank)
+        actor = ray.remote(named_actor_class(_EngineActor, name.title().replace("-", ""))).options(
+            name=name, num_cpus=bundle.get("CPU", 0.0),
             num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.groups[rank], placement_group_bundle_index=0,

@@ -94,6 +94,7 @@ class DeviceCost:
     moe_layers: int
     first_dense_layers: int  # MoE models: the first layers keep a dense MLP
     num_experts: int  # routed experts of the model (the router scores all of them)
+    num_experts_per_tok: int
     experts_held: int  # routed experts held, per MoE layer
     moe_intermediate_size: int  # columns of one routed expert held
     shared_intermediate_size: int  # columns of the shared experts held

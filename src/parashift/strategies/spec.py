@@ -1,21 +1,32 @@
 """The strategy grammar: axes joined by `x`, in any order (`dp4xtp2`, `tp8`, `dp8xep`).
 A sized axis is its name and a size >= 1; a flag axis (ep) is its bare name. The canonical
-form lists dp, pp, tp, then the flags, then third-party axes; size-1 axes are dropped."""
+form lists dp, pp, tp, then the flags, then third-party axes; size-1 axes are dropped.
+
+A parsed spec keeps its axis objects (plugins included) and travels to engines and workers as
+such, or on a socket as its axes' class paths and sizes (`to_wire` / `from_wire`)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from parashift.strategies.base import Strategy
-from parashift.strategies.registry import known_strategies, load_class
+from parashift.strategies.hybrid import HybridStrategy
+from parashift.strategies.registry import check_hooks, known_strategies, load_class
+from parashift.wire.protocol import StrategyAxis
 
 _ORDER = ("dp", "pp", "tp", "ep")
 _TOKEN = re.compile(r"([a-z]+)(\d*)")
 
 
+def _ordered(axes: list[Strategy]) -> tuple[Strategy, ...]:
+    order = {n: i for i, n in enumerate(_ORDER)}
+    return tuple(sorted(axes, key=lambda s: (order.get(s.name, len(order)), s.name)))
+
+
 @dataclass(frozen=True)
-class StrategySpec:
+class StrategySpec(HybridStrategy):
     axes: tuple[Strategy, ...]
 
     @classmethod
@@ -45,9 +56,12 @@ class StrategySpec:
             if not digits or int(digits) < 1:
                 raise ValueError(f"--strategy {text!r}: {name} needs a size >= 1, like {name}2")
             axes[name] = strategy_cls(int(digits))
-        order = {n: i for i, n in enumerate(_ORDER)}
-        ordered = sorted(axes.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
-        return cls(tuple(ordered))
+        # The built-in axes are always present (at size 1), so that every layout has them.
+        for name in ("dp", "pp", "tp"):
+            axes.setdefault(name, known[name](1))
+        for axis in axes.values():
+            check_hooks(type(axis))
+        return cls(_ordered(list(axes.values())))
 
     @classmethod
     def from_sizes(cls, dp: int = 1, tp: int = 1, pp: int = 1, ep: bool = False
@@ -55,11 +69,30 @@ class StrategySpec:
         parts = [f"dp{dp}", f"pp{pp}", f"tp{tp}"] + (["ep"] if ep else [])
         return cls.parse("x".join(parts))
 
+    def to_wire(self) -> list[StrategyAxis]:
+        return [StrategyAxis(a.class_path, a.size) for a in self.axes]
+
+    @classmethod
+    def from_wire(cls, axes: list[StrategyAxis]) -> StrategySpec:
+        """The same axis classes (loaded by path, so a plugin given as `module:Class` needs no
+        entry point where the spec arrives) at the same sizes."""
+        loaded = []
+        for axis in axes:
+            strategy_cls = load_class(axis.class_path)
+            check_hooks(strategy_cls)
+            loaded.append(strategy_cls(axis.size))
+        return cls(_ordered(loaded))
+
+    def axis(self, name: str) -> Strategy | None:
+        return next((a for a in self.axes if a.name == name), None)
+
     def size(self, name: str) -> int:
-        for axis in self.axes:
-            if axis.name == name:
-                return axis.size
-        return 0 if name == "ep" else 1
+        """An axis's size (a flag: 1 when given, 0 when not). For the grammar, validation and
+        display; layout decisions go through the hooks."""
+        axis = self.axis(name)
+        if axis is None:
+            return 0 if name == "ep" else 1
+        return axis.size
 
     @property
     def canonical(self) -> str:
@@ -68,16 +101,14 @@ class StrategySpec:
 
     @property
     def world_size(self) -> int:
-        return self.size("dp") * self.size("pp") * self.size("tp")
+        """Devices in all: the product of the mesh axes."""
+        size = 1
+        for d in self.mesh_axes():
+            size *= d.size
+        return size
 
-    def model_errors(self, hf_config) -> list[str]:
-        return [e for axis in self.axes for e in axis.check_model(hf_config)]
-
-    def unavailable(self) -> list[str]:
-        return [e for axis in self.axes if (e := axis.unavailable())]
-
-    def validate(self, hf_config) -> None:
-        errors = [e for axis in self.axes for e in axis.validate(hf_config)]
+    def validate(self, hf_config: Any) -> None:
+        errors = self.validate_errors(hf_config)
         if errors:
             raise ValueError(f"strategy {self.canonical}: " + "; ".join(errors))
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from parashift.config import EngineArgs
 from parashift.types.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -38,6 +39,13 @@ class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=Tr
     pass
 
 
+class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
+    """One axis of a parsed strategy: its class (`module:Class`) and size."""
+
+    class_path: str
+    size: int
+
+
 # --- handshake -------------------------------------------------------------------------------
 class Hello(_Msg):
     rank: int
@@ -45,10 +53,11 @@ class Hello(_Msg):
 
 
 class EngineInit(_Msg):
-    """Everything an engine needs to join: its engine arguments and every API server's
-    request (ROUTER) and output (PULL) addresses."""
+    """Everything an engine needs to join: its engine arguments, the parsed strategy (plugin
+    axes included), and every API server's request (ROUTER) and output (PULL) addresses."""
 
-    engine_args: dict[str, Any]
+    engine_args: EngineArgs
+    strategy: list[StrategyAxis]
     request_addresses: list[str]
     output_addresses: list[str]
     coordinator_address: str | None = None  # where to push load and heartbeats (dp > 1)
@@ -59,6 +68,7 @@ class Ready(_Msg):
     num_blocks: int
     block_size: int
     max_model_len: int
+    weight_bytes: list[int] = []  # per worker, in mesh order (what `plan` predicts)
 
 
 class StartupFailed(_Msg):
