@@ -97,3 +97,30 @@ def smollm2_path() -> str:
     from parashift.models.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_split_by_3(tiny_model_factory) -> str:
+    """A tiny model tp3 can split: 6 heads, 3 kv heads, a vocabulary (320) padded to 107 rows
+    a rank; Qwen3 for its q/k norms."""
+    return tiny_model_factory("qwen3", num_attention_heads=6, num_key_value_heads=3,
+                              intermediate_size=192)
+
+
+def plan_json(model: str, strategy: str, *flags: str) -> dict:
+    """`parashift plan MODEL --strategy S --device cpu --json FLAGS`."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "plan", model, "--strategy",
+                           strategy, "--device", "cpu", "--json", *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def predicted(doc: dict) -> tuple[int, int]:
+    """The plan's KV blocks and weight bytes per worker (one pipeline stage)."""
+    (stage,) = doc["memory_per_device"]
+    return doc["kv_capacity"]["blocks"], stage["weights"]

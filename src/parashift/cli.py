@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -113,12 +113,13 @@ def run(
         "--restart-dead-engines", help="start a dead engine rank again")] = False,
     heartbeat_timeout: Annotated[float, typer.Option(
         "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
-    backend: Annotated[str, typer.Option(
-        "--backend", "--data-parallel-backend", help="mp | ray")] = "mp",
+    backend: Annotated[Literal["mp", "ray"], typer.Option(
+        "--backend", "--data-parallel-backend",
+        help="processes here, or actors on a Ray cluster")] = "mp",
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", help="Ray cluster (default: RAY_ADDRESS, else a local one)")] = None,
-    ray_placement: Annotated[str, typer.Option(
-        "--ray-placement", help="pack | spread (a rank's workers)")] = "pack",
+    ray_placement: Annotated[Literal["pack", "spread"], typer.Option(
+        "--ray-placement", help="a rank's workers on one node, or spread")] = "pack",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     setup_logging()

@@ -3,17 +3,20 @@ as typer option types, and `engine_options`, which gives a command all of them a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
 import re
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
 from parashift import env
+from parashift.config import EngineArgs
+from parashift.defaults import DTYPE_CHOICES
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -41,32 +44,30 @@ def fail(message: str) -> None:
 ModelArg = Annotated[str | None, typer.Argument(
     help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")]
 
-# vLLM's engine flags, which every command that starts an engine takes:
-# (EngineArgs field, typer type, default).
-_ENGINE_FLAGS: list[tuple[str, Any, Any]] = [
-    ("dtype", Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")], "auto"),
-    ("max_model_len", Annotated[int | None, typer.Option("--max-model-len")], None),
-    ("max_num_seqs", Annotated[int, typer.Option("--max-num-seqs")], 128),
-    ("max_num_batched_tokens", Annotated[int | None, typer.Option("--max-num-batched-tokens")],
-     None),
-    ("block_size", Annotated[int, typer.Option("--block-size")], 16),
-    ("kv_cache_memory", Annotated[str | None, typer.Option(
-        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")], None),
-    ("gpu_memory_utilization", Annotated[float, typer.Option("--gpu-memory-utilization")], 0.9),
-    ("enable_prefix_caching", Annotated[bool, typer.Option(
-        "--enable-prefix-caching/--no-enable-prefix-caching")], True),
-    ("num_threads", Annotated[int | None, typer.Option(
-        "--threads", help="CPU threads for torch")], None),
-    ("strategy", Annotated[str | None, typer.Option(
-        help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")], None),
-    ("data_parallel_size", Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],
-     None),
-    ("tensor_parallel_size", Annotated[int | None, typer.Option(
-        "--tensor-parallel-size", "-tp")], None),
-    ("pipeline_parallel_size", Annotated[int | None, typer.Option(
-        "--pipeline-parallel-size", "-pp")], None),
-    ("enable_expert_parallel", Annotated[bool, typer.Option("--enable-expert-parallel")], False),
-]
+# vLLM's engine flags, which every command that starts an engine takes: EngineArgs field ->
+# its typer option. The defaults are EngineArgs' own (config.py), written nowhere else.
+_ENGINE_FLAGS: dict[str, Any] = {
+    "dtype": Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype")],
+    "max_model_len": Annotated[int | None, typer.Option("--max-model-len")],
+    "max_num_seqs": Annotated[int, typer.Option("--max-num-seqs")],
+    "max_num_batched_tokens": Annotated[int | None, typer.Option("--max-num-batched-tokens")],
+    "block_size": Annotated[int, typer.Option("--block-size")],
+    "kv_cache_memory": Annotated[str | None, typer.Option(
+        "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],
+    "gpu_memory_utilization": Annotated[float, typer.Option("--gpu-memory-utilization")],
+    "enable_prefix_caching": Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching")],
+    "num_threads": Annotated[int | None, typer.Option("--threads", help="CPU threads for torch")],
+    "strategy": Annotated[str | None, typer.Option(
+        help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")],
+    "data_parallel_size": Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],
+    "tensor_parallel_size": Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "-tp")],
+    "pipeline_parallel_size": Annotated[int | None, typer.Option(
+        "--pipeline-parallel-size", "-pp")],
+    "enable_expert_parallel": Annotated[bool, typer.Option("--enable-expert-parallel")],
+}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
 
 def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,13 +80,11 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
            if isinstance(p.annotation, str) else p
            for p in inspect.signature(command).parameters.values() if p.name != "engine_args"]
     engine = [inspect.Parameter("model", kind, annotation=ModelArg, default=None)]
-    engine += [inspect.Parameter(name, kind, annotation=type_, default=default)
-               for name, type_, default in _ENGINE_FLAGS]
+    engine += [inspect.Parameter(name, kind, annotation=type_, default=_DEFAULTS[name])
+               for name, type_ in _ENGINE_FLAGS.items()]
 
     @functools.wraps(command)
     def with_engine_args(**kwargs: Any) -> Any:
-        from parashift.engine.args import EngineArgs
-
         values = {p.name: kwargs.pop(p.name) for p in engine}
         if values["kv_cache_memory"] is not None:
             values["kv_cache_memory"] = parse_size(values["kv_cache_memory"], "--kv-cache-memory")

@@ -34,7 +34,7 @@ def assert_no_leaks(llm: LLM) -> None:
     assert engine.scheduler.requests == {}
     assert engine.scheduler.kv_cache.req_blocks == {}
     assert engine.scheduler.kv_cache.pool.num_free_blocks == engine.num_blocks
-    assert llm.output_processor.samples == {}
+    assert llm.output_processor.parent_of == {} and llm.output_processor.requests == {}
 
 
 def hit_tokens(llm: LLM) -> int:
@@ -408,11 +408,11 @@ def test_rejected_batch_leaves_nothing_queued(llm):
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([[1, 2, 3], [1] * MAX_MODEL_LEN], greedy(4), use_tqdm=False)
         assert not llm.engine.has_unfinished_requests()
-        assert llm.output_processor.samples == {}
+        assert llm.output_processor.parent_of == {}
     finally:  # keep the shared engine clean for the other tests
         llm.engine.abort_requests(list(llm.engine.scheduler.requests))
-        llm.output_processor.samples.clear()
-        llm.output_processor.num_unfinished.clear()
+        llm.output_processor.parent_of.clear()
+        llm.output_processor.requests.clear()
 
 
 def test_unknown_model_path_rejected(tmp_path):

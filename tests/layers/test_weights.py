@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parashift.layers.weights import iterate_weights
 from parashift.layers import weights
+from parashift.layers.weights import iterate_weights
 
 
 def test_narrow_and_load_equal_torch(tmp_path, monkeypatch):

@@ -137,12 +137,13 @@ class Server:
         return None if m is None else float(m.group(1))
 
 
-def _start(model: str, args: list[str], model_name: str) -> Server:
+def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | None = None
+           ) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1",
            "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", env=env)
     server = Server(f"http://127.0.0.1:{port}", proc, model_name)
@@ -206,9 +207,10 @@ def stop(server: Server) -> int | None:
 
 
 @contextlib.contextmanager
-def running_server(model: str, *args: str, model_name: str | None = None) -> Iterator[Server]:
+def running_server(model: str, *args: str, model_name: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[Server]:
     name = model_name or os.path.basename(model.rstrip("/"))
-    server = _start(model, list(args), name)
+    server = _start(model, list(args), name, env)
     try:
         yield server
     finally:

@@ -48,7 +48,7 @@ def test_dp2xtp2_serves_like_dp1_and_a_dead_worker_takes_only_its_rank(tiny_llam
             assert time.monotonic() < deadline, "the dead worker went unnoticed:\n" + s.output()
             time.sleep(0.1)
         assert "dp1" in s.get_json("/health")[1]["detail"]
-        assert "worker tp1" in s.output()
+        assert "worker parashift-worker-dp1-tp1 exited" in s.output()
         for prompt, want in zip(PROMPTS[:6], expected[:6], strict=True):  # dp0 serves on
             assert complete(s, prompt)["choices"][0]["text"] == want
         # The dead rank's engine and its other worker are gone; dp0's workers are not.

@@ -7,14 +7,16 @@ import os
 import time
 
 import pytest
+import zmq
 
 from parashift.engine.args import EngineArgs
-from parashift.runtime.endpoints import Endpoints, free_ports
+from parashift.engine.placement import node_mesh
+from parashift.runtime.endpoints import Endpoints
 from parashift.runtime.local_engines import LocalEngines
-from parashift.runtime.node import ServeArgs, local_cpu_shares
+from parashift.runtime.node import ServeArgs
 from parashift.runtime.restart_policy import FIRST_RESTART_DELAY_S
-from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
+from parashift.wire.process_util import bind
 
 
 def serve_args(**kwargs) -> ServeArgs:
@@ -53,45 +55,73 @@ def test_endpoints_local_and_tcp():
     finally:
         local.remove()
     tcp = Endpoints.tcp("127.0.0.1", 29550, 2)
-    assert tcp.handshake == "tcp://127.0.0.1:29550"
-    every = [tcp.handshake, *tcp.requests, *tcp.outputs, tcp.coordinator_load,
-             tcp.coordinator_publish]
-    assert len(set(every)) == 7 and all(a.startswith("tcp://127.0.0.1:") for a in every)
+    try:
+        assert tcp.handshake == "tcp://127.0.0.1:29550"
+        every = [tcp.handshake, *tcp.requests, *tcp.outputs, tcp.coordinator_load,
+                 tcp.coordinator_publish]
+        assert len(set(every)) == 7 and all(a.startswith("tcp://127.0.0.1:") for a in every)
+        # Every port but the handshake's is held bound until its process takes it over.
+        assert set(tcp.bound) == set(every[1:])
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        bind(pull, tcp.requests[0], tcp.handed(tcp.requests[0]))
+        push = ctx.socket(zmq.PUSH)
+        push.connect(tcp.requests[0])
+        push.send(b"on the handed-over socket")
+        assert pull.recv() == b"on the handed-over socket"
+        ctx.destroy(linger=0)
+    finally:
+        tcp.remove()
     with pytest.raises(ValueError, match="--data-parallel-address 203.0.113.7"):
-        free_ports("203.0.113.7", 1)
+        Endpoints.tcp("203.0.113.7", 29550, 1)
 
 
-def shares_of(ranks: list[int], tp: int, device: str, num_threads: int | None = None):
-    units = len(os.sched_getaffinity(0)) if device == "cpu" else 8
-    mesh = DeviceMesh(StrategySpec.from_sizes(dp=len(ranks), tp=tp), devices_per_node=units,
-                      device_type=device, first_dp_rank=ranks[0])
-    return local_cpu_shares(mesh, num_threads)
-
-
-def test_cpu_shares_split_this_nodes_cores():
-    shares = shares_of([2, 3], 1, "cpu")
-    mine, theirs = set(shares[2].cpu_ids), set(shares[3].cpu_ids)
-    assert mine and theirs and mine | theirs <= os.sched_getaffinity(0)
-    if len(os.sched_getaffinity(0)) >= 2:
+def test_this_nodes_cores_are_split_between_its_engines_and_workers():
+    cores = set(os.sched_getaffinity(0))
+    mesh = node_mesh(StrategySpec.parse("dp4"), "cpu", [2, 3])
+    mine, theirs = (set(mesh.engine_placement(r).cpu_ids) for r in (2, 3))
+    assert mine and theirs and mine | theirs <= cores
+    if len(cores) >= 2:
         assert not mine & theirs
-    assert shares[2].num_threads == len(shares[2].cpu_ids)
-    assert shares_of([0], 1, "cpu", 3)[0].cpu_ids == []  # alone: all cores, unpinned
-    assert shares_of([0, 1], 1, "cuda")[1].cpu_ids == []
-    # dp2 x tp2: each worker one core; a rank's two workers on different cores when possible.
-    tp = shares_of([0, 1], 2, "cpu")
-    for share in tp.values():
-        assert len(share.workers) == 2 and all(len(w) >= 1 for w in share.workers)
-        assert set(share.cpu_ids) == {c for w in share.workers for c in w}
-        if len(os.sched_getaffinity(0)) >= 2:
-            assert share.workers[0] != share.workers[1]
+    tp = node_mesh(StrategySpec.parse("dp2xtp2"), "cpu", [0, 1])
+    for rank in (0, 1):
+        placement = tp.engine_placement(rank)
+        assert [w.process_name for w in placement.workers] == [
+            f"parashift-worker-dp{rank}-tp0", f"parashift-worker-dp{rank}-tp1"]
+        assert set(placement.cpu_ids) == {c for w in placement.workers for c in w.cpu_ids}
+        if len(cores) >= 2:
+            assert placement.workers[0].cpu_ids != placement.workers[1].cpu_ids
+
+
+def test_a_headless_node_with_8_gpus_places_its_workers_on_cuda_4_to_7(monkeypatch):
+    """-dpl 2 -dpr 2 at tp2: the launcher's mesh (only the GPU count is mocked) and plan's."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    args = serve_args(headless=True, data_parallel_start_rank=2, data_parallel_size_local=2)
+    mesh = node_mesh(StrategySpec.parse("dp4xtp2"), "cuda", args.local_ranks(4))
+    devices = [w.device for r in (2, 3) for w in mesh.engine_placement(r).workers]
+    assert devices == ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]
+    assert [w.cuda_index for w in mesh.engine_placement(3).workers] == [6, 7]
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "plan", "Qwen3-8B",
+                           "--strategy", "dp4xtp2", "--device", "h100-80g", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    planned = {r["process_name"]: r["device"] for r in json.loads(done.stdout)["mesh"]}
+    assert {w.process_name: w.device for w in mesh.ranks} == {
+        name: device for name, device in planned.items() if "dp2" in name or "dp3" in name}
 
 
 @pytest.mark.slow
 def test_a_rank_that_keeps_dying_is_restarted_with_a_growing_delay(tmp_path):
     """A real engine process with nobody at its handshake address gives up and exits; the
     supervisor restarts it after 1 s, then after 2 s."""
-    engines = LocalEngines([0], f"ipc://{tmp_path}/nobody", {}, "ERROR", handshake_timeout=0.1,
-                           restart=True)
+    placement = node_mesh(StrategySpec.parse("dp1"), "cpu", [0]).engine_placement(0)
+    engines = LocalEngines({0: placement}, f"ipc://{tmp_path}/nobody", "ERROR",
+                           handshake_timeout=0.1, restart=True)
     delays = []
     try:
         engines.start()
@@ -111,12 +141,13 @@ def test_a_rank_that_keeps_dying_is_restarted_with_a_growing_delay(tmp_path):
 
 def test_ray_placement_packs_a_rank_and_spreads_the_ranks():
     from parashift.runtime.ray_cluster import rank_bundles
-    from parashift.strategies.layout import ProcessPlan
     from parashift.runtime.ray_nodes import place
+    from parashift.strategies.layout import ProcessPlan
 
     nodes = [{"address": f"10.0.0.{i}", "node_id": f"n{i}", "resources": {"CPU": 8.0}}
              for i in (1, 2)]
-    bundles = rank_bundles(ProcessPlan(workers_per_engine=2), gpu=False)  # dp rank: engine core + two tp workers, 3 CPUs
+    # dp rank: engine core + two tp workers, 3 CPUs
+    bundles = rank_bundles(ProcessPlan(workers_per_engine=2), gpu=False)
     placed = place(nodes, bundles, 3)
     assert [p.node for p in placed] == ["10.0.0.1", "10.0.0.2", "10.0.0.1"]
     assert place(nodes, bundles, 6)[-1].node is None  # 6 x 3 CPUs > 16: no room for dp5

@@ -153,8 +153,8 @@ class EngineProcess:
                 self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
                                               msg.eos_token_id, msg.arrival_time))
             except ValueError as e:  # a bad request fails alone
-                self._send_outputs(msg.client_index, [EngineCoreOutput(
-                    msg.request_id, [], finish_reason="error", stop_reason=str(e))])
+                self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
+                    self.rank, msg.request_id, str(e))))
                 self.client_of.pop(msg.request_id, None)
         elif isinstance(msg, p.AbortRequests):
             self.core.abort_requests(msg.request_ids)

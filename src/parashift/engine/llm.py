@@ -15,6 +15,7 @@ from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
 from parashift.engine.request import Request
 from parashift.engine.request_output import RequestOutput
+from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,7 @@ class LLM:
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = getattr(self.config.model.hf_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos if eos is not None else self.tokenizer.eos_token_id
+        return choose_eos_token_id(self.config.model.hf_config, self.tokenizer)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -125,12 +123,9 @@ class LLM:
         request_id = str(self._next_id)
         self._next_id += 1
         now = time.monotonic()
-        sample_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}"
-                                                         for i in range(params.n)]
         output = new_request_output(request_id, text, token_ids, now)
-        self.output_processor.add_request(output, sample_ids, params)
-        for i, sample_id in enumerate(sample_ids):
-            self.engine.add_request(Request(sample_id, token_ids, params.for_sample(i),
+        for sample_id, sample_params in self.output_processor.add_request(output, params):
+            self.engine.add_request(Request(sample_id, token_ids, sample_params,
                                             self.eos_token_id, now))
         return request_id
 
@@ -169,7 +164,7 @@ class LLM:
                     bar.update(len(finished))
                     bar.set_postfix(out_tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
         except BaseException:
-            self.engine.abort_requests(list(self.output_processor.samples))
+            self.engine.abort_requests(list(self.output_processor.parent_of))
             self.output_processor = OutputProcessor(self.tokenizer)
             raise
         finally:

@@ -1,5 +1,5 @@
-"""Turns the engine core's token deltas into RequestOutputs: detokenizes, applies stop strings,
-collects logprobs and timings, and folds the n samples of a request together."""
+"""Turns the engine core's token deltas into RequestOutputs for `LLM.generate`: one
+RequestTracker per prompt (samples, detokenized text, stop strings, logprobs), plus timings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from parashift.engine.detokenizer import IncrementalDetokenizer
 from parashift.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from parashift.engine.request_tracker import RequestTracker, Sample
 from parashift.types.outputs import EngineCoreOutput
 from parashift.types.sampling_params import SamplingParams
 
@@ -20,67 +20,58 @@ class ProcessedOutputs:
     text_deltas: list[tuple[str, str]]  # (sample id, newly final text)
 
 
-@dataclass
-class _Sample:
-    parent: RequestOutput
-    completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.samples: dict[str, _Sample] = {}
-        self.num_unfinished: dict[str, int] = {}
+        self.requests: dict[str, tuple[RequestOutput, RequestTracker]] = {}
+        self.parent_of: dict[str, str] = {}  # sample id -> request id
 
-    def add_request(self, output: RequestOutput, sample_ids: list[str],
-                    params: SamplingParams) -> None:
-        self.num_unfinished[output.request_id] = len(sample_ids)
-        for index, sample_id in enumerate(sample_ids):
-            completion = CompletionOutput(index, "", [],
-                                          logprobs=[] if params.logprobs is not None else None,
-                                          cumulative_logprob=0.0 if params.logprobs is not None
-                                          else None)
-            output.outputs.append(completion)
-            detok = IncrementalDetokenizer(self.tokenizer, output.prompt_token_ids,
-                                           params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output)
-            self.samples[sample_id] = _Sample(output, completion, detok)
+    def add_request(self, output: RequestOutput, params: SamplingParams
+                    ) -> list[tuple[str, SamplingParams]]:
+        """The engine requests (sample id, params) to add for this prompt."""
+        tracker = RequestTracker(self.tokenizer)
+        samples = tracker.add_prompt(output.request_id, 0, output.prompt_token_ids, params)
+        self.requests[output.request_id] = (output, tracker)
+        for sample_id, _ in samples:
+            self.parent_of[sample_id] = output.request_id
+        return samples
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
         result = ProcessedOutputs([], [], [])
         for out in outputs:
-            sample = self.samples.get(out.request_id)
-            if sample is None:
+            parent_id = self.parent_of.get(out.request_id)
+            if parent_id is None:
                 continue
-            completion, metrics = sample.completion, sample.parent.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                metrics.num_cached_tokens = out.num_cached_tokens
-            completion.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None and completion.logprobs is not None:
-                lp = out.new_logprobs
-                completion.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
-                completion.cumulative_logprob += lp.logprobs[0]
-            delta = sample.detokenizer.apply(out)
+            request, tracker = self.requests[parent_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+                request.metrics.num_cached_tokens = out.num_cached_tokens
+            delta = tracker.apply(out)
+            if delta is None:
+                continue
             if delta.abort:
                 result.to_abort.append(out.request_id)
-            completion.text = sample.detokenizer.text
             if delta.text:
                 result.text_deltas.append((out.request_id, delta.text))
-            if delta.finish_reason is None:
+            if not delta.finished:
                 continue
-            completion.finish_reason = delta.finish_reason
-            completion.stop_reason = delta.stop_reason
-            del self.samples[out.request_id]
-            parent_id = sample.parent.request_id
-            self.num_unfinished[parent_id] -= 1
-            if self.num_unfinished[parent_id] == 0:
-                del self.num_unfinished[parent_id]
-                metrics.finished_time = now
-                result.finished.append(sample.parent)
+            del self.parent_of[out.request_id]
+            if tracker.num_unfinished == 0:
+                del self.requests[parent_id]
+                request.metrics.finished_time = now
+                request.outputs = [_completion(s) for s in tracker.samples.values()]
+                result.finished.append(request)
         return result
+
+
+def _completion(sample: Sample) -> CompletionOutput:
+    if not sample.wants_logprobs:
+        return CompletionOutput(sample.index, sample.text, sample.token_ids,
+                                sample.finish_reason, sample.stop_reason)
+    logprobs = [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in sample.logprobs]
+    return CompletionOutput(sample.index, sample.text, sample.token_ids, sample.finish_reason,
+                            sample.stop_reason, logprobs, sample.cumulative_logprob)
 
 
 def new_request_output(request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -62,6 +62,7 @@ class MultiprocExecutor:
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{self.dir}/results")
         self.commands: list[zmq.Socket] = []
+        self.names = [w.process_name for w in placement.workers]
         on_cpu = all(w.cuda_index is None for w in placement.workers)
         # Workers on CPU sum through shared memory; the files are gone once all have mapped them.
         use_shm = on_cpu and env.shm_all_reduce() and shm_all_reduce.supported()
@@ -109,9 +110,9 @@ class MultiprocExecutor:
 
     def check_health(self) -> None:
         """Raises if a worker has died (the engine calls this even when idle)."""
-        for rank, proc in enumerate(self.procs):
+        for proc in self.procs:
             if proc.exitcode is not None:
-                raise WorkerDiedError(f"worker {rank} ({proc.name}) exited with code "
+                raise WorkerDiedError(f"worker {proc.name} exited with code "
                                       f"{proc.exitcode}")
 
     def shutdown(self) -> None:
@@ -144,7 +145,7 @@ class MultiprocExecutor:
             if self.results.poll(POLL_MS):
                 msg = p.decode(self.results.recv(), p.FromWorker)
                 if isinstance(msg, p.WorkerReply) and msg.error is not None:
-                    raise WorkerDiedError(f"worker {msg.rank} failed: {msg.error}")
+                    raise WorkerDiedError(f"worker {self.names[msg.rank]} failed: {msg.error}")
                 if isinstance(msg, kind):
                     out.append(msg)
                 continue

@@ -67,6 +67,7 @@ class RayExecutor(MultiprocExecutor):
         self.results = self.ctx.socket(zmq.PULL)
         result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
         self.commands = []
+        self.names = [w.process_name for w in workers]
         self.refs = []
         for worker, actor in zip(workers, self.actors, strict=True):
             sock = self.ctx.socket(zmq.PUSH)
@@ -90,7 +91,7 @@ class RayExecutor(MultiprocExecutor):
                 reason = "returned"
             except Exception as e:  # RayActorError, a worker's exception
                 reason = str(e).splitlines()[0][:200]
-            raise WorkerDiedError(f"worker {rank} (Ray actor) stopped: {reason}")
+            raise WorkerDiedError(f"worker {self.names[rank]} (Ray actor) stopped: {reason}")
 
     def _alive(self) -> bool:
         import ray

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -14,7 +14,9 @@ from parashift.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
+    DTYPE_ALIASES,
     DTYPE_BYTES,
+    DTYPE_CHOICES,
     resolve_dtype_name,
 )
 
@@ -68,8 +70,8 @@ def plan(
                           ] = None,
     inter_node: Annotated[str, typer.Option("--inter-node", help="ib | ethernet")] = "ib",
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="auto (the engine's choice) | float32 | bfloat16 | float16 | fp8")] = "auto",
+    dtype: Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(
+        help="auto: the engine's choice for this checkpoint and device")] = "auto",
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")
                                       ] = DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_memory: Annotated[str | None, typer.Option(
@@ -77,7 +79,8 @@ def plan(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = DEFAULT_MAX_NUM_SEQS,
     block_size: Annotated[int, typer.Option("--block-size")] = DEFAULT_BLOCK_SIZE,
     auto: Annotated[bool, typer.Option(help="rank every strategy for these devices")] = False,
-    objective: Annotated[str, typer.Option(help="throughput | latency (with --auto)")
+    objective: Annotated[Literal["throughput", "latency"], typer.Option(
+        help="what --auto ranks by")
                          ] = "throughput",
     slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON document")] = False,
@@ -100,8 +103,6 @@ def plan(
         fail(f"--intra-node {intra_node!r}: use {' | '.join(INTRA_NODE)}")
     if inter_node not in INTER_NODE:
         fail(f"--inter-node {inter_node!r}: use {' | '.join(INTER_NODE)}")
-    if objective not in ("throughput", "latency"):
-        fail(f"--objective {objective!r}: use throughput or latency")
     if nodes < 1:
         fail("--nodes must be >= 1")
     if not 0 < gpu_memory_utilization <= 1:

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
 import zmq
 
 from parashift.wire import protocol as p
-from parashift.wire.process_util import die_with_parent, set_process_name, setup_child_logging
+from parashift.wire.process_util import (
+    bind,
+    die_with_parent,
+    set_process_name,
+    setup_child_logging,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +34,14 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 class Coordinator:
     def __init__(self, num_engines: int, stats_address: str, publish_address: str,
-                 heartbeat_timeout: float = 5.0):
+                 heartbeat_timeout: float = 5.0, bound: dict[str, socket.socket] | None = None):
         self.ctx = zmq.Context()
         self.stats = self.ctx.socket(zmq.PULL)
         self.stats.setsockopt(zmq.LINGER, 0)
-        self.stats.bind(stats_address)
+        bind(self.stats, stats_address, bound)
         self.publish = self.ctx.socket(zmq.PUB)
         self.publish.setsockopt(zmq.LINGER, 0)
-        self.publish.bind(publish_address)
+        bind(self.publish, publish_address, bound)
         self.load = [p.EngineLoad(rank, 0, 0, 0.0) for rank in range(num_engines)]
         self.heartbeat_timeout = heartbeat_timeout
         self.last_seen: dict[int, tuple[float, int]] = {}  # rank -> (time, incarnation)
@@ -90,13 +96,15 @@ class Coordinator:
 
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str,
-                    heartbeat_timeout: float, log_level: str) -> None:
+                    heartbeat_timeout: float, log_level: str,
+                    bound: dict[str, socket.socket] | None = None) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name("parashift-dp-coordinator")
     die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    coordinator = Coordinator(num_engines, stats_address, publish_address, heartbeat_timeout)
+    coordinator = Coordinator(num_engines, stats_address, publish_address, heartbeat_timeout,
+                              bound)
 
     def on_term(*_: Any) -> None:
         coordinator.stopping = True

@@ -1,10 +1,13 @@
 """Where every socket of one deployment lives. One node: ipc files in a private temp folder.
-Several nodes: tcp on the head's --data-parallel-address, the handshake on
---data-parallel-rpc-port (the one address other nodes are told) and free ports for the rest;
-engines learn those through the handshake."""
+Several nodes (or Ray): tcp on the head's address, the handshake on --data-parallel-rpc-port
+(the one address other nodes are told; 0 for any) and the rest on ports the kernel picks:
+this launcher binds each of them now and hands the bound socket to the process that serves
+it (zmq's USE_FD), so no other program can take a port between its choice and its use.
+Engines learn the addresses through the handshake."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import tempfile
@@ -19,6 +22,7 @@ class Endpoints:
     coordinator_load: str  # coordinator PULL <- engines
     coordinator_publish: str  # coordinator PUB -> API servers, headless launchers
     ipc_dir: str | None = field(default=None, repr=False)
+    bound: dict[str, socket.socket] = field(default_factory=dict, repr=False)  # tcp only
 
     @classmethod
     def local(cls, api_server_count: int) -> Endpoints:
@@ -30,13 +34,28 @@ class Endpoints:
 
     @classmethod
     def tcp(cls, host: str, rpc_port: int, api_server_count: int) -> Endpoints:
-        ports = free_ports(host, 2 * api_server_count + 2, exclude={rpc_port})
-        return cls(tcp_url(host, rpc_port),
-                   [tcp_url(host, port) for port in ports[:api_server_count]],
-                   [tcp_url(host, port) for port in ports[api_server_count:-2]],
-                   tcp_url(host, ports[-2]), tcp_url(host, ports[-1]))
+        """`rpc_port` 0: the launcher binds its handshake on any port (and sets `handshake`)."""
+        bound: dict[str, socket.socket] = {}
+        try:
+            for _ in range(2 * api_server_count + 2):
+                sock = _listen(host)
+                bound[tcp_url(host, sock.getsockname()[1])] = sock
+        except BaseException:
+            for sock in bound.values():
+                sock.close()
+            raise
+        urls = list(bound)
+        return cls(tcp_url(host, rpc_port), urls[:api_server_count],
+                   urls[api_server_count:-2], urls[-2], urls[-1], bound=bound)
+
+    def handed(self, *addresses: str) -> dict[str, socket.socket]:
+        """The bound sockets of `addresses`, for the process that serves them."""
+        return {a: self.bound[a] for a in addresses if a in self.bound}
 
     def remove(self) -> None:
+        for sock in self.bound.values():
+            with contextlib.suppress(OSError):
+                sock.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
@@ -45,26 +64,16 @@ def tcp_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def free_ports(host: str, count: int, exclude: set[int] = frozenset()) -> list[int]:
-    """Ports the kernel says are free now; all held open until every one is chosen, so the
-    list has no duplicates. (Another program could still take one before we bind it; the
-    bind error then names the address.)"""
+def _listen(host: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    held: list[socket.socket] = []
-    ports: list[int] = []
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        while len(ports) < count:
-            s = socket.socket(family, socket.SOCK_STREAM)
-            held.append(s)
-            try:
-                s.bind((host, 0))
-            except OSError as e:
-                raise ValueError(f"--data-parallel-address {host}: cannot bind there "
-                                 f"({e.strerror})") from e
-            port = s.getsockname()[1]
-            if port not in exclude:
-                ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(256)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--data-parallel-address {host}: cannot bind there ({e.strerror})"
+                         ) from e
+    sock.set_inheritable(True)
+    return sock

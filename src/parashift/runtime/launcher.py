@@ -18,9 +18,10 @@ import zmq
 
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
+from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime.coordinator import run_coordinator
-from parashift.runtime.endpoints import Endpoints, free_ports
+from parashift.runtime.endpoints import Endpoints, tcp_url
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
@@ -67,9 +68,8 @@ class Launcher:
             self.engines = RayEngines(self.local_ranks, self.config, args.log_level,
                                       args.startup_timeout, args.ray_address, args.ray_placement,
                                       args.restart_dead_engines)
-            host = self.engines.node_ip
-            self.endpoints = Endpoints.tcp(host, free_ports(host, 1)[0], n)
-            self.engines.handshake_address = self.endpoints.handshake
+            # The handshake on any port (bound in start); the actors learn it as they start.
+            self.endpoints = Endpoints.tcp(self.engines.node_ip, 0, n)
         else:
             self.mesh = node_mesh(self.spec, self.config.device.device, self.local_ranks)
             self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
@@ -113,27 +113,36 @@ class Launcher:
         self.handshake.setsockopt(zmq.LINGER, 0)
         self.handshake.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank reuses its name
         try:
-            self.handshake.bind(self.endpoints.handshake)
+            if self.endpoints.handshake.endswith(":0"):
+                host = self.endpoints.handshake.removeprefix("tcp://").rpartition(":")[0]
+                port = self.handshake.bind_to_random_port(f"tcp://{host}")
+                self.endpoints.handshake = tcp_url(host.strip("[]"), port)
+            else:
+                self.handshake.bind(self.endpoints.handshake)
+            if self.args.backend == "ray":
+                self.engines.handshake_address = self.endpoints.handshake
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind the handshake at {self.endpoints.handshake} "
                                f"(--data-parallel-address/--data-parallel-rpc-port): {e}") from e
         mc = self.config.model
-        eos = getattr(mc.hf_config, "eos_token_id", None)
+        eos = choose_eos_token_id(mc.hf_config)
         coordinator_pub = None
         if self.processes.coordinator:
             self.coordinator = mp.Process(
                 target=run_coordinator, name="parashift-dp-coordinator",
                 args=(self.num_engines, self.endpoints.coordinator_load,
                       self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
-                      self.args.log_level))
+                      self.args.log_level, self.endpoints.handed(
+                          self.endpoints.coordinator_load, self.endpoints.coordinator_publish)))
             self.coordinator.start()
             coordinator_pub = self.endpoints.coordinator_publish
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
-                eos[0] if isinstance(eos, list) else eos, mc.vocab_size, self.args.api_key,
-                self.args.log_level, coordinator_pub)
+                eos, mc.vocab_size, self.args.api_key,
+                self.args.log_level, coordinator_pub, self.endpoints.handed(
+                    self.endpoints.requests[i], self.endpoints.outputs[i]))
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()
@@ -198,10 +207,9 @@ class Launcher:
         elif isinstance(msg, p.Ready):
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg
-            logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weights "
-                        "per worker %s MiB", msg.rank, "ready again" if again else "ready",
-                        msg.num_blocks, msg.block_size, msg.max_model_len,
-                        "/".join(f"{b / 2**20:.1f}" for b in msg.weight_bytes))
+            logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weight "
+                        "bytes per worker %s", msg.rank, "ready again" if again else "ready",
+                        msg.num_blocks, msg.block_size, msg.max_model_len, msg.weight_bytes)
         elif isinstance(msg, p.StartupFailed):
             if starting:
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")

@@ -9,7 +9,7 @@ import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -51,6 +51,7 @@ class ApiServerArgs:
     api_key: str | None = None
     log_level: str = "INFO"
     coordinator_address: str | None = None  # the DP coordinator's PUB (dp > 1)
+    bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -65,7 +66,7 @@ class ApiServer:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.broker = Broker(args.index, args.request_address, args.output_address,
-                             args.num_engines, args.coordinator_address)
+                             args.num_engines, args.coordinator_address, args.bound)
         self.metrics = Metrics()
         self.broker.on_outputs = self.metrics.on_engine_outputs
         self.broker.on_load = self.metrics.on_load_vector

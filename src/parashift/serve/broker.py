@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import zmq.asyncio
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
+from parashift.wire.process_util import bind
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +26,19 @@ class EngineDeadError(RuntimeError):
     """The engine serving a request died; the request cannot finish."""
 
 
+class RequestFailedError(ValueError):
+    """The engine refused one request (a bad request: 400), apart from any engine death."""
+
+
 class EngineUnavailableError(RuntimeError):
     """No engine can take a request right now (still starting, or all dead)."""
 
 
 class Broker:
     def __init__(self, client_index: int, request_address: str, output_address: str,
-                 num_engines: int, coordinator_address: str | None = None):
+                 num_engines: int, coordinator_address: str | None = None,
+                 bound: dict[str, socket.socket] | None = None):
+        """`bound`: listening sockets the launcher bound at our tcp addresses."""
         self.client_index = client_index
         self.num_engines = num_engines
         self.ctx = zmq.asyncio.Context()
@@ -40,14 +48,14 @@ class Broker:
         self.requests.setsockopt(zmq.SNDHWM, 0)
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
-        self.requests.bind(request_address)
+        bind(self.requests, request_address, bound)
         # Sends are non-blocking and must raise here (an asyncio socket would park the error
         # in a future nobody awaits): a plain socket shadowing the same one, same thread.
         self._send = zmq.Socket.shadow(self.requests.underlying)
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
-        self.outputs.bind(output_address)
+        bind(self.outputs, output_address, bound)
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_of: dict[str, int] = {}
         self.ready: dict[int, p.EngineReady] = {}
@@ -198,6 +206,11 @@ class Broker:
                         future.set_exception(RuntimeError(msg.error))
                     else:
                         future.set_result(msg.result)
+            elif isinstance(msg, p.RequestFailed):
+                queue = self.queues.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(RequestFailedError(msg.error))
+                    self._forget(msg.request_id)
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
 

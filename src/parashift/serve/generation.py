@@ -10,36 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from parashift.engine.detokenizer import IncrementalDetokenizer
-from parashift.serve.broker import Broker
+from parashift.engine.request_tracker import RequestTracker, SampleDelta
+from parashift.serve.broker import Broker, RequestFailedError
 from parashift.serve.openai_protocol import OpenAIError
-from parashift.types.outputs import EngineCoreOutput, TokenLogprobs
+from parashift.types.outputs import EngineCoreOutput
 from parashift.types.sampling_params import SamplingParams
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_index: int
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
-
-
-@dataclass
-class Delta:
-    """New text (and its tokens and logprobs) for one choice."""
-
-    choice: Choice
-    text: str
-    num_new_logprobs: int
-    finished: bool
 
 
 @dataclass
@@ -57,7 +32,8 @@ class Generation:
         self.request_id = request_id
         self.prompts = prompts
         self.timing = Timing()
-        self.choices: dict[str, Choice] = {}
+        self.tracker = RequestTracker(tokenizer)
+        self.choices = self.tracker.samples  # sample id -> Sample (one per choice)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self.engine = engine = broker.pick_engine(rank)
@@ -71,14 +47,13 @@ class Generation:
                  engine: int) -> None:
         broker, request_id = self.broker, self.request_id
         for prompt_index, (prompt, sp) in enumerate(zip(self.prompts, params, strict=True)):
-            for i in range(sp.n):
-                child_id = f"{request_id}-{prompt_index}-{i}"
-                detok = IncrementalDetokenizer(tokenizer, prompt, sp.skip_special_tokens,
-                                               sp.stop, sp.include_stop_str_in_output)
-                choice = Choice(len(self.choices), prompt_index, detok)
-                self.choices[child_id] = choice
-                queue = broker.add_request(child_id, prompt, sp.for_sample(i), eos_token_id, engine)
-                self._pumps.append(asyncio.create_task(self._pump(child_id, queue)))
+            # n == 1 still gets its own id: every choice of the request is told apart.
+            prompt_id = f"{request_id}-{prompt_index}" + ("-0" if sp.n == 1 else "")
+            for sample_id, sample_params in self.tracker.add_prompt(prompt_id, prompt_index,
+                                                                    prompt, sp):
+                queue = broker.add_request(sample_id, prompt, sample_params, eos_token_id,
+                                           engine)
+                self._pumps.append(asyncio.create_task(self._pump(sample_id, queue)))
 
     async def _pump(self, child_id: str, queue: asyncio.Queue) -> None:
         while True:
@@ -95,17 +70,19 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
 
-    async def stream(self) -> AsyncIterator[Delta]:
+    async def stream(self) -> AsyncIterator[SampleDelta]:
         """Yields text deltas as they become final; returns when every choice finished."""
         unfinished = len(self.choices)
         try:
             while unfinished:
                 child_id, item = await self._queue.get()
+                if isinstance(item, RequestFailedError):
+                    raise OpenAIError(400, str(item))
                 if isinstance(item, Exception):
                     raise item
-                if self.choices[child_id].finish_reason is not None:
+                delta = self._apply(item)
+                if delta is None:
                     continue  # ended by a stop string; its abort is on the way
-                delta = self._apply(child_id, item)
                 if delta.finished:
                     unfinished -= 1
                 if delta.text or delta.num_new_logprobs or delta.finished:
@@ -114,26 +91,17 @@ class Generation:
         finally:
             self.abort_unfinished()
 
-    def _apply(self, child_id: str, out: EngineCoreOutput) -> Delta:
-        choice = self.choices[child_id]
-        if out.finish_reason == "error":
-            raise OpenAIError(400, str(out.stop_reason))
+    def _apply(self, out: EngineCoreOutput) -> SampleDelta | None:
         if out.new_token_ids and self.timing.first_token is None:
             self.timing.first_token = time.monotonic()
-        choice.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None:
-            choice.logprobs.append(out.new_logprobs)
-        delta = choice.detokenizer.apply(out)
-        if delta.abort:
-            self.broker.abort([child_id])
-        finished = delta.finish_reason is not None
-        if finished:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        return Delta(choice, delta.text, 1 if out.new_logprobs is not None else 0, finished)
+        delta = self.tracker.apply(out)
+        if delta is not None and delta.abort:
+            self.broker.abort([out.request_id])
+        return delta
 
     def abort_unfinished(self) -> None:
         for task in self._pumps:
             task.cancel()
-        pending = [cid for cid, c in self.choices.items() if c.finish_reason is None]
+        pending = self.tracker.unfinished_ids()
         if pending:
             self.broker.abort(pending)

@@ -7,7 +7,9 @@ from typing import Any
 
 import msgspec
 
-from parashift.serve.generation import Choice, Delta, Generation
+from parashift.engine.request_tracker import Sample as Choice
+from parashift.engine.request_tracker import SampleDelta as Delta
+from parashift.serve.generation import Generation
 from parashift.types.outputs import TokenLogprobs
 
 
@@ -106,7 +108,7 @@ class CompletionFormatter(Formatter):
                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
     def stream_chunk(self, delta: Delta) -> dict:
-        choice = delta.choice
+        choice = delta.sample
         text = delta.text
         if self.req.echo and choice.index not in self._echoed:
             text = self._prompt_text(choice) + text
@@ -155,7 +157,7 @@ class ChatFormatter(Formatter):
                 for c in self._ordered()]
 
     def stream_chunk(self, delta: Delta) -> dict:
-        choice = delta.choice
+        choice = delta.sample
         new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
         return self._envelope([{
             "index": choice.index,

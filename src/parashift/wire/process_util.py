@@ -5,9 +5,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+import zmq
 
 
 def set_process_name(name: str) -> None:
@@ -58,6 +61,16 @@ def exit_after(entry: Callable[..., Any], *args: Any) -> NoReturn:
     except SystemExit as e:
         exit_now(e.code if isinstance(e.code, int) else 1)
     exit_now(0)
+
+
+def bind(sock: zmq.Socket, address: str, bound: dict[str, socket.socket] | None = None
+         ) -> None:
+    """Bind `sock` at `address`, on the listening socket a launcher bound there for us when
+    it handed one over (zmq takes the file descriptor over)."""
+    listener = (bound or {}).get(address)
+    if listener is not None:
+        sock.setsockopt(zmq.USE_FD, listener.detach())
+    sock.bind(address)
 
 
 def named_actor_class(base: type, name: str) -> type:

@@ -5,7 +5,8 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
   requests    API server ROUTER <- engine DEALER (identity = rank): AddRequest, AbortRequests,
               UtilityCall down; EngineReady up. The launcher's DEALER (identity b"launcher")
               sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
-  outputs     API server PULL   <- engine PUSH: EngineOutputs, UtilityResult, EngineDead
+  outputs     API server PULL   <- engine PUSH: EngineOutputs, RequestFailed, UtilityResult,
+              EngineDead
   load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second;
               coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank)
   workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel, WorkerCall;
@@ -112,6 +113,14 @@ class EngineOutputs(_Msg):
     stats: SchedulerStats
 
 
+class RequestFailed(_Msg):
+    """The engine refused one request (it never ran); the engine itself is fine."""
+
+    rank: int
+    request_id: str
+    error: str
+
+
 class UtilityResult(_Msg):
     rank: int
     call_id: int
@@ -212,7 +221,8 @@ Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the hea
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
 ToEngineLoad = EngineLoad | Heartbeat  # on the coordinator's PULL socket
 FromCoordinator = LoadVector | EngineDead  # on an API server's SUB socket
-Outputs = EngineOutputs | UtilityResult | EngineDead  # on an API server's PULL socket
+# on an API server's PULL socket
+Outputs = EngineOutputs | RequestFailed | UtilityResult | EngineDead
 Control = EngineReady | EngineDead | Shutdown  # on an API server's ROUTER socket
 
 _encoder = msgspec.msgpack.Encoder()

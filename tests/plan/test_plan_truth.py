@@ -1,0 +1,37 @@
+"""Plan truth: with default flags, `plan --json` predicts the KV blocks and the weight bytes
+per worker that the started engines report, offline at tp1 and tp3 (served at dp2xtp3:
+tests/serve/test_plan_truth.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import plan_json, predicted
+
+from parashift import LLM
+
+
+def _offline(model: str, tp: int) -> tuple[int, list[int]]:
+    llm = LLM(model, tensor_parallel_size=tp)
+    try:
+        return llm.engine.num_blocks, llm.engine.weight_bytes
+    finally:
+        llm.shutdown()
+
+
+def _check_offline(model: str, tp: int) -> None:
+    blocks, weights = predicted(plan_json(model, f"tp{tp}"))
+    engine_blocks, engine_weights = _offline(model, tp)
+    assert engine_blocks == blocks
+    # Equal shares on every worker (kv heads shared by several ranks are held by each).
+    assert engine_weights == [weights] * tp
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_tiny_model_offline(tiny_split_by_3, tp):
+    _check_offline(tiny_split_by_3, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_offline(smollm2_path, tp):
+    _check_offline(smollm2_path, tp)
