@@ -124,3 +124,17 @@ def predicted(doc: dict) -> tuple[int, int]:
     """The plan's KV blocks and weight bytes per worker (one pipeline stage)."""
     (stage,) = doc["memory_per_device"]
     return doc["kv_capacity"]["blocks"], stage["weights"]
+
+
+def install_strategy_plugin(folder, module: str, source: str, token: str, cls: str) -> str:
+    """A plugin package laid out as pip installs one: `module`.py plus a dist-info whose
+    entry point registers `module:cls` as the strategy axis `token`. Returns the folder, to
+    put on sys.path / PYTHONPATH."""
+    (folder / f"{module}.py").write_text(source)
+    dist = folder / f"{module}-0.1.dist-info"
+    dist.mkdir()
+    name = module.replace("_", "-")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        f"[parashift.strategies]\n{token} = {module}:{cls}\n")
+    return str(folder)

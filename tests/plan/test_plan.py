@@ -142,3 +142,16 @@ def test_bad_input_is_a_clear_error(args, message):
     done = run_cli(*args)
     assert done.returncode != 0
     assert message in done.stderr + done.stdout, done.stderr + done.stdout
+
+
+def test_cpu_placement_is_this_machines_and_says_when_oversubscribed(tiny_split_by_3):
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    done = run_cli(tiny_split_by_3, "--strategy", "tp3", "--device", "cpu", "--json")
+    doc = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    placed = [c for r in doc["mesh"] for c in r["cpu_ids"]]
+    assert set(placed) <= set(cores)  # never a core this machine does not have
+    oversubscribed = any("oversubscribed" in w for w in doc["warnings"])
+    assert oversubscribed == (len(cores) < 3)

@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import psutil
 import pytest
+from conftest import install_strategy_plugin
 
 from .conftest import running_server
 
@@ -32,16 +32,8 @@ class ApiCoreDataParallel(DataParallel):
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory) -> str:
     """Installed the way pip would: a module plus dist-info naming the entry point."""
-    folder = tmp_path_factory.mktemp("plugin")
-    (folder / "api_core_plugin.py").write_text(PLUGIN)
-    dist = folder / "api_core_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: api-core-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
-        [parashift.strategies]
-        dp = api_core_plugin:ApiCoreDataParallel
-    """))
-    return str(folder)
+    return install_strategy_plugin(tmp_path_factory.mktemp("plugin"), "api_core_plugin",
+                                   PLUGIN, "dp", "ApiCoreDataParallel")
 
 
 def _env(plugin_path: str) -> dict[str, str]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
-from conftest import tiny_config
+from conftest import install_strategy_plugin, tiny_config
 
 from parashift.engine.args import EngineArgs, create_config, strategy_spec
 from parashift.strategies.mesh import DeviceMesh
@@ -123,15 +122,8 @@ class HalfDone(Strategy):
 @pytest.fixture
 def plugin_package(tmp_path, monkeypatch):
     """A package installed the way pip would: a module plus dist-info with an entry point."""
-    (tmp_path / "fake_cp_plugin.py").write_text(PLUGIN)
-    dist = tmp_path / "fake_cp_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-cp-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
-        [parashift.strategies]
-        cp = fake_cp_plugin:ContextParallel
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(install_strategy_plugin(tmp_path, "fake_cp_plugin", PLUGIN,
+                                                        "cp", "ContextParallel"))
     yield
     sys.modules.pop("fake_cp_plugin", None)
 
