@@ -1,5 +1,6 @@
 """`parashift bench` end to end: serve against a real `parashift run`, throughput with the
-transformers baseline, latency, and bad input."""
+transformers baseline, latency, the tp and serving-vs-offline comparisons on a tiny model, and
+bad input."""
 
 from __future__ import annotations
 
@@ -49,16 +50,64 @@ def test_serve_writes_a_consistent_json_and_a_png(tiny_llama, tmp_path):
 
 
 def test_throughput_against_transformers_prints_both(tiny_llama, tmp_path):
-    png = tmp_path / "throughput.png"
+    png, out = tmp_path / "throughput.png", tmp_path / "throughput.json"
     done = bench("throughput", tiny_llama, *ENGINE, "--num-prompts", "8", "--input-len", "16",
-                 "--output-len", "8", "--baseline", "hf", "--plot", str(png))
+                 "--output-len", "8", "--baseline", "hf", "--repeat", "2", "--roofline",
+                 "--plot", str(png), "--save-json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert any(line.startswith("parashift ") for line in lines)
-    assert any(line.startswith("hf ") for line in lines)
-    assert "parashift / hf:" in done.stdout
+    assert any(line.startswith("hf float32 bs32 ") for line in lines)
+    assert "parashift / hf:" in done.stdout and "greedy outputs agree on" in done.stdout
+    assert "roofline: " in done.stdout and "GFLOP/s" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    for system in ("parashift", "hf"):
+        r = results[system]
+        assert len(r["elapsed_s"]) == 2 and 0 < r["fraction_of_roofline"] < 1
+        assert r["total_tokens_per_s"] == pytest.approx(8 * 24 / r["elapsed_median_s"])
+    assert 0 <= results["greedy_prefix_agreement"] <= 1
     with Image.open(png) as image:
         assert image.format == "PNG"
+
+
+def test_tp_compares_tp1_with_both_all_reduce_paths(tiny_llama, tmp_path):
+    out = tmp_path / "tp.json"
+    done = bench("tp", tiny_llama, "--tp", "1,2", "--batch", "2", "--steps", "4", "--repeat",
+                 "1", "--save-json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for label in ("tp1:", "tp2 shm:", "tp2 gloo:", "speed-up tp2 (shm) over tp1",
+                  "speed-up tp2 (gloo) over tp1"):
+        assert label in done.stdout, done.stdout
+    results = json.loads(out.read_text())["results"]["results"]
+    assert [(r["tp"], r["all_reduce"]) for r in results] == [(1, "none"), (2, "shm"),
+                                                              (2, "gloo")]
+    assert all(0 < r["allreduce_fraction"] < 1 and r["allreduces_per_step"] > 0
+               for r in results[1:])
+    assert [len(r["load_peak_rss_mib"]) for r in results] == [1, 2, 2]
+    assert "model load peak RSS" in done.stdout
+
+
+def test_serving_vs_offline_starts_its_server_and_stops_it(tiny_llama, tmp_path):
+    out = tmp_path / "serving.json"
+    done = bench("serving-vs-offline", tiny_llama, "--dtype", "float32", "--num-prompts", "4",
+                 "--input-len-range", "8:16", "--output-len-range", "4:8", "--repeat", "2",
+                 "--server-args", " ".join(ENGINE[2:]), "--save-json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "serving / offline throughput:" in done.stdout and "ttft  mean" in done.stdout
+    doc = json.loads(out.read_text())
+    results = doc["results"]
+    assert len(results["offline"]["elapsed_s"]) == len(results["serve"]["elapsed_s"]) == 2
+    assert results["ratio_serve_over_offline"] > 0
+    assert len(doc["requests"]) == 2 * 4 and all(r["error"] is None for r in doc["requests"])
+    assert all(4 <= r["generated"] <= 8 for r in doc["requests"])
+
+
+def test_a_server_that_cannot_start_is_an_error_with_its_output():
+    from parashift.bench.server import start_server
+
+    with pytest.raises(RuntimeError, match="exited with code") as e:
+        start_server("/nonexistent-model", [], timeout=120)
+    assert "/nonexistent-model" in str(e.value)
 
 
 def test_latency_reports_percentiles(tiny_llama):

@@ -40,17 +40,25 @@ def generate_batch(model: Any, tok: Any, prompts: list[list[int]], out_lens: lis
 
 
 def run_hf(folder: str, requests: list[BenchRequest], dtype: torch.dtype, device: torch.device,
-           batch_size: int, progress: bool = True) -> float:
-    """Seconds to generate every request (after a warm-up batch)."""
+           batch_size: int, progress: bool = True, repeat: int = 1
+           ) -> tuple[list[float], list[list[int]]]:
+    """Seconds to generate every request, per timed run (after a warm-up batch), and the last
+    run's output token ids."""
     model, tok = load_hf(folder, dtype, device)
     prompts = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt)
                for r in requests]
     generate_batch(model, tok, [prompts[0][:16]], [2], device)  # warm-up
-    start = time.perf_counter()
-    batches = range(0, len(prompts), batch_size)
-    for i in tqdm(batches, desc="transformers", unit="batch", disable=not progress):
-        generate_batch(model, tok, prompts[i:i + batch_size],
-                       [r.output_len for r in requests[i:i + batch_size]], device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    times, token_ids = [], []
+    for run in range(repeat):
+        token_ids = []
+        start = time.perf_counter()
+        batches = range(0, len(prompts), batch_size)
+        desc = "transformers" if repeat == 1 else f"transformers {run + 1}/{repeat}"
+        for i in tqdm(batches, desc=desc, unit="batch", disable=not progress):
+            token_ids += generate_batch(model, tok, prompts[i:i + batch_size],
+                                        [r.output_len for r in requests[i:i + batch_size]],
+                                        device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times, token_ids

@@ -102,3 +102,15 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
         if slos[name] <= 0:
             raise ValueError(f"--goodput {item!r}: the limit must be > 0 ms")
     return slos
+
+
+def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of `a`'s output tokens inside the common prefix with `b`, request by request:
+    how far two greedy runs of the same requests agree."""
+    same = 0
+    for x, y in zip(a, b, strict=True):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        same += k
+    return same / max(1, sum(len(x) for x in a))

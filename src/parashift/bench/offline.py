@@ -22,7 +22,14 @@ def _params(requests: list[BenchRequest]):
             for r in requests]
 
 
-def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: bool) -> float:
+@dataclasses.dataclass
+class ThroughputRun:
+    elapsed_s: list[float]  # seconds to finish every request, one per timed run
+    token_ids: list[list[int]] | None = None  # the last run's outputs (one engine only)
+
+
+def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: bool,
+              repeat: int) -> ThroughputRun:
     from parashift import LLM
 
     llm = LLM.from_engine_args(engine_args)
@@ -30,23 +37,31 @@ def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: b
         warm = requests[0].prompt
         llm.generate([warm[:16] if isinstance(warm, list) else warm],
                      _params([dataclasses.replace(requests[0], output_len=2)]), use_tqdm=False)
-        llm.engine.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
-        return time.perf_counter() - start
+        times = []
+        for _ in range(repeat):
+            llm.engine.reset_prefix_cache()  # a repeat must not hit the last run's prompts
+            start = time.perf_counter()
+            outputs = llm.generate([r.prompt for r in requests], _params(requests),
+                                   use_tqdm=progress)
+            times.append(time.perf_counter() - start)
     finally:
         llm.shutdown()
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    for i, (ids, r) in enumerate(zip(token_ids, requests, strict=True)):
+        if len(ids) != r.output_len:  # ignore_eos: anything else would skew tokens/s
+            raise RuntimeError(f"request {i} produced {len(ids)} tokens, asked {r.output_len}")
+    return ThroughputRun(times, token_ids)
 
 
 def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
-                   progress: bool = True) -> float:
-    """Seconds to finish every request. dp > 1: each rank's process takes every dp-th request
-    and they start together; the slowest rank's time counts."""
+                   progress: bool = True, repeat: int = 1) -> ThroughputRun:
+    """Seconds to finish every request, `repeat` times. dp > 1: each rank's process takes
+    every dp-th request and they start each run together; the slowest rank's time counts."""
     config = create_config(engine_args)  # validates, converts a GGUF once
     spec = config.parallel.strategy
     dp = spec.processes().num_engines
     if dp == 1:
-        return _generate(engine_args, requests, progress)
+        return _generate(engine_args, requests, progress, repeat)
     mesh = node_mesh(spec, config.device.device, list(range(dp)))
     # Each rank's process runs one engine: the strategy without its data-parallel axis.
     engine_strategy = "x".join(a.token for a in spec.axes
@@ -61,13 +76,14 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
                                    tensor_parallel_size=None, pipeline_parallel_size=None)
         proc = mp.Process(target=_rank_main, name=f"parashift-bench-dp{rank}", args=(
             rank, args, requests[rank::dp], mesh.engine_placement(rank).cpu_ids, barrier, send,
-            progress and rank == 0))
+            progress and rank == 0, repeat))
         proc.start()
         send.close()  # the child holds the write end: its death then reads as EOF here
         procs.append(proc)
         pipes.append(receive)
     try:
-        return max(_gather(pipes, procs))
+        per_rank = _gather(pipes, procs)
+        return ThroughputRun([max(run) for run in zip(*per_rank, strict=True)])
     finally:
         barrier.abort()
         for proc in procs:
@@ -76,11 +92,11 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
                 proc.kill()
 
 
-def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[float]:
-    """Every rank's time; a rank that fails or dies stops the run with its error."""
+def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[list[float]]:
+    """Every rank's times; a rank that fails or dies stops the run with its error."""
     from multiprocessing.connection import wait
 
-    times: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
     while len(times) < len(procs):
         waiting = {r: (pipes[r], procs[r].sentinel) for r in range(len(procs)) if r not in times}
         ready = set(wait([x for pair in waiting.values() for x in pair]))
@@ -97,7 +113,7 @@ def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[float]:
 
 
 def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
-               cpu_ids: tuple[int, ...], barrier, pipe, progress: bool) -> None:
+               cpu_ids: tuple[int, ...], barrier, pipe, progress: bool, repeat: int) -> None:
     """One data-parallel rank: an independent engine on its cores from the mesh (its engine
     places its own workers on them, by the same rule)."""
     import os
@@ -113,10 +129,14 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
         llm = LLM.from_engine_args(engine_args)
         llm.generate([[100 + i for i in range(16)]], _params(
             [BenchRequest([], 16, 2)]), use_tqdm=False)
-        barrier.wait()
-        start = time.perf_counter()
-        llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
-        pipe.send_bytes(msgspec.json.encode(time.perf_counter() - start))
+        times = []
+        for _ in range(repeat):
+            llm.engine.reset_prefix_cache()
+            barrier.wait()
+            start = time.perf_counter()
+            llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
+            times.append(time.perf_counter() - start)
+        pipe.send_bytes(msgspec.json.encode(times))
         llm.shutdown()
     except Exception as e:  # the parent reports it
         pipe.send_bytes(msgspec.json.encode(f"dp{rank}: {e}"))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import shlex
+from typing import Annotated, Literal
 
 import typer
+
+from parashift.defaults import DTYPE_CHOICES
 
 NumPrompts = Annotated[int, typer.Option("--num-prompts")]
 InputLen = Annotated[int | None, typer.Option("--input-len")]
@@ -16,11 +19,35 @@ Dataset = Annotated[str | None, typer.Option(
 Seed = Annotated[int, typer.Option(help="seeds the workload and the arrivals")]
 SaveJson = Annotated[str | None, typer.Option("--save-json", help="write everything here")]
 Plot = Annotated[str | None, typer.Option(help="write a PNG here")]
+# The commands that start their own `parashift run` servers (dp-scaling, serving-vs-offline,
+# backends) or engines with a fixed layout (tp) take these instead of every engine flag.
+Dtype = Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype")]
+ServerArgs = Annotated[str, typer.Option(
+    "--server-args", help="extra `parashift run` flags, e.g. '--max-model-len 512'")]
+Repeat = Annotated[int, typer.Option(help="timed runs of every configuration; medians count")]
 
+
+def server_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"--server-args {text!r}: {e}") from None
+
+
+def random_workload(model: str | None, num_prompts: int, input_range: str, output_range: str,
+                    seed: int):
+    """Random token-id prompts below the model's vocabulary, lengths uniform in A:B."""
+    from parashift.bench.datasets import parse_range, random_requests
+    from parashift.models.loader import load_hf_config, resolve_model_path
+
+    ins = parse_range(input_range, "--input-len-range")
+    outs = parse_range(output_range, "--output-len-range")
+    vocab_size = load_hf_config(resolve_model_path(model)).vocab_size
+    return random_requests(num_prompts, ins, outs, vocab_size, seed), vocab_size
 
 
 def workload(num_prompts, input_len, output_len, input_range, output_range, dataset,
-              seed, tokenizer, vocab_size):
+             seed, tokenizer, vocab_size):
     from parashift.bench.datasets import load_dataset, parse_range, random_requests
 
     if dataset is not None:
