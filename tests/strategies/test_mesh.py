@@ -77,3 +77,16 @@ def test_reserved_cores_go_to_the_api_servers():
 class KeepOne(DataParallel):
     def processes(self, plan):
         return dataclasses.replace(super().processes(plan), reserved_cpus=1)
+
+
+class TooManyEngines(DataParallel):
+    def processes(self, plan):
+        planned = super().processes(plan)
+        return dataclasses.replace(planned, num_engines=planned.num_engines + 1)
+
+
+def test_hooks_that_disagree_are_an_error():
+    spec = StrategySpec((TooManyEngines(2),) + StrategySpec.parse("dp1").axes[1:])
+    with pytest.raises(ValueError, match="mesh axes make 2 ranks but its processes hooks "
+                                         "launch 3 engine"):
+        DeviceMesh(spec, 4)

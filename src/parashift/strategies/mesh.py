@@ -71,6 +71,10 @@ class DeviceMesh:
         self.num_engines = processes.num_engines
         self.workers_per_engine = processes.workers_per_engine
         self.world_size = self.num_engines * self.workers_per_engine
+        if self.world_size != self.spec.world_size:  # a plugin whose hooks disagree
+            raise ValueError(f"strategy {self.spec}: its mesh axes make {self.spec.world_size} "
+                             f"ranks but its processes hooks launch {self.num_engines} "
+                             f"engine(s) x {self.workers_per_engine} worker(s)")
         engines = self.engines if self.engines is not None else list(range(self.num_engines))
         placed = [e * self.workers_per_engine + w for e in engines
                   for w in range(self.workers_per_engine)]
