@@ -15,6 +15,11 @@ class ParallelContext:
     shard: ShardPlan = field(default_factory=ShardPlan)
     groups: dict[str, GroupCommunicator] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.shard.tp_size != self.tp.world_size:  # a split with nobody to sum it with
+            raise ValueError(f"the shard plan splits over tp{self.shard.tp_size} but the tp "
+                             f"group has {self.tp.world_size} rank(s)")
+
     def group(self, name: str) -> GroupCommunicator:
         return self.groups.get(name) or GroupCommunicator()
 

@@ -7,7 +7,9 @@ import dataclasses
 import torch
 
 from parashift.config import EngineConfig
+from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.worker import Worker
+from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -20,7 +22,9 @@ class LocalExecutor:
         if rank.cpu_ids and config.device.num_threads is None:
             config = dataclasses.replace(config, device=dataclasses.replace(
                 config.device, num_threads=len(rank.cpu_ids)))
-        self.worker = Worker(config)
+        spec = config.parallel.strategy
+        shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
+        self.worker = Worker(config, ParallelContext(shard))
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
