@@ -57,6 +57,8 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "gpu_memory_utilization": Annotated[float, typer.Option("--gpu-memory-utilization")],
     "enable_prefix_caching": Annotated[bool, typer.Option(
         "--enable-prefix-caching/--no-enable-prefix-caching")],
+    "device": Annotated[Literal["cpu", "cuda"] | None, typer.Option(
+        help="where the model runs (default: cuda when a GPU is visible, else cpu)")],
     "num_threads": Annotated[int | None, typer.Option("--threads", help="CPU threads for torch")],
     "strategy": Annotated[str | None, typer.Option(
         help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")],

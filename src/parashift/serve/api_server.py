@@ -237,6 +237,10 @@ class ApiServer:
         except (EngineDeadError, OpenAIError) as e:
             err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
             await response.write(responses.sse(err.body()))
+        except Exception as e:  # the headers are out: a bug ends this stream with an event
+            logger.exception("internal error while streaming %s", request.path)
+            err = OpenAIError(500, f"internal error: {e}", "internal_error")
+            await response.write(responses.sse(err.body()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
