@@ -26,11 +26,12 @@ from parashift.wire import protocol as p
                                           "stop", "x", 16)],
                      SchedulerStats(1, 2, 0.5, 10, 4)), p.Outputs),
     (p.UtilityResult(0, 7, True), p.Outputs),
+    (p.RequestFailed(1, "r1", "prompt too long"), p.Outputs),
     (p.EngineDead(1, "boom"), p.Outputs),
     (p.EngineReady(0, 256, 100), p.Control),
     (p.Shutdown(5.0), p.Control),
     (p.Hello(0, 1234), p.Handshake),
-    (p.Ready(0, 100, 16, 256), p.Handshake),
+    (p.Ready(0, 100, 16, 256, [1000, 1000]), p.Handshake),
     (p.StartupFailed(0, "no memory"), p.Handshake),
 ])
 def test_messages_round_trip(msg, kind):
@@ -97,3 +98,17 @@ def test_chat_messages():
     with pytest.raises(OpenAIError, match="role"):
         chat_messages(parse(b'{"messages": [{"role": "robot", "content": "x"}]}',
                             ChatCompletionRequest))
+
+
+def test_engine_init_carries_typed_engine_args_and_the_strategy_axes():
+    from parashift.config import EngineArgs
+    from parashift.strategies.spec import StrategySpec
+
+    spec = StrategySpec.parse("dp2xtp2")
+    init = p.EngineInit(EngineArgs(model="/m", max_num_seqs=7, strategy="dp2xtp2"),
+                        spec.to_wire(), ["ipc:///a"], ["ipc:///b"])
+    back = p.decode(p.encode(init), p.EngineInit)
+    assert isinstance(back.engine_args, EngineArgs) and back.engine_args.max_num_seqs == 7
+    again = StrategySpec.from_wire(back.strategy)
+    assert str(again) == "dp2xtp2"
+    assert [type(a) for a in again.axes] == [type(a) for a in spec.axes]
