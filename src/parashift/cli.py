@@ -13,7 +13,7 @@ from parashift.cli_options import engine_options, fail, setup_logging
 from parashift.plan.cli import plan
 
 if TYPE_CHECKING:
-    from parashift.engine.args import EngineArgs
+    from parashift.config import EngineArgs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parashift: LLM inference whose parallel layout is a plugin.")

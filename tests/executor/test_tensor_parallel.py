@@ -65,7 +65,8 @@ def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
     """Sharded loading: each worker reads only its slice of the safetensors checkpoint."""
     from conftest import save_tiny_model
 
-    from parashift.engine.args import EngineArgs, create_config
+    from parashift.config import EngineArgs
+    from parashift.engine.args import create_config
     from parashift.engine.placement import engine_placement
     from parashift.executor.multiproc import MultiprocExecutor
 

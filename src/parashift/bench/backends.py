@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from parashift.bench.options import NumPrompts, SaveJson, Seed, ServerArgs, server_args
+from parashift.bench.options import NumPrompts, SaveJson, Seed, ServerArgs, served_workload
 from parashift.cli_options import ModelArg, fail, setup_logging
 
 # Ray would otherwise ask to report usage, and refuse a local cluster on macOS.
@@ -34,10 +34,8 @@ def backends(
     """Start-up and throughput of `parashift run --backend mp|ray`, alternating."""
     setup_logging()
     from parashift.bench import report
-    from parashift.bench.datasets import random_requests
     from parashift.bench.metrics import summarize
     from parashift.bench.server import running_server, send_all
-    from parashift.models.loader import load_hf_config, resolve_model_path
 
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in ("mp", "ray")]
@@ -47,13 +45,8 @@ def backends(
                         ("--input-len", input_len), ("--output-len", output_len)):
         if value < 1:
             fail(f"{flag} must be >= 1")
-    try:
-        extra_args = server_args(extra)
-        vocab = load_hf_config(resolve_model_path(model)).vocab_size
-        requests = random_requests(num_prompts, (input_len, input_len),
-                                   (output_len, output_len), vocab, seed)
-    except ValueError as e:
-        fail(str(e))
+    requests, _, extra_args = served_workload(model, num_prompts, f"{input_len}:{input_len}",
+                                              f"{output_len}:{output_len}", seed, extra)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
     try:
         for round_ in range(rounds):

@@ -19,8 +19,7 @@ from parashift.bench.options import (
     SaveJson,
     Seed,
     ServerArgs,
-    random_workload,
-    server_args,
+    served_workload,
 )
 from parashift.cli_options import ModelArg, fail, setup_logging
 
@@ -61,12 +60,8 @@ def dp_scaling(
         fail("--repeat must be >= 1")
     if num_prompts < dp:
         fail(f"--num-prompts {num_prompts} is below --dp {dp}: every rank needs a request")
-    try:
-        requests, vocab = random_workload(model, num_prompts, input_len_range, output_len_range,
-                                          seed)
-        extra_args = server_args(extra)
-    except ValueError as e:
-        fail(str(e))
+    requests, vocab, extra_args = served_workload(model, num_prompts, input_len_range,
+                                                  output_len_range, seed, extra)
     total = sum(r.prompt_len + r.output_len for r in requests)
     typer.echo(f"workload: {len(requests)} requests, {total} tokens; dtype {dtype}")
     configs = configurations(dp)

@@ -34,6 +34,20 @@ def server_args(text: str) -> list[str]:
         raise ValueError(f"--server-args {text!r}: {e}") from None
 
 
+def served_workload(model: str | None, num_prompts: int, input_range: str, output_range: str,
+                    seed: int, extra: str):
+    """For the commands that start servers: random token-id prompts below the model's
+    vocabulary (lengths uniform in A:B), the vocabulary size and the extra `run` flags; a bad
+    flag ends the command naming it."""
+    from parashift.cli_options import fail
+
+    try:
+        requests, vocab = random_workload(model, num_prompts, input_range, output_range, seed)
+        return requests, vocab, server_args(extra)
+    except ValueError as e:
+        fail(str(e))
+
+
 def random_workload(model: str | None, num_prompts: int, input_range: str, output_range: str,
                     seed: int):
     """Random token-id prompts below the model's vocabulary, lengths uniform in A:B."""

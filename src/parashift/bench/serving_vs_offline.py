@@ -18,8 +18,7 @@ from parashift.bench.options import (
     SaveJson,
     Seed,
     ServerArgs,
-    random_workload,
-    server_args,
+    served_workload,
 )
 from parashift.cli_options import ModelArg, fail, setup_logging
 
@@ -44,16 +43,12 @@ def serving_vs_offline(
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_throughput
     from parashift.bench.server import reset_prefix_cache, running_server, send_all, warm_up
-    from parashift.engine.args import EngineArgs
+    from parashift.config import EngineArgs
 
     if repeat < 1:
         fail("--repeat must be >= 1")
-    try:
-        requests, vocab = random_workload(model, num_prompts, input_len_range, output_len_range,
-                                          seed)
-        extra_args = server_args(extra)
-    except ValueError as e:
-        fail(str(e))
+    requests, vocab, extra_args = served_workload(model, num_prompts, input_len_range,
+                                                  output_len_range, seed, extra)
     total = sum(r.prompt_len + r.output_len for r in requests)
     out_tokens = sum(r.output_len for r in requests)
     typer.echo(f"workload: {len(requests)} requests, {total} tokens ({out_tokens} output); "

@@ -20,8 +20,6 @@ from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.spec import StrategySpec
 
-__all__ = ["EngineArgs", "create_config", "strategy_spec"]
-
 
 def strategy_spec(args: EngineArgs) -> StrategySpec:
     """`--strategy` and vLLM's explicit flags are interchangeable; a conflict is an error

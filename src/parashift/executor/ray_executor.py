@@ -53,7 +53,7 @@ class RayExecutor(MultiprocExecutor):
         # Inside its actor a worker sees the one GPU Ray gave it, and no core set of ours.
         workers = [dataclasses.replace(w, cpu_ids=(), cuda_index=0 if gpu else None)
                    for w in placement.workers]
-        self.actors = [ray.remote(named_actor_class(_WorkerActor, _class_name(w.process_name)))
+        self.actors = [ray.remote(named_actor_class(_WorkerActor, w.process_name))
                        .options(name=w.process_name, num_cpus=0 if gpu else 1,
                                 num_gpus=1 if gpu else 0,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -101,11 +101,6 @@ class RayExecutor(MultiprocExecutor):
 
     def _cleanup_call(self) -> tuple:
         return _kill_actors, self.actors, self.ctx, self.dir
-
-
-def _class_name(process_name: str) -> str:
-    """parashift-worker-dp0-tp1 -> ParashiftWorkerDp0Tp1 (Ray titles the process with it)."""
-    return "".join(part.capitalize() for part in process_name.split("-"))
 
 
 def _kill_actors(actors: list, ctx: zmq.Context, folder: str) -> None:

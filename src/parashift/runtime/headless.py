@@ -15,7 +15,7 @@ import zmq
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.runtime.endpoints import tcp_url
-from parashift.runtime.launcher import StartupError
+from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p

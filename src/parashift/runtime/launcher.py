@@ -21,34 +21,14 @@ from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime.coordinator import run_coordinator
-from parashift.runtime.endpoints import Endpoints, tcp_url
+from parashift.runtime.endpoints import Endpoints, bind_listener, tcp_url
+from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
 
 logger = logging.getLogger(__name__)
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """One listening socket, shared by every API server process (SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise StartupError(f"--host {host} --port {port}: cannot listen there ({e.strerror})"
-                           ) from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class Launcher:

@@ -87,7 +87,7 @@ class RayEngines(RestartPolicy):
 
         bundle = self.bundles[0]
         name = engine_process_name(rank)
-        actor = ray.remote(named_actor_class(_EngineActor, name.title().replace("-", ""))).options(
+        actor = ray.remote(named_actor_class(_EngineActor, name)).options(
             name=name, num_cpus=bundle.get("CPU", 0.0),
             num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(

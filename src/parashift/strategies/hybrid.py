@@ -16,6 +16,14 @@ from parashift.strategies.layout import (
 )
 
 
+def unravel(index: int, axes: list[MeshAxis]) -> dict[str, int]:
+    """The coordinates of rank `index`, row-major over `axes`."""
+    coords, rest = {}, index
+    for axis in reversed(axes):
+        rest, coords[axis.name] = divmod(rest, axis.size)
+    return {axis.name: coords[axis.name] for axis in axes}
+
+
 class HybridStrategy:
     axes: tuple[Strategy, ...]
 
@@ -62,12 +70,7 @@ class HybridStrategy:
         count = 1
         for d in inner:
             count *= d.size
-        coords = []
-        for worker in range(count):
-            point, rest = {}, worker
-            for d in reversed(inner):
-                rest, point[d.name] = divmod(rest, d.size)
-            coords.append(point)
+        coords = [unravel(worker, inner) for worker in range(count)]
         out: dict[str, list[list[int]]] = {}
         for group in self.groups():
             if not set(group.axes) <= names:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from parashift.strategies.hybrid import unravel
 from parashift.strategies.spec import StrategySpec
 
 
@@ -99,7 +100,7 @@ class DeviceMesh:
         for index, rank in enumerate(placed):
             node, local = divmod(index, per_node)
             engine, worker = divmod(rank, self.workers_per_engine)
-            coords = self._coords(rank)
+            coords = unravel(rank, self.axes)
             if gpu:
                 cuda = rank % self.devices_per_node  # a node's GPUs, in global rank order
                 cpus, device = (), f"{self.device_type}:{cuda}"
@@ -116,12 +117,6 @@ class DeviceMesh:
             self.warnings.append(
                 f"oversubscribed: {per_node} ranks per node share {len(usable)} core(s), one "
                 "core each, round-robin")
-
-    def _coords(self, rank: int) -> dict[str, int]:
-        coords, rest = {}, rank
-        for axis in reversed(self.axes):
-            rest, coords[axis.name] = divmod(rest, axis.size)
-        return {a.name: coords[a.name] for a in self.axes}
 
     def _cpus(self, usable: list[int], local: int, ranks_on_node: int) -> tuple[int, ...]:
         """An equal slice of the node's usable cores; with more ranks than cores, one core

@@ -73,7 +73,8 @@ def bind(sock: zmq.Socket, address: str, bound: dict[str, socket.socket] | None 
     sock.bind(address)
 
 
-def named_actor_class(base: type, name: str) -> type:
-    """A subclass called `name`: Ray titles an actor's process after its class
-    ("ray::ParashiftEngineDp1.run"), so that `ps` tells the ranks apart."""
-    return type(name, (base,), {})
+def named_actor_class(base: type, process_name: str) -> type:
+    """A subclass named for the process (parashift-worker-dp0-tp1 -> ParashiftWorkerDp0Tp1):
+    Ray titles an actor's process after its class ("ray::ParashiftEngineDp1.run"), so that
+    `ps` tells the ranks apart."""
+    return type("".join(part.capitalize() for part in process_name.split("-")), (base,), {})
