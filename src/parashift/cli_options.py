@@ -67,6 +67,9 @@ _ENGINE_FLAGS: dict[str, Any] = {
         "--tensor-parallel-size", "-tp")],
     "pipeline_parallel_size": Annotated[int | None, typer.Option(
         "--pipeline-parallel-size", "-pp")],
+    "pp_layer_partition": Annotated[str | None, typer.Option(
+        "--pp-layer-partition", help="layers per pipeline stage, e.g. 10,10,10 (default: even, "
+        "the extra layers on the first stages)")],
     "enable_expert_parallel": Annotated[bool, typer.Option("--enable-expert-parallel")],
 }
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}

@@ -49,6 +49,7 @@ class EngineArgs:
     data_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
+    pp_layer_partition: str | None = None  # layers per pipeline stage, e.g. "10,10,10"
     enable_expert_parallel: bool = False
     data_parallel_rank: int = 0
     distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors

@@ -34,6 +34,7 @@ class GroupCommunicator:
         self.world_size = world_size
         self.shm = shm
         self.stats = CommStats()
+        self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -64,3 +65,27 @@ class GroupCommunicator:
         dist.gather(tensor.contiguous(), parts, dst=dist.get_global_rank(self.group, 0),
                     group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
+
+    # --- pipeline: point to point along the group (rank i -> rank i + 1) ----------------------
+    def send_next(self, tensor: torch.Tensor) -> None:
+        """Send to the next rank without waiting for it to receive; the previous send is
+        finished first, so at most one buffer is in flight."""
+        self.wait_sends()
+        dst = dist.get_global_rank(self.group, self.rank + 1)
+        self._pending_send = (dist.isend(tensor.contiguous(), dst, group=self.group), tensor)
+
+    def wait_sends(self) -> None:
+        pending = self._pending_send
+        if pending is not None:
+            start = time.perf_counter()
+            pending[0].wait()
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.calls += 1
+            self.stats.bytes += pending[1].numel() * pending[1].element_size()
+            self._pending_send = None
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out, dist.get_global_rank(self.group, self.rank - 1), group=self.group)
+        return out

@@ -18,6 +18,7 @@ from parashift.config import (
 from parashift.defaults import default_max_num_batched_tokens
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
+from parashift.strategies.pipeline import parse_partition
 from parashift.strategies.spec import StrategySpec
 
 
@@ -29,8 +30,8 @@ def strategy_spec(args: EngineArgs) -> StrategySpec:
                 "pp": ("--pipeline-parallel-size", args.pipeline_parallel_size)}
     ep = args.enable_expert_parallel
     if args.strategy is None:
-        return StrategySpec.from_sizes(*(v or 1 for _, v in explicit.values()),
-                                       ep=bool(ep))
+        spec = StrategySpec.from_sizes(*(v or 1 for _, v in explicit.values()), ep=bool(ep))
+        return _with_partition(spec, args.pp_layer_partition)
     spec = StrategySpec.parse(args.strategy)
     for name, (flag, value) in explicit.items():
         if value is not None and value != spec.size(name):
@@ -39,7 +40,14 @@ def strategy_spec(args: EngineArgs) -> StrategySpec:
     if ep and not spec.size("ep"):
         raise ValueError(f"--strategy {spec} has no ep axis but --enable-expert-parallel "
                          "is given")
-    return spec
+    return _with_partition(spec, args.pp_layer_partition)
+
+
+def _with_partition(spec: StrategySpec, partition: str | None) -> StrategySpec:
+    if partition is None:
+        return spec
+    return spec.with_options("pp", partition=parse_partition(partition))
+
 
 def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineConfig:
     spec = spec or strategy_spec(args)

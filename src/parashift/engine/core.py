@@ -1,7 +1,12 @@
-"""The engine core: a scheduler, an executor and a KV cache; `step` is the whole loop body."""
+"""The engine core: a scheduler, an executor and a KV cache; `step` is the whole loop body.
+
+With a pipeline (the strategy's `max_batches_in_flight` > 1) a step keeps a batch queue, as
+vLLM's `step_with_batch_queue`: it submits new batches until the queue is full or nothing is
+left to schedule, then waits for the oldest."""
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from parashift.config import EngineConfig
@@ -11,7 +16,7 @@ from parashift.engine.request import Request
 from parashift.engine.scheduler import Scheduler
 from parashift.executor.local import LocalExecutor
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import EngineCoreOutput, SchedulerStats
+from parashift.types.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f max-length sequences "
                     "at once)", num_blocks, block_size, capacity, capacity / max_len)
         kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        depth = getattr(self.executor, "max_batches_in_flight", 1)
+        self.scheduler = Scheduler(config.scheduler, kv_cache, depth)
+        self.batch_queue: collections.deque[SchedulerOutput] | None = (
+            collections.deque() if depth > 1 else None)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -74,12 +82,26 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        queue = self.batch_queue
+        while len(queue) < self.scheduler.max_batches_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:  # everything left is in flight already
+                break
+            self.executor.submit(scheduler_output)
+            queue.append(scheduler_output)
+        if not queue:
+            return []
+        return self.scheduler.update_from_output(queue.popleft(), self.executor.wait())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -3,7 +3,13 @@
 Each step has a token budget and a sequence cap. Running requests go first (a decode token, or
 the next chunk of an unfinished prefill); waiting requests are then admitted into what is
 left, starting after their longest cached prefix. When the KV pool runs dry the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later."""
+admitted running request is preempted: its blocks are freed and it is recomputed later.
+
+With a pipeline the engine keeps several batches in flight. A request is in at most one of
+them: its next step is scheduled only once its previous one returned, so each new batch is made
+of the other requests. Each batch takes about an equal share of the requests, so that the
+batches in flight keep every stage busy. A request preempted or aborted while in flight keeps
+its place in no batch; the stale result is dropped when it returns."""
 
 from __future__ import annotations
 
@@ -24,9 +30,12 @@ from parashift.types.outputs import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 max_batches_in_flight: int = 1):
         self.config = config
         self.kv_cache = kv_cache
+        self.max_batches_in_flight = max_batches_in_flight
+        self.in_flight: set[str] = set()  # requests of batches submitted and not yet returned
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -45,16 +54,28 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def _batch_seq_cap(self) -> int:
+        """The most requests one batch takes: all of them without a pipeline, else an equal
+        share of the unfinished ones over the batches in flight."""
+        if self.max_batches_in_flight == 1:
+            return self.config.max_num_seqs
+        unfinished = len(self.running) + len(self.waiting)
+        return max(1, -(-unfinished // self.max_batches_in_flight))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        seq_cap = self._batch_seq_cap()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < seq_cap:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.allocate_slots(req, num_new)
             while new_block_ids is None:
@@ -78,8 +99,11 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: the pool is already too tight.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < seq_cap):
             req = self.waiting[0]
+            if req.request_id in self.in_flight:  # preempted while its batch runs
+                break
             computed_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.config.enable_chunked_prefill and num_new < req.num_tokens - num_hit:
@@ -103,7 +127,11 @@ class Scheduler:
 
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
-        freed, self._freed_req_ids = self._freed_req_ids, set()
+        self.in_flight.update(num_scheduled)
+        # Freed requests ride with the next step that runs (an empty one may not be sent).
+        freed = set()
+        if num_scheduled:
+            freed, self._freed_req_ids = self._freed_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), freed)
 
@@ -118,9 +146,11 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id, token_id in runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
-            if req is None or req.is_finished:
+            # Gone, or preempted while in flight: the token belongs to a discarded run.
+            if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.append_output_token(token_id)
             status = req.check_stop(self.config.max_model_len)

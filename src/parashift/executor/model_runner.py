@@ -5,12 +5,14 @@ scheduler's deltas, so a step command carries only what changed (what a remote w
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from parashift.distributed.communicator import GroupCommunicator
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed
 from parashift.types.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -26,10 +28,25 @@ class RequestState:
     num_computed_tokens: int
 
 
+@dataclass
+class StageStats:
+    """Where a worker's time went since the last read: computing its layers, or waiting for the
+    previous pipeline stage's activations (the bubble, and the transfer)."""
+
+    steps: int = 0
+    busy_seconds: float = 0.0
+    recv_seconds: float = 0.0
+
+
 class ModelRunner:
+    """`pp`: the pipeline group. A stage after the first receives the previous stage's hidden
+    states and residual; a stage before the last sends its own on and samples nothing."""
+
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
-                 device: torch.device):
+                 device: torch.device, pp: GroupCommunicator | None = None):
         self.model = model
+        self.pp = pp or GroupCommunicator()
+        self.stats = StageStats()
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -77,13 +94,13 @@ class ModelRunner:
         input_ids, positions, step = self._prepare_inputs(states, q_lens, starts)
         metadata = self.backend.build_metadata(step)
 
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = self._forward_stage(input_ids, positions, metadata)
         # Rows that complete their prompt sample; partial prefill chunks only fill the cache.
         seq_lens = starts + q_lens
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         for state, q_len in zip(states, q_lens, strict=True):
             state.num_computed_tokens += int(q_len)
-        if not sample_rows:
+        if hidden is None or not sample_rows:  # a stage before the last
             return ModelRunnerOutput({})
         last_token = torch.from_numpy(step.query_start_loc[1:][sample_rows] - 1).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, last_token))
@@ -98,6 +115,27 @@ class ModelRunner:
             {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
             if has_logprobs else None,
         )
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata) -> torch.Tensor | None:
+        """This stage's layers: final hidden states on the last stage, None on the others
+        (which send theirs on)."""
+        model, start = self.model, time.perf_counter()
+        intermediate = None
+        if not model.has_embedding:  # [2, num_tokens, hidden]: hidden states and residual
+            received = self.pp.recv_prev((2, input_ids.shape[0], model.config.hidden_size),
+                                         model.dtype, self.device)
+            intermediate = (received[0], received[1])
+            now = time.perf_counter()
+            self.stats.recv_seconds += now - start
+            start = now
+        out = model(input_ids, positions, metadata, intermediate)
+        if not model.is_last_stage:
+            self.pp.send_next(torch.stack(out))
+            out = None
+        self.stats.busy_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        return out
 
     def _prepare_inputs(self, states: list[RequestState], q_lens: np.ndarray,
                         starts: np.ndarray):

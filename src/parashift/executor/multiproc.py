@@ -1,12 +1,15 @@
-"""The executor for an engine with workers of its own (tp, and pp once it runs): one process
-per rank of the engine's placement (strategies/mesh.py), driven by the engine core over ZMQ
-(measured in docs/BENCHMARKS.md: a step command is a few kB, sent to each worker's own ipc
-socket). Each step goes to every worker; worker 0 answers. A worker that dies takes its
+"""The executor for an engine with workers of its own (tp, pp): one process per rank of the
+engine's placement (strategies/mesh.py), driven by the engine core over ZMQ (measured in
+docs/BENCHMARKS.md: a step command is a few kB, sent to each worker's own ipc socket). Each
+step goes to every worker; the output rank (last stage, tp rank 0) answers. Steps may be
+submitted before the previous ones answered (a pipeline's batches in flight): workers run
+them in order and the answers come back in that order. A worker that dies takes its
 engine down with a clear error (the launcher then reports the rank dead), and workers die
 with their engine (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import logging
@@ -42,6 +45,8 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, placement: EnginePlacement,
                  log_level: str = "INFO", startup_timeout: float = 600.0):
         count = len(placement.workers)
+        self.max_batches_in_flight = config.parallel.strategy.processes().max_batches_in_flight
+        self._results: collections.deque[ModelRunnerOutput] = collections.deque()
         self._start_workers(config, placement, log_level)
         # However this executor ends (even unreferenced, or at exit), no worker outlives it.
         self._cleanup = weakref.finalize(self, *self._cleanup_call())
@@ -104,9 +109,18 @@ class MultiprocExecutor:
         self.collective_rpc("initialize_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.wait()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step; its output comes from `wait`, in submission order."""
         self._broadcast(p.ExecuteModel(scheduler_output))
-        (result,) = self._collect(p.StepResult, 1)
-        return result.output
+
+    def wait(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet waited for."""
+        if not self._results:
+            self._collect(p.StepResult, 1)
+        return self._results.popleft()
 
     def check_health(self) -> None:
         """Raises if a worker has died (the engine calls this even when idle)."""
@@ -146,7 +160,11 @@ class MultiprocExecutor:
                 msg = p.decode(self.results.recv(), p.FromWorker)
                 if isinstance(msg, p.WorkerReply) and msg.error is not None:
                     raise WorkerDiedError(f"worker {self.names[msg.rank]} failed: {msg.error}")
-                if isinstance(msg, kind):
+                if isinstance(msg, p.StepResult):  # kept in order, whoever is waiting
+                    self._results.append(msg.output)
+                    if kind is p.StepResult:
+                        out.append(msg)
+                elif isinstance(msg, kind):
                     out.append(msg)
                 continue
             self.check_health()

@@ -11,7 +11,7 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.communicator import CommStats
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.executor.model_runner import ModelRunner
+from parashift.executor.model_runner import ModelRunner, StageStats
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.models.loader import load_model
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
@@ -37,7 +37,15 @@ class Worker:
                                 mc.max_model_len, self.parallel)
         # Peak resident memory the load added: a tp shard must read only its slice.
         self.load_peak_rss = _peak_rss() - rss_before
-        self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device,
+                                  self.parallel.group("pp"))
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The worker that answers each step with the sampled tokens: the last pipeline
+        stage's tp rank 0."""
+        shard = self.parallel.shard
+        return shard.has_lm_head and shard.tp_rank == 0
 
     def load_peak_rss_bytes(self) -> int:
         return self.load_peak_rss
@@ -53,8 +61,13 @@ class Worker:
         stats, group.stats = group.stats, CommStats()
         return dataclasses.asdict(stats)
 
+    def take_stage_stats(self) -> dict[str, float]:
+        """Compute and pipeline-wait seconds since the last call (then reset)."""
+        stats, self.runner.stats = self.runner.stats, StageStats()
+        return dataclasses.asdict(stats)
+
     def kv_block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V, on this worker."""
+        """Bytes of one block over this worker's layers (its pipeline stage's), K and V."""
         layer = self.model.attention_layers[0]
         per_layer = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
         itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()

@@ -2,8 +2,9 @@
 It joins its engine's workers (torch.distributed: gloo on CPU, nccl on GPU; rendezvous through
 a file in the engine's private folder, so that engines starting at once never fight over a
 port), forms the in-engine process groups the strategy names, loads the shard its plan says,
-then runs the step commands its engine core sends. Every worker runs every step; only worker 0
-answers with the sampled tokens."""
+then runs the step commands its engine core sends. Every worker runs every step, in the order
+sent (so a pipeline stage can start the next batch while later stages run this one); only the
+last stage's tp rank 0 answers with the sampled tokens."""
 
 from __future__ import annotations
 
@@ -126,13 +127,15 @@ def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | 
 
 
 def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None:
+    answers = worker.is_output_rank
     while True:
         msg = p.decode(commands.recv(), p.ToWorker)
         if isinstance(msg, p.ExecuteModel):
             output = worker.execute_model(msg.scheduler_output)
-            if rank == 0:
+            if answers:
                 results.send(p.encode(p.StepResult(output)))
         elif msg.method == "stop":
+            worker.runner.pp.wait_sends()
             results.send(p.encode(p.WorkerReply(rank)))
             return
         else:

@@ -114,18 +114,25 @@ class LlamaForCausalLM(nn.Module):
         }
         self.sliding_window = self._sliding_window(cfg, max_position)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
-                                                   parallel)
+        # A pipeline stage builds only its own layers; the first holds the embedding, the last
+        # the final norm and LM head (with its own copy of a tied embedding).
+        shard = parallel.shard
+        self.first_layer, self.end_layer = shard.layers or (0, cfg.num_hidden_layers)
+        self.has_embedding, self.is_last_stage = shard.has_embedding, shard.has_lm_head
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
+                                                    parallel) if self.has_embedding else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, dtype, backend, parallel, **flags)
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(self.first_layer, self.end_layer)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.embed_tokens)
+        self.norm = self.lm_head = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+            if self.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.tie_to(self.embed_tokens)
 
     @staticmethod
     def _sliding_window(cfg: Any, max_position: int) -> int | None:
@@ -136,27 +143,50 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any):
-        """[num_tokens] token ids and positions -> [num_tokens, hidden] final hidden states."""
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """[num_tokens] token ids and positions -> [num_tokens, hidden] final hidden states.
+        A pipeline stage after the first starts from the previous stage's `intermediate`
+        (hidden, residual); a stage before the last returns its (hidden, residual)."""
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin, metadata)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.compute_logits(hidden)
 
+    def _local_name(self, name: str) -> str | None:
+        """Where checkpoint tensor `name` goes in this stage (None: another stage's)."""
+        if name.startswith("layers."):
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            if not self.first_layer <= int(index) < self.end_layer:
+                return None
+            return f"layers.{int(index) - self.first_layer}.{rest}"
+        if name == "embed_tokens.weight" and self.embed_tokens is None:
+            # The last stage's copy of a tied embedding.
+            return "lm_head.weight" if self.is_last_stage and self.tie_word_embeddings else None
+        if name == "lm_head.weight" and (self.tie_word_embeddings or not self.is_last_stage):
+            return None
+        if name.startswith("norm.") and not self.is_last_stage:
+            return None
+        return name
+
     def load_weights(self, weights: Iterable[WeightSource]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for source in weights:
-            name = source.name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in source.name:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            name = self._local_name(source.name.removeprefix("model."))
+            if name is None:
                 continue
             shard_id = None
             for ckpt_name, (fused, shard) in self.packed_modules.items():
@@ -175,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.data.copy_(source.load())
             loaded.add(name)
-        expected = {n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)}
+        tied_head = self.tie_word_embeddings and self.embed_tokens is not None
+        expected = {n for n in params if not (n == "lm_head.weight" and tied_head)}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-

@@ -32,6 +32,11 @@ class Strategy:
     def __init__(self, size: int = 1):
         self.size = size
 
+    def options(self) -> dict[str, Any]:
+        """What this axis is built with besides its size (keyword arguments of its class,
+        plain data): travels with the spec, so every process builds the same axis."""
+        return {}
+
     # --- validate ------------------------------------------------------------------------------
     def check_model(self, hf_config: Any) -> list[str]:
         """Errors a user can act on, for this axis against the model ([] when it fits)."""

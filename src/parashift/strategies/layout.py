@@ -60,6 +60,7 @@ class ProcessPlan:
     coordinator: bool = False
     lockstep: bool = False  # every engine runs every step (expert parallel waves)
     reserved_cpus: int = 0
+    max_batches_in_flight: int = 1  # steps an engine submits before the oldest answers
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Pipeline parallel: the decoder layers split into pp stages (evenly, the extra layers on the
-first stages); the first stage holds the embedding, the last the final norm and LM head.
-It plans and validates today; the stages run once the pipeline issue lands."""
+first stages, or as `--pp-layer-partition` says); the first stage holds the embedding, the
+last the final norm and LM head (its own copy of a tied embedding). Each stage is a set of tp
+workers; activations go stage to stage over the pp group, and the engine keeps up to pp
+batches in flight so that every stage has work."""
 
 from __future__ import annotations
 
@@ -19,18 +21,50 @@ from parashift.strategies.layout import (
 )
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """[first, end) of `stage`'s layers: as even as possible, the extra ones first."""
+def stage_layers(num_layers: int, pp: int, stage: int,
+                 partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """[first, end) of `stage`'s layers: per `partition` (layers per stage) when given, else
+    as even as possible, the extra ones first."""
+    if partition is not None:
+        first = sum(partition[:stage])
+        return first, first + partition[stage]
     base, extra = divmod(num_layers, pp)
     first = stage * base + min(stage, extra)
     return first, first + base + (1 if stage < extra else 0)
 
 
+def parse_partition(text: str) -> tuple[int, ...]:
+    """'10,10,10' -> (10, 10, 10)."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--pp-layer-partition {text!r}: give the layers of each stage joined "
+                         "by commas, like 10,10,10") from None
+    return sizes
+
+
 class PipelineParallel(Strategy):
-    name, axis, available = "pp", "pipeline", False
+    name, axis = "pp", "pipeline"
+
+    def __init__(self, size: int = 1, partition: list[int] | tuple[int, ...] | None = None):
+        super().__init__(size)
+        self.partition = tuple(partition) if partition is not None else None
+
+    def options(self) -> dict[str, list[int]]:
+        return {"partition": list(self.partition)} if self.partition is not None else {}
 
     def check_model(self, hf_config: Any) -> list[str]:
         layers = hf_config.num_hidden_layers
+        if self.partition is not None:
+            text = ",".join(map(str, self.partition))
+            if len(self.partition) != self.size:
+                return [f"--pp-layer-partition {text} has {len(self.partition)} stage(s), the "
+                        f"strategy has pp{self.size}"]
+            if min(self.partition) < 1:
+                return [f"--pp-layer-partition {text}: every stage needs at least one layer"]
+            if sum(self.partition) != layers:
+                return [f"--pp-layer-partition {text} sums to {sum(self.partition)}, the model "
+                        f"has {layers} layers"]
         if self.size > layers:
             return [f"pp{self.size} needs at least {self.size} layers, the model has {layers}"]
         return []
@@ -44,7 +78,8 @@ class PipelineParallel(Strategy):
     def shard(self, plan: ShardPlan, at: MeshPoint, hf_config: Any) -> ShardPlan:
         stage = at.coords["pp"]
         return dataclasses.replace(
-            plan, layers=stage_layers(hf_config.num_hidden_layers, self.size, stage),
+            plan, layers=stage_layers(hf_config.num_hidden_layers, self.size, stage,
+                                      self.partition),
             has_embedding=stage == 0, has_lm_head=stage == self.size - 1)
 
     def cost(self, cost: DeviceCost, plan: ShardPlan) -> DeviceCost:
@@ -63,4 +98,6 @@ class PipelineParallel(Strategy):
         return cost
 
     def processes(self, plan: ProcessPlan) -> ProcessPlan:
-        return dataclasses.replace(plan, workers_per_engine=plan.workers_per_engine * self.size)
+        return dataclasses.replace(
+            plan, workers_per_engine=plan.workers_per_engine * self.size,
+            max_batches_in_flight=plan.max_batches_in_flight * self.size)

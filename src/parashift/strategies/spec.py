@@ -70,7 +70,7 @@ class StrategySpec(HybridStrategy):
         return cls.parse("x".join(parts))
 
     def to_wire(self) -> list[StrategyAxis]:
-        return [StrategyAxis(a.class_path, a.size) for a in self.axes]
+        return [StrategyAxis(a.class_path, a.size, a.options()) for a in self.axes]
 
     @classmethod
     def from_wire(cls, axes: list[StrategyAxis]) -> StrategySpec:
@@ -80,8 +80,14 @@ class StrategySpec(HybridStrategy):
         for axis in axes:
             strategy_cls = load_class(axis.class_path)
             check_hooks(strategy_cls)
-            loaded.append(strategy_cls(axis.size))
+            loaded.append(strategy_cls(axis.size, **axis.options))
         return cls(_ordered(loaded))
+
+    def with_options(self, name: str, **options: Any) -> StrategySpec:
+        """This spec with axis `name` rebuilt with `options` added (e.g. pp's partition)."""
+        axes = [type(a)(a.size, **{**a.options(), **options}) if a.name == name else a
+                for a in self.axes]
+        return type(self)(tuple(axes))
 
     def axis(self, name: str) -> Strategy | None:
         return next((a for a in self.axes if a.name == name), None)

@@ -41,10 +41,12 @@ class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=Tr
 
 
 class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
-    """One axis of a parsed strategy: its class (`module:Class`) and size."""
+    """One axis of a parsed strategy: its class (`module:Class`), size and options (keyword
+    arguments of the class, e.g. a pipeline's layer partition)."""
 
     class_path: str
     size: int
+    options: dict[str, Any] = {}
 
 
 # --- handshake -------------------------------------------------------------------------------
