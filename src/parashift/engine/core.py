@@ -95,10 +95,12 @@ class EngineCore:
         queue = self.batch_queue
         while len(queue) < self.scheduler.max_batches_in_flight:
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty:  # everything left is in flight already
+            empty = scheduler_output.is_empty  # everything left is in flight already
+            if not empty or scheduler_output.freed_req_ids:  # workers must drop those
+                self.executor.submit(scheduler_output)
+                queue.append(scheduler_output)
+            if empty:
                 break
-            self.executor.submit(scheduler_output)
-            queue.append(scheduler_output)
         if not queue:
             return []
         return self.scheduler.update_from_output(queue.popleft(), self.executor.wait())

@@ -128,10 +128,7 @@ class Scheduler:
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
         self.in_flight.update(num_scheduled)
-        # Freed requests ride with the next step that runs (an empty one may not be sent).
-        freed = set()
-        if num_scheduled:
-            freed, self._freed_req_ids = self._freed_req_ids, set()
+        freed, self._freed_req_ids = self._freed_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), freed)
 

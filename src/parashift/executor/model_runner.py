@@ -30,8 +30,8 @@ class RequestState:
 
 @dataclass
 class StageStats:
-    """Where a worker's time went since the last read: computing its layers, or waiting for the
-    previous pipeline stage's activations (the bubble, and the transfer)."""
+    """Where a worker's time went since the last read: running steps (its layers, sampling on
+    the last stage), or waiting for the previous stage's activations within a step."""
 
     steps: int = 0
     busy_seconds: float = 0.0
@@ -81,8 +81,17 @@ class ModelRunner:
                                            set()))
         del self.requests["profile"]
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        start, waited = time.perf_counter(), self.stats.recv_seconds
+        result = self._execute(out)
+        if not out.is_empty:
+            self.stats.steps += 1
+            self.stats.busy_seconds += (time.perf_counter() - start
+                                        - (self.stats.recv_seconds - waited))
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput({})
@@ -120,21 +129,18 @@ class ModelRunner:
                        metadata) -> torch.Tensor | None:
         """This stage's layers: final hidden states on the last stage, None on the others
         (which send theirs on)."""
-        model, start = self.model, time.perf_counter()
+        model = self.model
         intermediate = None
         if not model.has_embedding:  # [2, num_tokens, hidden]: hidden states and residual
+            start = time.perf_counter()
             received = self.pp.recv_prev((2, input_ids.shape[0], model.config.hidden_size),
                                          model.dtype, self.device)
             intermediate = (received[0], received[1])
-            now = time.perf_counter()
-            self.stats.recv_seconds += now - start
-            start = now
+            self.stats.recv_seconds += time.perf_counter() - start
         out = model(input_ids, positions, metadata, intermediate)
         if not model.is_last_stage:
             self.pp.send_next(torch.stack(out))
             out = None
-        self.stats.busy_seconds += time.perf_counter() - start
-        self.stats.steps += 1
         return out
 
     def _prepare_inputs(self, states: list[RequestState], q_lens: np.ndarray,

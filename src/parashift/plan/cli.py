@@ -69,6 +69,8 @@ def plan(
     intra_node: Annotated[str | None, typer.Option("--intra-node", help="nvlink | pcie | shm")
                           ] = None,
     inter_node: Annotated[str, typer.Option("--inter-node", help="ib | ethernet")] = "ib",
+    pp_layer_partition: Annotated[str | None, typer.Option(
+        "--pp-layer-partition", help="layers per pipeline stage, e.g. 10,10,10")] = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     dtype: Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(
         help="auto: the engine's choice for this checkpoint and device")] = "auto",
@@ -95,6 +97,7 @@ def plan(
     from parashift.plan.auto import rank_plans
     from parashift.plan.estimate import PlanSettings, make_plan
     from parashift.plan.hardware import DEVICES, INTER_NODE, INTRA_NODE
+    from parashift.strategies.pipeline import parse_partition
     from parashift.strategies.spec import StrategySpec
 
     if device not in DEVICES:
@@ -110,6 +113,9 @@ def plan(
     try:
         shape = load_shape(model)
         spec = StrategySpec.parse(strategy) if strategy else None
+        if pp_layer_partition is not None:
+            spec = (spec or StrategySpec.from_sizes()).with_options(
+                "pp", partition=parse_partition(pp_layer_partition))
         n = devices if devices is not None else (spec.world_size if spec else 1)
         if n < 1:
             raise ValueError(f"--devices {n}: need at least one device")

@@ -15,6 +15,7 @@ from parashift.defaults import (
     DEFAULT_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
+from parashift.plan.bubble import PREFILL_PROMPT_TOKENS, pipeline_bubbles
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
 from parashift.plan.shape import ModelShape
 from parashift.strategies.layout import DeviceCost, MeshPoint
@@ -56,6 +57,7 @@ class PlanSettings:
 class StageMemory:
     stage: int
     layers: int
+    first_layer: int  # the stage's decoder layers are [first_layer, first_layer + layers)
     weights: int
     reserve: int
     kv_cache: int
@@ -81,6 +83,7 @@ class Plan:
     estimate: dict[str, float]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    bubble: dict[str, dict[str, float]] = field(default_factory=dict)  # plan/bubble.py
 
     @property
     def fits(self) -> bool:
@@ -99,14 +102,18 @@ def plan_mesh(spec: StrategySpec, s: PlanSettings) -> DeviceMesh:
     return DeviceMesh(spec, len(cores), "cpu", s.nodes, cpu_ids=list(cores))
 
 
-def stage_costs(shape: ModelShape, spec: StrategySpec) -> list[DeviceCost]:
-    """The cost hook's answer for the first worker of every pipeline stage of one engine (the
-    workers of a stage hold equal shares, up to kv heads shared by several tp ranks)."""
+def stage_points(spec: StrategySpec) -> list[MeshPoint]:
+    """The first worker of every pipeline stage of one engine (the workers of a stage hold
+    equal shares, up to kv heads shared by several tp ranks)."""
     sizes = spec.sizes()
+    return [MeshPoint({name: (stage if name == "pp" else 0) for name in sizes}, sizes)
+            for stage in range(sizes.get("pp", 1))]
+
+
+def stage_costs(shape: ModelShape, spec: StrategySpec) -> list[DeviceCost]:
+    """The cost hook's answer for each stage_points worker."""
     hf_config = shape.as_hf_config()
-    return [spec.cost(shape.whole_model_cost(), MeshPoint(
-        {name: (stage if name == "pp" else 0) for name in sizes}, sizes), hf_config)
-        for stage in range(sizes.get("pp", 1))]
+    return [spec.cost(shape.whole_model_cost(), at, hf_config) for at in stage_points(spec)]
 
 
 def activation_reserve(cost: DeviceCost, shape: ModelShape, s: PlanSettings) -> int:
@@ -134,6 +141,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     max_len = s.max_model_len or shape.max_position_embeddings
     memory = s.device_memory or s.device.memory_bytes
     costs = stage_costs(shape, spec)
+    first_layers = [(spec.shard(at, shape.as_hf_config()).layers or (0,))[0]
+                    for at in stage_points(spec)]
     stages = []
     for stage, cost in enumerate(costs):
         weights = cost.weight_params() * s.dtype_bytes
@@ -148,7 +157,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
             budget = weights + reserve + kv
             free = memory - budget
         blocks = kv // block_bytes if block_bytes else 0
-        stages.append(StageMemory(stage, cost.layers, weights, reserve, blocks * block_bytes,
+        stages.append(StageMemory(stage, cost.layers, first_layers[stage], weights, reserve,
+                                  blocks * block_bytes,
                                   free, budget, blocks, blocks * s.block_size))
         if s.device.is_gpu and weights + reserve > budget:
             errors.append(
@@ -175,7 +185,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
-    if len(stages) > 1 and plan.estimate.get("decode_batch", 0) < 4 * len(stages):
+    plan.bubble = pipeline_bubbles(costs, PREFILL_PROMPT_TOKENS) if len(costs) > 1 else {}
+    if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):
         warnings.append(f"{len(stages)} pipeline stages: with "
                         f"{plan.estimate.get('decode_batch', 0):.0f} sequences per replica "
                         "the pipeline has bubbles (needs several micro-batches per stage)")

@@ -29,6 +29,7 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
                         "max_length_sequences": plan.concurrent_max_len_seqs},
         "experts_per_rank": plan.experts_per_rank,
         "communication": plan.comm, "estimate": plan.estimate,
+        "pipeline_bubble": plan.bubble,
     }
 
 
@@ -72,7 +73,9 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
     for col in ("pp stage", "layers", "weights", "reserve", "KV cache", "free", "KV tokens"):
         table.add_column(col, justify="right")
     for st in plan.stages:
-        table.add_row(str(st.stage), str(st.layers), f"{st.weights / GIB:.2f}",
+        layers = (f"{st.layers} ({st.first_layer}-{st.first_layer + st.layers - 1})"
+                  if len(plan.stages) > 1 else str(st.layers))
+        table.add_row(str(st.stage), layers, f"{st.weights / GIB:.2f}",
                       f"{st.reserve / GIB:.2f}", f"{st.kv_cache / GIB:.2f}",
                       f"{st.free / GIB:.2f}", f"{st.kv_tokens:,}")
     console.print(table)
@@ -97,6 +100,10 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                       f" tokens of context), {e['tpot_ms']:.1f} ms per output token "
                       f"({e['tpot_single_ms']:.2f} ms for one sequence alone); prefill "
                       f"{e['prefill_tokens_per_s']:,.0f} tok/s")
+    if plan.bubble:
+        console.print("pipeline bubble (idle share of a stage) at " + "; ".join(
+            f"{workload}: " + ", ".join(f"{v:.0%} with {c} running" for c, v in levels.items())
+            for workload, levels in plan.bubble.items()))
     for error in plan.errors:
         console.print(f"[red]error:[/] {error}")
     for warning in plan.warnings:

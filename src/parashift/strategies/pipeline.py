@@ -93,8 +93,8 @@ class PipelineParallel(Strategy):
         cost = dataclasses.replace(cost, layers=end - first, moe_layers=moe,
                                    has_embedding=plan.has_embedding, has_lm_head=lm_head,
                                    has_final_norm=plan.has_lm_head, traffic=dict(cost.traffic))
-        if not plan.has_lm_head:  # hidden states on to the next stage
-            cost.traffic["pp"] = Traffic(self.size, 1, cost.hidden_size, "send/recv")
+        if not plan.has_lm_head:  # hidden states and residual on to the next stage
+            cost.traffic["pp"] = Traffic(self.size, 1, 2 * cost.hidden_size, "send/recv")
         return cost
 
     def processes(self, plan: ProcessPlan) -> ProcessPlan:

@@ -1,0 +1,106 @@
+"""The scheduler with a batch queue (pipeline parallel): up to `depth` batches in flight, and
+no request in two of them. Driven like the engine core drives it: fill the queue, then take
+the oldest batch's result. The fake runner executes each batch when it is submitted (workers
+run steps in order) and samples a token that depends on the request's whole history, so a
+bookkeeping slip changes the output; outputs must equal the queue-of-one run."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
+
+from parashift.engine.request import RequestStatus
+from parashift.engine.scheduler import Scheduler
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class HistoryRunner(FakeRunner):
+    """Samples (sum of the request's tokens) % 11: the next token depends on all before it."""
+
+    def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = super().execute(sched, out).sampled_token_ids
+        return ModelRunnerOutput({r: sum(self.requests[r].token_ids) % 11 for r in sampled})
+
+
+def run(w: dict, depth: int, aborts: bool) -> dict[str, list[int]]:
+    sched = make_scheduler(w["num_blocks"], w["block_size"], w["budget"], w["max_num_seqs"],
+                           w["max_model_len"], w["prefix_caching"])
+    sched.max_batches_in_flight = depth
+    runner = HistoryRunner()
+    reqs = [make_request(str(i), plen, max_tokens, first=variant)
+            for i, (plen, max_tokens, variant) in enumerate(w["requests"])]
+    for req in reqs:
+        sched.add_request(req)
+    queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    max_steps = 50 + 20 * sum(p + m for p, m, _ in w["requests"])
+    for step_no in range(max_steps):
+        if not (sched.has_unfinished_requests or queue):
+            break
+        if aborts:
+            for abort_step, which in w["aborts"]:
+                if abort_step == step_no and which < len(reqs):
+                    sched.abort_requests([reqs[which].request_id])
+        while len(queue) < depth:
+            out = sched.schedule()
+            if out.is_empty and not out.freed_req_ids:
+                break
+            in_flight = [set(o.num_scheduled_tokens) for o, _ in queue]
+            assert all(not (ids & set(out.num_scheduled_tokens)) for ids in in_flight)
+            assert out.total_num_scheduled_tokens <= w["budget"]
+            queue.append((out, runner.execute(sched, out)))
+            if out.is_empty:  # sent only to drop freed requests in the workers
+                break
+        # Progress: with unfinished requests, something is in flight.
+        assert queue or not sched.has_unfinished_requests
+        if not queue:
+            continue
+        out, result = queue.popleft()
+        for o in sched.update_from_output(out, result):
+            outputs[o.request_id].extend(o.new_token_ids)
+    else:
+        raise AssertionError(f"unfinished after {max_steps} steps")
+    assert sched.in_flight == set()
+    assert_no_leaks(sched)
+    runner.execute(sched, sched.schedule())
+    assert runner.requests == {}  # the workers hold nothing of finished requests
+    for req in reqs:
+        assert req.status.is_finished
+        if req.status != RequestStatus.FINISHED_ABORTED:
+            assert outputs[req.request_id] == req.output_token_ids
+    return outputs
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.integers(4, 32))
+    min_blocks = -(-max_model_len // block_size)
+    requests = draw(st.lists(st.tuples(st.integers(1, max_model_len - 1), st.integers(1, 20),
+                                       st.integers(0, 2)), min_size=1, max_size=8))
+    return dict(block_size=block_size, max_model_len=max_model_len,
+                num_blocks=draw(st.integers(min_blocks, min_blocks + 8)),  # preemption
+                budget=draw(st.integers(1, 40)), max_num_seqs=draw(st.integers(1, 6)),
+                prefix_caching=draw(st.booleans()), requests=requests,
+                aborts=draw(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 7)),
+                                     max_size=3)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(w=workloads(), depth=st.integers(2, 4))
+def test_batches_in_flight_never_share_a_request_and_match_the_queue_of_one(w, depth):
+    assert run(w, depth, aborts=False) == run(w, 1, aborts=False)
+    run(w, depth, aborts=True)  # aborts mid-flight: everything still finishes, no leaks
+
+
+def test_decode_batches_split_evenly_over_the_pipeline():
+    sched = make_scheduler(64, max_num_seqs=8)
+    sched.max_batches_in_flight = 2
+    for i in range(4):
+        sched.add_request(make_request(str(i), 3, 5))
+    first, second = sched.schedule(), sched.schedule()
+    assert len(first.num_scheduled_tokens) == len(second.num_scheduled_tokens) == 2
+    assert sched.schedule().is_empty  # everything is in flight: nothing to add
