@@ -34,6 +34,10 @@ def test_generate_batch_prints_every_prompt(tiny_llama):
     (["--kv-cache-memory", "2XB"], "--kv-cache-memory"),
     (["--top-p", "2"], "top_p must be in (0, 1]"),
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["-pp", "2", "--pp-layer-partition", "1,2"],
+     "--pp-layer-partition 1,2 sums to 3, the model has 2 layers"),
+    (["-pp", "2", "--pp-layer-partition", "a,b"], "--pp-layer-partition 'a,b': give the layers"),
+    (["--strategy", "pp3"], "pp3 needs at least 3 layers, the model has 2"),
 ])
 def test_bad_flags_are_named(tiny_llama, args, message):
     result = run_cli("generate", tiny_llama, "--prompt", "x", *args)

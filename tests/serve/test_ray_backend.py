@@ -48,7 +48,7 @@ def find(server, name: str) -> psutil.Process:
     raise AssertionError(f"no {name} process:\n" + server.output()[-3000:])
 
 
-@pytest.mark.parametrize("strategy", ["dp2", "dp2xtp2"])
+@pytest.mark.parametrize("strategy", ["dp2", "dp2xtp2", "dp2xpp2"])
 def test_ray_backend_serves_like_mp(tiny_llama, strategy):
     expected = greedy_texts(tiny_llama)
     assert ray_processes() == []
@@ -58,8 +58,9 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
             bodies = list(pool.map(lambda p: complete(s, p), PROMPTS))
         assert [b["choices"][0]["text"] for b in bodies] == expected
         assert routed(s, 0) > 0 and routed(s, 1) > 0
-        if strategy == "dp2xtp2":
-            find(s, "ParashiftWorkerDp1Tp1")
+        if strategy != "dp2":  # one actor per worker bundle, named for its mesh coordinates
+            find(s, {"dp2xtp2": "ParashiftWorkerDp1Tp1", "dp2xpp2": "ParashiftWorkerDp1Pp1"}[
+                strategy])
         # An engine actor killed under load: its rank is reported, the other one serves.
         find(s, "ParashiftEngineDp1").send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 20

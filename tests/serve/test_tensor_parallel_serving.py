@@ -17,8 +17,8 @@ from .test_data_parallel import PROMPTS, complete, greedy_texts
 pytestmark = pytest.mark.slow
 
 
-def worker(server, dp: int, tp: int) -> psutil.Process:
-    name = f"parashift-worker-dp{dp}-tp{tp}"
+def worker(server, dp: int, index: int, axis: str = "tp") -> psutil.Process:
+    name = f"parashift-worker-dp{dp}-{axis}{index}"
     for proc in live(server.current_tree()):
         with contextlib.suppress(psutil.Error):
             if name in proc.name() or name in " ".join(proc.cmdline()):
