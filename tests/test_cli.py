@@ -23,6 +23,15 @@ def test_generate_streams_one_prompt(tiny_llama):
     assert "KV cache:" in result.stderr  # start-up logs the block count
 
 
+def test_generate_runs_pipeline_stages(tiny_llama):
+    args = ("--prompt", "hello", "--max-tokens", "6", "--ignore-eos", "--dtype", "float32")
+    pp1 = run_cli("generate", tiny_llama, *args)
+    pp2 = run_cli("generate", tiny_llama, *args, "--strategy", "pp2",
+                  "--pp-layer-partition", "1,1")
+    assert pp2.returncode == 0, pp2.stderr
+    assert pp2.stdout == pp1.stdout and "2 workers ready" in pp2.stderr
+
+
 def test_generate_batch_prints_every_prompt(tiny_llama):
     result = run_cli("generate", tiny_llama, "-p", "a", "-p", "b", "--max-tokens", "3",
                      "--ignore-eos", "--chat")

@@ -96,7 +96,7 @@ def test_batches_in_flight_never_share_a_request_and_match_the_queue_of_one(w, d
     run(w, depth, aborts=True)  # aborts mid-flight: everything still finishes, no leaks
 
 
-def test_decode_batches_split_evenly_over_the_pipeline():
+def test_batches_split_the_tokens_evenly_over_the_pipeline():
     sched = make_scheduler(64, max_num_seqs=8)
     sched.max_batches_in_flight = 2
     for i in range(4):
@@ -104,3 +104,16 @@ def test_decode_batches_split_evenly_over_the_pipeline():
     first, second = sched.schedule(), sched.schedule()
     assert len(first.num_scheduled_tokens) == len(second.num_scheduled_tokens) == 2
     assert sched.schedule().is_empty  # everything is in flight: nothing to add
+
+
+def test_a_small_batch_in_flight_gets_a_big_partner():
+    sched = make_scheduler(256, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    sched.max_batches_in_flight = 2
+    for i in range(4):
+        sched.add_request(make_request(str(i), 30, 5, first=i))
+    first = sched.schedule()  # 120 tokens ready over 2 batches: 60 each, not 64 + 56
+    assert first.total_num_scheduled_tokens == 60
+    assert sched.schedule().total_num_scheduled_tokens == 60
+    sched.update_from_output(first, ModelRunnerOutput({"0": 1, "1": 1}))
+    # 60 tokens in flight, 2 decodes ready: the share is 31, all there is goes
+    assert sched.schedule().num_scheduled_tokens == {"0": 1, "1": 1}

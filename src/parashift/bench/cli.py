@@ -13,6 +13,7 @@ import typer
 from parashift.bench.backends import backends
 from parashift.bench.dp_scaling import dp_scaling
 from parashift.bench.options import Plot, SaveJson, Seed
+from parashift.bench.pipeline import pipeline
 from parashift.bench.serve_cli import serve, sweep
 from parashift.bench.serving_vs_offline import serving_vs_offline
 from parashift.bench.tensor_parallel import tp
@@ -83,5 +84,6 @@ bench_app.command()(serve)
 bench_app.command()(sweep)
 bench_app.command()(dp_scaling)
 bench_app.command()(tp)
+bench_app.command()(pipeline)
 bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)

@@ -70,7 +70,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f max-length sequences "
                     "at once)", num_blocks, block_size, capacity, capacity / max_len)
         kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        depth = getattr(self.executor, "max_batches_in_flight", 1)
+        depth = self.executor.max_batches_in_flight
         self.scheduler = Scheduler(config.scheduler, kv_cache, depth)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
             collections.deque() if depth > 1 else None)

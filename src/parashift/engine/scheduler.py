@@ -7,12 +7,13 @@ admitted running request is preempted: its blocks are freed and it is recomputed
 
 With a pipeline the engine keeps several batches in flight. A request is in at most one of
 them: its next step is scheduled only once its previous one returned, so each new batch is made
-of the other requests. Each batch takes about an equal share of the requests, so that the
-batches in flight keep every stage busy. A request preempted or aborted while in flight keeps
-its place in no batch; the stale result is dropped when it returns."""
+of the other requests. Each batch takes about an equal share of the tokens to run, so that the
+batches in flight keep every stage equally busy. A request preempted or aborted while in
+flight keeps its place in no batch; the stale result is dropped when it returns."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 
@@ -54,24 +55,33 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _batch_seq_cap(self) -> int:
-        """The most requests one batch takes: all of them without a pipeline, else an equal
-        share of the unfinished ones over the batches in flight."""
-        if self.max_batches_in_flight == 1:
-            return self.config.max_num_seqs
-        unfinished = len(self.running) + len(self.waiting)
-        return max(1, -(-unfinished // self.max_batches_in_flight))
+    def _batch_token_target(self) -> int:
+        """How many tokens this batch should hold: the step budget without a pipeline. With
+        one, the requests' next steps (a decode token, or what is left of the prompt; a request
+        in flight counts its step after that one) spread evenly over the batches of a round
+        through the pipeline, so that a big batch is not followed by a tiny one while a stage
+        waits. Requests join whole until the target is reached (cutting a prompt to balance
+        would only serialise it: its halves cannot be in flight together)."""
+        budget, depth = self.config.max_num_batched_tokens, self.max_batches_in_flight
+        if depth == 1:
+            return budget
+        work = 0
+        for req in itertools.chain(self.running, self.waiting):
+            if work >= depth * budget:
+                break
+            work += max(1, req.num_tokens - req.num_computed_tokens)
+        return max(1, min(budget, -(-work // depth)))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        seq_cap = self._batch_seq_cap()
+        stop_at = budget - self._batch_token_target()  # what is left when the batch is full
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < seq_cap:
+        while i < len(self.running) and budget > stop_at:
             req = self.running[i]
             if req.request_id in self.in_flight:
                 i += 1
@@ -98,9 +108,8 @@ class Scheduler:
             i += 1
 
         # No admissions in a step that had to preempt: the pool is already too tight.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs
-               and len(num_scheduled) < seq_cap):
+        while (not preempted and self.waiting and budget > stop_at
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.request_id in self.in_flight:  # preempted while its batch runs
                 break

@@ -15,6 +15,8 @@ from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class LocalExecutor:
+    max_batches_in_flight = 1  # one step at a time: the model runs in this process
+
     def __init__(self, config: EngineConfig, placement: EnginePlacement):
         (rank,) = placement.workers
         if rank.cuda_index is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -65,6 +66,24 @@ class Worker:
         """Compute and pipeline-wait seconds since the last call (then reset)."""
         stats, self.runner.stats = self.runner.stats, StageStats()
         return dataclasses.asdict(stats)
+
+    def time_pp_transfer(self, num_tokens: int, repeat: int) -> float | None:
+        """Seconds to move one step's activations ([2, num_tokens, hidden]) from stage 0 to
+        stage 1, back to back `repeat` times; the receiver answers, the others give None."""
+        pp, model = self.runner.pp, self.model
+        if pp.world_size == 1 or pp.rank > 1:
+            return None
+        shape = (2, num_tokens, model.config.hidden_size)
+        if pp.rank == 0:
+            for _ in range(repeat + 1):
+                pp.send_next(torch.zeros(shape, dtype=model.dtype, device=self.device))
+            pp.wait_sends()
+            return None
+        pp.recv_prev(shape, model.dtype, self.device)  # the first one absorbs the start skew
+        start = time.perf_counter()
+        for _ in range(repeat):
+            pp.recv_prev(shape, model.dtype, self.device)
+        return (time.perf_counter() - start) / repeat
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over this worker's layers (its pipeline stage's), K and V."""

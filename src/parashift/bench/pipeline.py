@@ -1,0 +1,209 @@
+"""`parashift bench pipeline`: pipeline parallel on CPU. pp2 with one core per stage against pp1
+on one core and pp1 on two, for a prefill-heavy and a decode-heavy workload, each at several
+concurrencies (a closed loop: `c` requests in flight, a new one as soon as one finishes).
+
+Per run: throughput, TTFT and TPOT, and for pp > 1 the measured bubble (the share of the run a
+stage spends outside its steps, averaged over the stages) beside the bubble `plan` predicts for
+that concurrency (plan/bubble.py), and the stage-to-stage transfer time of one step's
+activations as a share of a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from typing import Annotated, Any
+
+import typer
+
+from parashift.bench.options import Dtype, Repeat, SaveJson
+from parashift.cli_options import ModelArg, fail, setup_logging
+
+# name -> (prompt tokens, output tokens) per request
+WORKLOADS = {"prefill-heavy": (256, 4), "decode-heavy": (16, 64)}
+# name -> (strategy, torch threads per worker): pp1 runs in this process
+LAYOUTS = {"pp1 1 core": ("pp1", 1), "pp1 2 cores": ("pp1", 2), "pp2 1 core/stage": ("pp2", 1)}
+
+
+@dataclasses.dataclass
+class LoopResult:
+    elapsed_s: float
+    ttft_s: list[float]
+    tpot_s: list[float]
+    num_tokens: int  # prompt + output tokens of every request
+    num_output_tokens: int
+
+
+def closed_loop(core, prompts: list[list[int]], output_len: int, concurrency: int
+                ) -> LoopResult:
+    """Keep `concurrency` requests in the engine until all `prompts` are done."""
+    from parashift.engine.request import Request
+    from parashift.types.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    pending = list(enumerate(prompts))[::-1]
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ttft, tpot = [], []
+    start = time.perf_counter()
+
+    in_flight = 0
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            index, prompt = pending.pop()
+            added[str(index)] = time.perf_counter()
+            core.add_request(Request(str(index), prompt, params, None))
+            in_flight += 1
+        for out in core.step():
+            now = time.perf_counter()
+            if out.request_id not in first:
+                first[out.request_id] = now
+                ttft.append(now - added[out.request_id])
+            if out.finish_reason is not None:
+                in_flight -= 1
+                if output_len > 1:
+                    tpot.append((now - first[out.request_id]) / (output_len - 1))
+    elapsed = time.perf_counter() - start
+    return LoopResult(elapsed, ttft, tpot, sum(len(p) + output_len for p in prompts),
+                      len(prompts) * output_len)
+
+
+def transfer_seconds(executor, num_tokens: int, repeat: int = 10) -> float:
+    """One step's activations ([2, num_tokens, hidden]) from stage 0 to stage 1, measured on
+    the receiver over `repeat` back-to-back transfers."""
+    times = executor.collective_rpc("time_pp_transfer", num_tokens, repeat)
+    return max(t for t in times if t is not None)
+
+
+def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int],
+            num_requests: int, repeat: int) -> list[dict[str, Any]]:
+    from parashift import LLM
+    from parashift.plan.bubble import bubble, stage_work
+    from parashift.plan.estimate import stage_costs
+    from parashift.plan.shape import from_hf_config
+
+    strategy, threads = LAYOUTS[layout]
+    llm = LLM(model, dtype=dtype, strategy=strategy, num_threads=threads, max_model_len=1024,
+              kv_cache_memory=512 << 20)
+    rows = []
+    try:
+        core, config = llm.engine, llm.config
+        vocab = config.model.vocab_size
+        pipelined = config.parallel.strategy.size("pp") > 1
+        serial = itertools.count()  # a distinct prompt for every request of every run
+        costs = stage_costs(from_hf_config(config.model.hf_config, "model"),
+                            config.parallel.strategy)
+        for workload, (prompt_len, output_len) in WORKLOADS.items():
+            for c in concurrencies:
+                # Two waves at least: a run of one wave would be mostly ramp-up and drain.
+                n = max(num_requests, 2 * c)
+                runs = []
+                for r in range(repeat + 1):  # the first, a short one, warms up
+                    count = min(n, c) if r == 0 else n
+                    prompts = [[(1000 + 7919 * next(serial) + 31 * j) % vocab
+                                for j in range(prompt_len)] for _ in range(count)]
+                    core.reset_prefix_cache()  # no run may hit another's prompts
+                    if pipelined:
+                        core.executor.collective_rpc("take_stage_stats")
+                    loop = closed_loop(core, prompts, output_len, c)
+                    stats = (core.executor.collective_rpc("take_stage_stats") if pipelined
+                             else [])
+                    if r:
+                        runs.append((loop, stats))
+                rows.append(_row(layout, workload, c, runs, costs, prompt_len, pipelined,
+                                 core, bubble, stage_work))
+                typer.echo(_line(rows[-1]))
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def _row(layout, workload, c, runs, costs, prompt_len, pipelined, core, bubble, stage_work):
+    tok_s = [loop.num_tokens / loop.elapsed_s for loop, _ in runs]
+    out_s = [loop.num_output_tokens / loop.elapsed_s for loop, _ in runs]
+    median_run = sorted(runs, key=lambda run: run[0].num_tokens / run[0].elapsed_s)[
+        len(runs) // 2]
+    loop, stats = median_run
+    row = {"layout": layout, "workload": workload, "concurrency": c,
+           "tokens_per_s": tok_s, "median_tokens_per_s": statistics.median(tok_s),
+           "min_tokens_per_s": min(tok_s), "median_output_tokens_per_s": statistics.median(out_s),
+           "median_ttft_ms": statistics.median(loop.ttft_s) * 1e3,
+           "median_tpot_ms": statistics.median(loop.tpot_s) * 1e3 if loop.tpot_s else None}
+    if pipelined:
+        bubbles = [statistics.mean(1 - s["busy_seconds"] / lp.elapsed_s for s in st)
+                   for lp, st in runs]
+        tokens = {"prefill-heavy": prompt_len, "decode-heavy": 1}[workload]
+        steps = max(s["steps"] for s in stats)
+        step_s = max(s["busy_seconds"] for s in stats) / max(1, steps)
+        per_step_tokens = loop.num_tokens / max(1, steps)
+        transfer = transfer_seconds(core.executor, max(1, round(per_step_tokens)))
+        row.update(measured_bubble=statistics.median(bubbles),
+                   plan_bubble=bubble([stage_work(cst, tokens) for cst in costs], c),
+                   step_ms=step_s * 1e3, tokens_per_step=per_step_tokens,
+                   transfer_ms=transfer * 1e3, transfer_share=transfer / step_s)
+    return row
+
+
+def _line(row: dict[str, Any]) -> str:
+    text = (f"{row['layout']:>17} {row['workload']:>13} c={row['concurrency']:<3} "
+            f"{row['median_tokens_per_s']:8.1f} tok/s (min {row['min_tokens_per_s']:.1f}), "
+            f"TTFT {row['median_ttft_ms']:.0f} ms"
+            + (f", TPOT {row['median_tpot_ms']:.1f} ms" if row["median_tpot_ms"] else ""))
+    if "measured_bubble" in row:
+        text += (f"; bubble {row['measured_bubble']:.0%} (plan {row['plan_bubble']:.0%}), "
+                 f"transfer {row['transfer_ms']:.2f} ms = {row['transfer_share']:.1%} of a "
+                 f"{row['step_ms']:.0f} ms step")
+    return text
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r} is not a list like 1,4,32", param_hint="--concurrency")
+    return values
+
+
+def pipeline(
+    model: ModelArg = None,
+    concurrency: Annotated[str, typer.Option(help="requests in flight, e.g. 1,4,32")] = "1,4,32",
+    num_requests: Annotated[int, typer.Option(
+        "--num-requests", help="requests per run (at least twice the concurrency)")] = 8,
+    layouts: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(LAYOUTS))
+                       ] = ",".join(LAYOUTS),
+    dtype: Dtype = "auto",
+    repeat: Repeat = 2,
+    save_json: SaveJson = None,
+) -> None:
+    """pp2 (one core per stage) against pp1 on one and on two cores: throughput, TTFT/TPOT,
+    measured and predicted bubble, stage-to-stage transfer share."""
+    setup_logging()
+    from parashift.bench import report
+
+    levels = _concurrencies(concurrency)
+    chosen = [name.strip() for name in layouts.split(",")]
+    unknown = [name for name in chosen if name not in LAYOUTS]
+    if unknown:
+        fail(f"--layouts: unknown {unknown}; known: {', '.join(LAYOUTS)}")
+    if num_requests < 1 or repeat < 1:
+        fail("--num-requests and --repeat must be >= 1")
+    rows = []
+    try:
+        for layout in chosen:
+            typer.echo(f"{layout} ...")
+            rows += measure(model, layout, dtype, levels, num_requests, repeat)
+    except ValueError as e:
+        fail(str(e))
+    by_key = {(r["layout"], r["workload"], r["concurrency"]): r for r in rows}
+    for (layout, workload, c), r in by_key.items():
+        base = by_key.get(("pp1 1 core", workload, c))
+        if base is not None and layout != "pp1 1 core":
+            typer.echo(f"{layout} over pp1 1 core, {workload} c={c}: "
+                       f"{r['median_tokens_per_s'] / base['median_tokens_per_s']:.2f}x")
+    if save_json:
+        report.save_json(save_json, "pipeline", {
+            "model": model, "dtype": dtype, "concurrency": levels, "num_requests": num_requests,
+            "repeat": repeat, "workloads": WORKLOADS}, {"results": rows})

@@ -1,0 +1,32 @@
+"""The pipeline bubble `plan` predicts (plan/bubble.py) and where `plan` shows it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import plan_json
+
+from parashift.plan.bubble import bubble
+
+
+def test_balanced_stages_idle_only_without_a_batch_each():
+    assert bubble([1.0], 1) == 0.0
+    assert bubble([1.0, 1.0], 1) == pytest.approx(0.5)
+    assert bubble([1.0, 1.0, 1.0, 1.0], 2) == pytest.approx(0.5)
+    assert bubble([1.0, 1.0], 4) == pytest.approx(0.0)
+
+
+def test_the_slowest_stage_sets_the_pace():
+    # 2 batches in flight, stage 1 twice as slow: stage 0 idles half the round
+    assert bubble([1.0, 2.0], 32) == pytest.approx(0.25)
+
+
+def test_plan_reports_stage_ranges_and_bubbles(tiny_model_factory):
+    folder = tiny_model_factory("llama", num_hidden_layers=5)
+    doc = plan_json(folder, "pp2")
+    assert [(s["first_layer"], s["layers"]) for s in doc["memory_per_device"]] == [(0, 3), (3, 2)]
+    assert set(doc["pipeline_bubble"]) == {"decode", "prefill"}
+    decode = doc["pipeline_bubble"]["decode"]
+    assert decode["1"] > decode["4"] == decode["32"]
+    assert plan_json(folder, "pp1")["pipeline_bubble"] == {}
+    partitioned = plan_json(folder, "pp2", "--pp-layer-partition", "1,4")
+    assert [s["layers"] for s in partitioned["memory_per_device"]] == [1, 4]
