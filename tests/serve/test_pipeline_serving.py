@@ -5,10 +5,12 @@ a SIGKILLed stage fails its rank's requests in flight fast while the other rank 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from .conftest import LONG_ARGS, TINY_ARGS, running_server
@@ -76,3 +78,20 @@ def test_dp2xpp2_serves_and_a_dead_stage_fails_only_its_rank_fast(tiny_llama_lon
         assert "dp1" in s.get_json("/health")[1]["detail"]
         for prompt, want in zip(PROMPTS[:6], expected[:6], strict=True):  # dp0 serves on
             assert complete(s, prompt)["choices"][0]["text"] == want
+
+
+def test_dp2xpp2xtp2_serves_like_pp1(tiny_llama):
+    expected = greedy_texts(tiny_llama)
+    with running_server(tiny_llama, *TINY_ARGS, "--strategy", "dp2xpp2xtp2") as s:
+        names = {f"parashift-worker-dp{d}-pp{p}-tp{t}" for d in (0, 1) for p in (0, 1)
+                 for t in (0, 1)}
+        found = {name for proc in s.current_tree() for name in names
+                 if name in " ".join(_cmdline(proc))}
+        assert found == names
+        assert ask_all(s) == expected
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):  # gone meanwhile
+        return [proc.name(), *proc.cmdline()]
+    return []

@@ -77,7 +77,8 @@ def transfer_seconds(executor, num_tokens: int, repeat: int = 10) -> float:
 
 
 def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int],
-            num_requests: int, repeat: int) -> list[dict[str, Any]]:
+            num_requests: int | None, repeat: int, workloads: list[str]
+            ) -> list[dict[str, Any]]:
     from parashift import LLM
     from parashift.plan.bubble import bubble, stage_work
     from parashift.plan.estimate import stage_costs
@@ -94,13 +95,14 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
         serial = itertools.count()  # a distinct prompt for every request of every run
         costs = stage_costs(from_hf_config(config.model.hf_config, "model"),
                             config.parallel.strategy)
-        for workload, (prompt_len, output_len) in WORKLOADS.items():
+        for workload in workloads:
+            prompt_len, output_len = WORKLOADS[workload]
             for c in concurrencies:
-                # Two waves at least: a run of one wave would be mostly ramp-up and drain.
-                n = max(num_requests, 2 * c)
+                # Two waves by default: a run of one wave would be mostly ramp-up and drain.
+                n = num_requests or max(8, 2 * c)
                 runs = []
                 for r in range(repeat + 1):  # the first, a short one, warms up
-                    count = min(n, c) if r == 0 else n
+                    count = min(n, 8) if r == 0 else n
                     prompts = [[(1000 + 7919 * next(serial) + 31 * j) % vocab
                                 for j in range(prompt_len)] for _ in range(count)]
                     core.reset_prefix_cache()  # no run may hit another's prompts
@@ -157,6 +159,14 @@ def _line(row: dict[str, Any]) -> str:
     return text
 
 
+def _choose(text: str, known: dict[str, Any], flag: str) -> list[str]:
+    chosen = [name.strip() for name in text.split(",")]
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        fail(f"{flag}: unknown {unknown}; known: {', '.join(known)}")
+    return chosen
+
+
 def _concurrencies(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",")]
@@ -170,10 +180,13 @@ def _concurrencies(text: str) -> list[int]:
 def pipeline(
     model: ModelArg = None,
     concurrency: Annotated[str, typer.Option(help="requests in flight, e.g. 1,4,32")] = "1,4,32",
-    num_requests: Annotated[int, typer.Option(
-        "--num-requests", help="requests per run (at least twice the concurrency)")] = 8,
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-requests", help="requests per run (default: twice the concurrency, at least 8)")
+                            ] = None,
     layouts: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(LAYOUTS))
                        ] = ",".join(LAYOUTS),
+    workloads: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(WORKLOADS))
+                         ] = ",".join(WORKLOADS),
     dtype: Dtype = "auto",
     repeat: Repeat = 2,
     save_json: SaveJson = None,
@@ -184,17 +197,16 @@ def pipeline(
     from parashift.bench import report
 
     levels = _concurrencies(concurrency)
-    chosen = [name.strip() for name in layouts.split(",")]
-    unknown = [name for name in chosen if name not in LAYOUTS]
-    if unknown:
-        fail(f"--layouts: unknown {unknown}; known: {', '.join(LAYOUTS)}")
-    if num_requests < 1 or repeat < 1:
+    chosen = _choose(layouts, LAYOUTS, "--layouts")
+    chosen_workloads = _choose(workloads, WORKLOADS, "--workloads")
+    if (num_requests is not None and num_requests < 1) or repeat < 1:
         fail("--num-requests and --repeat must be >= 1")
     rows = []
     try:
         for layout in chosen:
             typer.echo(f"{layout} ...")
-            rows += measure(model, layout, dtype, levels, num_requests, repeat)
+            rows += measure(model, layout, dtype, levels, num_requests, repeat,
+                            chosen_workloads)
     except ValueError as e:
         fail(str(e))
     by_key = {(r["layout"], r["workload"], r["concurrency"]): r for r in rows}
@@ -206,4 +218,5 @@ def pipeline(
     if save_json:
         report.save_json(save_json, "pipeline", {
             "model": model, "dtype": dtype, "concurrency": levels, "num_requests": num_requests,
-            "repeat": repeat, "workloads": WORKLOADS}, {"results": rows})
+            "repeat": repeat, "layouts": chosen,
+            "workloads": {w: WORKLOADS[w] for w in chosen_workloads}}, {"results": rows})

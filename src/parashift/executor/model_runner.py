@@ -31,11 +31,12 @@ class RequestState:
 @dataclass
 class StageStats:
     """Where a worker's time went since the last read: running steps (its layers, sampling on
-    the last stage), or waiting for the previous stage's activations within a step."""
+    the last stage), or, within a step, waiting on the neighbouring stages."""
 
     steps: int = 0
     busy_seconds: float = 0.0
     recv_seconds: float = 0.0
+    send_seconds: float = 0.0  # waiting for the next stage to take the previous step's send
 
 
 class ModelRunner:
@@ -82,12 +83,13 @@ class ModelRunner:
         del self.requests["profile"]
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        start, waited = time.perf_counter(), self.stats.recv_seconds
+        stats = self.stats
+        start, waited = time.perf_counter(), stats.recv_seconds + stats.send_seconds
         result = self._execute(out)
         if not out.is_empty:
-            self.stats.steps += 1
-            self.stats.busy_seconds += (time.perf_counter() - start
-                                        - (self.stats.recv_seconds - waited))
+            stats.steps += 1
+            stats.busy_seconds += (time.perf_counter() - start
+                                   - (stats.recv_seconds + stats.send_seconds - waited))
         return result
 
     @torch.inference_mode()
@@ -139,7 +141,9 @@ class ModelRunner:
             self.stats.recv_seconds += time.perf_counter() - start
         out = model(input_ids, positions, metadata, intermediate)
         if not model.is_last_stage:
+            start = time.perf_counter()
             self.pp.send_next(torch.stack(out))
+            self.stats.send_seconds += time.perf_counter() - start
             out = None
         return out
 
