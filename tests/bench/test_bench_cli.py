@@ -87,6 +87,24 @@ def test_tp_compares_tp1_with_both_all_reduce_paths(tiny_llama, tmp_path):
     assert "model load peak RSS" in done.stdout
 
 
+def test_pipeline_compares_pp2_with_pp1_and_asks_plan_for_the_bubble(tiny_llama, tmp_path):
+    out = tmp_path / "pipeline.json"
+    done = bench("pipeline", tiny_llama, "--concurrency", "1,2", "--num-requests", "2",
+                 "--repeat", "1", "--dtype", "float32", "--layouts",
+                 "pp1 1 core,pp2 1 core/stage", "--save-json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pp2 1 core/stage over pp1 1 core, prefill-heavy c=2" in done.stdout
+    rows = json.loads(out.read_text())["results"]["results"]
+    assert len(rows) == 2 * 2 * 2  # layouts x workloads x concurrencies
+    for row in rows:
+        assert row["median_tokens_per_s"] > 0 and row["median_ttft_ms"] > 0
+        if row["layout"].startswith("pp2"):
+            assert 0 <= row["measured_bubble"] < 1 and row["transfer_ms"] > 0
+            # plan's answer: one request leaves one of two balanced stages idle
+            if row["concurrency"] == 1:
+                assert row["plan_bubble"] == pytest.approx(0.5, abs=0.05)
+
+
 def test_serving_vs_offline_starts_its_server_and_stops_it(tiny_llama, tmp_path):
     out = tmp_path / "serving.json"
     done = bench("serving-vs-offline", tiny_llama, "--dtype", "float32", "--num-prompts", "4",

@@ -14,7 +14,7 @@ from parashift.bench.dp_scaling import configurations
 from parashift.bench.metrics import prefix_agreement
 from parashift.bench.step_cost import efficiency_model
 
-NEW_COMMANDS = ("dp-scaling", "tp", "serving-vs-offline", "backends")
+NEW_COMMANDS = ("dp-scaling", "tp", "pipeline", "serving-vs-offline", "backends")
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -70,6 +70,8 @@ def test_help_shows_every_flag(command, flags):
     (["serving-vs-offline", "--input-len-range", "0:4"], "--input-len-range '0:4'"),
     (["backends", "--backends", "mp,k8s"], "--backends 'mp,k8s': choose from mp, ray"),
     (["backends", "--rounds", "0"], "--rounds must be >= 1"),
+    (["pipeline", "--layouts", "pp9"], "--layouts: unknown ['pp9']"),
+    (["pipeline", "--concurrency", "0"], "Invalid value for --concurrency"),
     (["backends", "--bogus"], "No such option: --bogus"),
     (["throughput", "--repeat", "0"], "--repeat must be >= 1"),
     (["throughput", "--hf-dtype", "float32"], "--hf-dtype sets the transformers baseline"),

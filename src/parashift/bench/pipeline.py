@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Annotated, Any
 
@@ -22,6 +25,7 @@ from parashift.cli_options import ModelArg, fail, setup_logging
 
 # name -> (prompt tokens, output tokens) per request
 WORKLOADS = {"prefill-heavy": (256, 4), "decode-heavy": (16, 64)}
+PLAN_WORKLOAD = {"prefill-heavy": "prefill", "decode-heavy": "decode"}  # plan's bubble keys
 # name -> (strategy, torch threads per worker): pp1 runs in this process
 LAYOUTS = {"pp1 1 core": ("pp1", 1), "pp1 2 cores": ("pp1", 2), "pp2 1 core/stage": ("pp2", 1)}
 
@@ -80,9 +84,6 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
             num_requests: int | None, repeat: int, workloads: list[str]
             ) -> list[dict[str, Any]]:
     from parashift import LLM
-    from parashift.plan.bubble import bubble, stage_work
-    from parashift.plan.estimate import stage_costs
-    from parashift.plan.shape import from_hf_config
 
     strategy, threads = LAYOUTS[layout]
     llm = LLM(model, dtype=dtype, strategy=strategy, num_threads=threads, max_model_len=1024,
@@ -93,10 +94,10 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
         vocab = config.model.vocab_size
         pipelined = config.parallel.strategy.size("pp") > 1
         serial = itertools.count()  # a distinct prompt for every request of every run
-        costs = stage_costs(from_hf_config(config.model.hf_config, "model"),
-                            config.parallel.strategy)
         for workload in workloads:
             prompt_len, output_len = WORKLOADS[workload]
+            predicted = (plan_bubbles(config.model.path, strategy, concurrencies, prompt_len)
+                         if pipelined else {})
             for c in concurrencies:
                 # Two waves by default: a run of one wave would be mostly ramp-up and drain.
                 n = num_requests or max(8, 2 * c)
@@ -113,15 +114,29 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
                              else [])
                     if r:
                         runs.append((loop, stats))
-                rows.append(_row(layout, workload, c, runs, costs, prompt_len, pipelined,
-                                 core, bubble, stage_work))
+                rows.append(_row(layout, workload, c, runs, core,
+                                 predicted.get(PLAN_WORKLOAD[workload], {}).get(str(c))))
                 typer.echo(_line(rows[-1]))
     finally:
         llm.shutdown()
     return rows
 
 
-def _row(layout, workload, c, runs, costs, prompt_len, pipelined, core, bubble, stage_work):
+def plan_bubbles(model: str, strategy: str, concurrencies: list[int], prompt_len: int
+                 ) -> dict[str, dict[str, float]]:
+    """What `parashift plan --json` predicts for this layout: {"decode" | "prefill":
+    {concurrency: bubble}} (bench sits beside plan, so it asks the command)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "parashift.cli", "plan", model, "--strategy", strategy,
+         "--device", "cpu", "--json", "--concurrency", ",".join(map(str, concurrencies)),
+         "--prompt-len", str(prompt_len)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise ValueError(f"parashift plan failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout)["pipeline_bubble"]
+
+
+def _row(layout: str, workload: str, c: int, runs: list, core, plan_bubble: float | None
+         ) -> dict[str, Any]:
     tok_s = [loop.num_tokens / loop.elapsed_s for loop, _ in runs]
     out_s = [loop.num_output_tokens / loop.elapsed_s for loop, _ in runs]
     median_run = sorted(runs, key=lambda run: run[0].num_tokens / run[0].elapsed_s)[
@@ -132,16 +147,15 @@ def _row(layout, workload, c, runs, costs, prompt_len, pipelined, core, bubble, 
            "min_tokens_per_s": min(tok_s), "median_output_tokens_per_s": statistics.median(out_s),
            "median_ttft_ms": statistics.median(loop.ttft_s) * 1e3,
            "median_tpot_ms": statistics.median(loop.tpot_s) * 1e3 if loop.tpot_s else None}
-    if pipelined:
+    if stats:
         bubbles = [statistics.mean(1 - s["busy_seconds"] / lp.elapsed_s for s in st)
                    for lp, st in runs]
-        tokens = {"prefill-heavy": prompt_len, "decode-heavy": 1}[workload]
         steps = max(s["steps"] for s in stats)
         step_s = max(s["busy_seconds"] for s in stats) / max(1, steps)
         per_step_tokens = loop.num_tokens / max(1, steps)
         transfer = transfer_seconds(core.executor, max(1, round(per_step_tokens)))
         row.update(measured_bubble=statistics.median(bubbles),
-                   plan_bubble=bubble([stage_work(cst, tokens) for cst in costs], c),
+                   plan_bubble=plan_bubble,
                    step_ms=step_s * 1e3, tokens_per_step=per_step_tokens,
                    transfer_ms=transfer * 1e3, transfer_share=transfer / step_s)
     return row

@@ -3,15 +3,12 @@ b = min(c, pp) batches in flight (a request is in one batch at a time). Each sta
 a step is its compute: its decoder layers for every token, plus the LM head for every sampled
 row on the last stage. b batches cycling through the stages take
 max(sum of the stages' work, b x the slowest stage's) per round; a stage idles for the rest.
-The bubble is that idle share, averaged over the stages. Engine overheads are left out: the
-benchmark (`parashift bench pipeline`) measures the real one."""
+The bubble is that idle share, averaged over the stages. Engine overheads are left out:
+`parashift bench pipeline` measures the real bubble and asks `plan` for this one."""
 
 from __future__ import annotations
 
 from parashift.strategies.layout import DeviceCost
-
-CONCURRENCY = (1, 4, 32)  # the levels `plan` reports
-PREFILL_PROMPT_TOKENS = 512  # the prefill estimate's prompt (the benchmark's prefill workload)
 
 
 def stage_work(cost: DeviceCost, tokens_per_sampled_row: float) -> float:
@@ -31,11 +28,12 @@ def bubble(works: list[float], concurrency: int) -> float:
     return sum(1 - in_flight * w / cycle for w in works) / depth
 
 
-def pipeline_bubbles(costs: list[DeviceCost], prompt_tokens: int) -> dict[str, dict[str, float]]:
-    """The bubble at each CONCURRENCY level, for decode (one token per sampled row) and for
-    prefill (`prompt_tokens` per sampled row)."""
+def pipeline_bubbles(costs: list[DeviceCost], prompt_tokens: int, levels: tuple[int, ...]
+                     ) -> dict[str, dict[str, float]]:
+    """The bubble at each concurrency of `levels`, for decode (one token per sampled row) and
+    for prefill (`prompt_tokens` per sampled row)."""
     out = {}
     for workload, tokens in (("decode", 1), ("prefill", prompt_tokens)):
         works = [stage_work(c, tokens) for c in costs]
-        out[workload] = {str(c): round(bubble(works, c), 4) for c in CONCURRENCY}
+        out[workload] = {str(c): round(bubble(works, c), 4) for c in levels}
     return out

@@ -71,6 +71,10 @@ def plan(
     inter_node: Annotated[str, typer.Option("--inter-node", help="ib | ethernet")] = "ib",
     pp_layer_partition: Annotated[str | None, typer.Option(
         "--pp-layer-partition", help="layers per pipeline stage, e.g. 10,10,10")] = None,
+    concurrency: Annotated[str, typer.Option(
+        help="running requests to estimate the pipeline bubble at, e.g. 1,4,32")] = "1,4,32",
+    prompt_len: Annotated[int, typer.Option(
+        "--prompt-len", help="the prompt of the prefill bubble estimate")] = 512,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     dtype: Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(
         help="auto: the engine's choice for this checkpoint and device")] = "auto",
@@ -108,6 +112,8 @@ def plan(
         fail(f"--inter-node {inter_node!r}: use {' | '.join(INTER_NODE)}")
     if nodes < 1:
         fail("--nodes must be >= 1")
+    if prompt_len < 1:
+        fail("--prompt-len must be >= 1")
     if not 0 < gpu_memory_utilization <= 1:
         fail("--gpu-memory-utilization must be in (0, 1]")
     try:
@@ -132,7 +138,8 @@ def plan(
             parse_size(device_memory, "--device-memory") if device_memory else None,
             block_size, max_num_seqs,
             # CPU: this machine's cores, as `parashift run` would place the ranks on them
-            cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))))
+            cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))),
+            concurrency=_levels(concurrency), prompt_len=prompt_len)
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()
@@ -158,6 +165,16 @@ def plan(
         report.show(result, settings, console)
     if not result.fits:
         raise typer.Exit(1)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency {text!r}: give request counts >= 1, like 1,4,32")
+    return levels
 
 
 def _ray_placement(spec, settings, address, console, quiet: bool) -> list[dict]:

@@ -15,7 +15,7 @@ from parashift.defaults import (
     DEFAULT_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
-from parashift.plan.bubble import PREFILL_PROMPT_TOKENS, pipeline_bubbles
+from parashift.plan.bubble import pipeline_bubbles
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
 from parashift.plan.shape import ModelShape
 from parashift.strategies.layout import DeviceCost, MeshPoint
@@ -43,6 +43,8 @@ class PlanSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # CPU: the cores of a node (default 0..n-1)
+    concurrency: tuple[int, ...] = (1, 4, 32)  # running requests the bubble is estimated at
+    prompt_len: int = 512  # the prefill bubble's prompt
 
     @property
     def devices_per_node(self) -> int:
@@ -185,7 +187,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
-    plan.bubble = pipeline_bubbles(costs, PREFILL_PROMPT_TOKENS) if len(costs) > 1 else {}
+    plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.concurrency) if len(costs) > 1
+                   else {})
     if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):
         warnings.append(f"{len(stages)} pipeline stages: with "
                         f"{plan.estimate.get('decode_batch', 0):.0f} sequences per replica "
