@@ -30,6 +30,18 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_counts(text: str, flag: str, example: str = "1,4,32") -> list[int]:
+    """'1,4,32' -> [1, 4, 32]: whole numbers >= 1 joined by commas."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a list like {example}",
+                                 param_hint=flag) from None
+    if min(values) < 1:
+        raise typer.BadParameter("every value must be >= 1", param_hint=flag)
+    return values
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=env.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

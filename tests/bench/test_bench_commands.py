@@ -61,7 +61,7 @@ def test_help_shows_every_flag(command, flags):
     (["dp-scaling", "--output-len-range", "x"], "--output-len-range 'x': use N or A:B"),
     (["dp-scaling", "--dtype", "int8"], "Invalid value for '--dtype'"),
     (["tp", "--tp", "1,x"], "Invalid value for --tp: '1,x' is not a list like 1,2,4"),
-    (["tp", "--tp", "0"], "Invalid value for --tp: every size must be >= 1"),
+    (["tp", "--tp", "0"], "Invalid value for --tp: every value must be >= 1"),
     (["tp", "--steps", "1"], "--steps must be >= 2"),
     (["tp", "--kv-heads", "0"], "--kv-heads must be >= 1"),
     (["tp", "--hidden", "100"], "--hidden 100 must split into --heads 16"),

@@ -30,3 +30,17 @@ def test_plan_reports_stage_ranges_and_bubbles(tiny_model_factory):
     assert plan_json(folder, "pp1")["pipeline_bubble"] == {}
     partitioned = plan_json(folder, "pp2", "--pp-layer-partition", "1,4")
     assert [s["layers"] for s in partitioned["memory_per_device"]] == [1, 4]
+
+
+def test_a_partition_of_the_wrong_length_is_a_plan_error_not_a_crash(tiny_model_factory):
+    import json
+    import subprocess
+    import sys
+
+    folder = tiny_model_factory("llama", num_hidden_layers=5)
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "plan", folder, "--strategy",
+                           "pp3", "--pp-layer-partition", "4,1", "--device", "cpu", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout)["errors"] == [
+        "strategy pp3: --pp-layer-partition 4,1 has 2 stage(s), the strategy has pp3"]

@@ -21,10 +21,11 @@ from typing import Annotated, Any
 import typer
 
 from parashift.bench.options import Dtype, Repeat, SaveJson
-from parashift.cli_options import ModelArg, fail, setup_logging
+from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 # name -> (prompt tokens, output tokens) per request
 WORKLOADS = {"prefill-heavy": (256, 4), "decode-heavy": (16, 64)}
+MAX_MODEL_LEN, KV_CACHE_MEMORY = 1024, 512 << 20  # every layout's engine, and what plan is told
 PLAN_WORKLOAD = {"prefill-heavy": "prefill", "decode-heavy": "decode"}  # plan's bubble keys
 # name -> (strategy, torch threads per worker): pp1 runs in this process
 LAYOUTS = {"pp1 1 core": ("pp1", 1), "pp1 2 cores": ("pp1", 2), "pp2 1 core/stage": ("pp2", 1)}
@@ -86,8 +87,8 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
     from parashift import LLM
 
     strategy, threads = LAYOUTS[layout]
-    llm = LLM(model, dtype=dtype, strategy=strategy, num_threads=threads, max_model_len=1024,
-              kv_cache_memory=512 << 20)
+    llm = LLM(model, dtype=dtype, strategy=strategy, num_threads=threads,
+              max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_MEMORY)
     rows = []
     try:
         core, config = llm.engine, llm.config
@@ -129,14 +130,15 @@ def plan_bubbles(model: str, strategy: str, concurrencies: list[int], prompt_len
     done = subprocess.run(
         [sys.executable, "-m", "parashift.cli", "plan", model, "--strategy", strategy,
          "--device", "cpu", "--json", "--concurrency", ",".join(map(str, concurrencies)),
-         "--prompt-len", str(prompt_len)], capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
+         "--prompt-len", str(prompt_len), "--max-model-len", str(MAX_MODEL_LEN),
+         "--kv-cache-memory", str(KV_CACHE_MEMORY)], capture_output=True, text=True, timeout=300)
+    if done.returncode not in (0, 1) or not done.stdout.strip():  # 1: printed, "does not fit"
         raise ValueError(f"parashift plan failed: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout)["pipeline_bubble"]
 
 
-def _row(layout: str, workload: str, c: int, runs: list, core, plan_bubble: float | None
-         ) -> dict[str, Any]:
+def _row(layout: str, workload: str, c: int, runs: list[tuple[LoopResult, list[dict]]], core,
+         plan_bubble: float | None) -> dict[str, Any]:
     tok_s = [loop.num_tokens / loop.elapsed_s for loop, _ in runs]
     out_s = [loop.num_output_tokens / loop.elapsed_s for loop, _ in runs]
     median_run = sorted(runs, key=lambda run: run[0].num_tokens / run[0].elapsed_s)[
@@ -147,12 +149,12 @@ def _row(layout: str, workload: str, c: int, runs: list, core, plan_bubble: floa
            "min_tokens_per_s": min(tok_s), "median_output_tokens_per_s": statistics.median(out_s),
            "median_ttft_ms": statistics.median(loop.ttft_s) * 1e3,
            "median_tpot_ms": statistics.median(loop.tpot_s) * 1e3 if loop.tpot_s else None}
-    if stats:
+    if any(s["steps"] for s in stats):  # a pipeline that ran steps
         bubbles = [statistics.mean(1 - s["busy_seconds"] / lp.elapsed_s for s in st)
                    for lp, st in runs]
         steps = max(s["steps"] for s in stats)
-        step_s = max(s["busy_seconds"] for s in stats) / max(1, steps)
-        per_step_tokens = loop.num_tokens / max(1, steps)
+        step_s = max(s["busy_seconds"] for s in stats) / steps
+        per_step_tokens = loop.num_tokens / steps
         transfer = transfer_seconds(core.executor, max(1, round(per_step_tokens)))
         row.update(measured_bubble=statistics.median(bubbles),
                    plan_bubble=plan_bubble,
@@ -167,7 +169,9 @@ def _line(row: dict[str, Any]) -> str:
             f"TTFT {row['median_ttft_ms']:.0f} ms"
             + (f", TPOT {row['median_tpot_ms']:.1f} ms" if row["median_tpot_ms"] else ""))
     if "measured_bubble" in row:
-        text += (f"; bubble {row['measured_bubble']:.0%} (plan {row['plan_bubble']:.0%}), "
+        plan = row["plan_bubble"]
+        text += (f"; bubble {row['measured_bubble']:.0%} (plan "
+                 f"{'-' if plan is None else f'{plan:.0%}'}), "
                  f"transfer {row['transfer_ms']:.2f} ms = {row['transfer_share']:.1%} of a "
                  f"{row['step_ms']:.0f} ms step")
     return text
@@ -179,16 +183,6 @@ def _choose(text: str, known: dict[str, Any], flag: str) -> list[str]:
     if unknown:
         fail(f"{flag}: unknown {unknown}; known: {', '.join(known)}")
     return chosen
-
-
-def _concurrencies(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise typer.BadParameter(f"{text!r} is not a list like 1,4,32", param_hint="--concurrency")
-    return values
 
 
 def pipeline(
@@ -210,7 +204,7 @@ def pipeline(
     setup_logging()
     from parashift.bench import report
 
-    levels = _concurrencies(concurrency)
+    levels = parse_counts(concurrency, "--concurrency")
     chosen = _choose(layouts, LAYOUTS, "--layouts")
     chosen_workloads = _choose(workloads, WORKLOADS, "--workloads")
     if (num_requests is not None and num_requests < 1) or repeat < 1:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from parashift.bench.options import Dtype, Repeat, SaveJson
-from parashift.cli_options import ModelArg, fail, setup_logging
+from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 
 @contextlib.contextmanager
@@ -80,16 +80,6 @@ def measure(model: str, tp: int, dtype: str, batch: int, steps: int, repeat: int
     return out
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a list like 1,2,4", param_hint="--tp") from None
-    if not sizes or min(sizes) < 1:
-        raise typer.BadParameter("every size must be >= 1", param_hint="--tp")
-    return sizes
-
-
 def tp(
     model: ModelArg = None,
     hidden: Annotated[int, typer.Option(help="random Llama (without MODEL): hidden size")] = 1024,
@@ -112,7 +102,7 @@ def tp(
     from parashift.bench import report
     from parashift.bench.random_model import random_llama
 
-    sizes = _sizes(tp_sizes)
+    sizes = parse_counts(tp_sizes, "--tp", "1,2,4")
     for flag, value, least in (("--batch", batch, 1), ("--steps", steps, 2),
                                ("--repeat", repeat, 1), ("--hidden", hidden, 1),
                                ("--intermediate", intermediate, 1), ("--layers", layers, 1),

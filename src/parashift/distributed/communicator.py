@@ -23,9 +23,10 @@ class CommStats:
 
 
 class GroupCommunicator:
-    """Collectives over one process group. At size 1 every call is the identity, so models run
-    unchanged in a single process; a real group (gloo on CPU, nccl on GPU) is passed in by the
-    strategy that creates it. On one CPU node, all-reduces that fit go through `shm`."""
+    """Collectives over one process group. At size 1 every collective is the identity, so
+    models run unchanged in a single process; a real group (gloo on CPU, nccl on GPU) is passed
+    in by the strategy that creates it. On one CPU node, all-reduces that fit go through `shm`.
+    The pipeline's point-to-point calls need a neighbour: only stages with one make them."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
                  shm: ShmAllReduce | None = None):

@@ -103,7 +103,9 @@ class EngineCore:
                 break
         if not queue:
             return []
-        return self.scheduler.update_from_output(queue.popleft(), self.executor.wait())
+        # The result first: if waiting fails, the batch stays queued to meet its result later.
+        runner_output = self.executor.wait()
+        return self.scheduler.update_from_output(queue.popleft(), runner_output)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

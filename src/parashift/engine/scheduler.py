@@ -89,7 +89,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.allocate_slots(req, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._preemption_victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -140,6 +141,13 @@ class Scheduler:
         freed, self._freed_req_ids = self._freed_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), freed)
+
+    def _preemption_victim(self, i: int) -> Request:
+        """The most recently admitted request after running[i] (those before it are in this
+        batch already), preferring one not in flight: its step would be thrown away."""
+        later = self.running[i + 1:]
+        idle = next((r for r in reversed(later) if r.request_id not in self.in_flight), None)
+        return idle or self.running[-1]
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)

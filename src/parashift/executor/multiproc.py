@@ -95,7 +95,7 @@ class MultiprocExecutor:
     def _alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
 
-    # --- the executor interface (same as LocalExecutor) ---------------------------------------
+    # --- the executor interface (LocalExecutor's, plus submit / wait for batches in flight) --
     def determine_num_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_blocks"))
 
@@ -146,7 +146,7 @@ class MultiprocExecutor:
             sock.send(data)
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Calls `Worker.method(*args)` on every worker; their results in tp-rank order."""
+        """Calls `Worker.method(*args)` on every worker; their results in worker order."""
         self._broadcast(p.WorkerCall(method, list(args)))
         replies = self._collect(p.WorkerReply, len(self.commands), timeout)
         return [r.result for r in sorted(replies, key=lambda r: r.rank)]

@@ -1,7 +1,7 @@
 """The executor for `--backend ray` with workers: each worker of the engine's placement is a
 Ray actor in bundle 1 + its index of the engine's placement group. The mesh names and orders
 the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
-commands over tcp, collective_rpc, worker 0 answers). The torch.distributed rendezvous is a
+commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous is a
 TCP store on worker 0's node, so workers may sit on different nodes."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class _WorkerActor:
-    """One tp worker (made a Ray actor class in RayExecutor)."""
+    """One worker of the engine (made a Ray actor class in RayExecutor)."""
 
     def node_ip(self) -> str:
         import ray

@@ -62,6 +62,10 @@ class Worker:
         stats, group.stats = group.stats, CommStats()
         return dataclasses.asdict(stats)
 
+    def stop(self) -> None:
+        """Before the process exits: the last activations sent must reach the next stage."""
+        self.runner.pp.wait_sends()
+
     def take_stage_stats(self) -> dict[str, float]:
         """Compute and pipeline-wait seconds since the last call (then reset)."""
         stats, self.runner.stats = self.runner.stats, StageStats()

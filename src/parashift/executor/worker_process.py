@@ -135,7 +135,7 @@ def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None
             if answers:
                 results.send(p.encode(p.StepResult(output)))
         elif msg.method == "stop":
-            worker.runner.pp.wait_sends()
+            worker.stop()
             results.send(p.encode(p.WorkerReply(rank)))
             return
         else:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from parashift.cli_options import fail, parse_size
+from parashift.cli_options import fail, parse_counts, parse_size
 from parashift.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -114,6 +114,7 @@ def plan(
         fail("--nodes must be >= 1")
     if prompt_len < 1:
         fail("--prompt-len must be >= 1")
+    levels = tuple(parse_counts(concurrency, "--concurrency"))
     if not 0 < gpu_memory_utilization <= 1:
         fail("--gpu-memory-utilization must be in (0, 1]")
     try:
@@ -139,7 +140,7 @@ def plan(
             block_size, max_num_seqs,
             # CPU: this machine's cores, as `parashift run` would place the ranks on them
             cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))),
-            concurrency=_levels(concurrency), prompt_len=prompt_len)
+            concurrency=levels, prompt_len=prompt_len)
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()
@@ -165,16 +166,6 @@ def plan(
         report.show(result, settings, console)
     if not result.fits:
         raise typer.Exit(1)
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        levels = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        levels = ()
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency {text!r}: give request counts >= 1, like 1,4,32")
-    return levels
 
 
 def _ray_placement(spec, settings, address, console, quiet: bool) -> list[dict]:

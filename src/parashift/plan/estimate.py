@@ -191,7 +191,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                    else {})
     if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):
         warnings.append(f"{len(stages)} pipeline stages: with "
-                        f"{plan.estimate.get('decode_batch', 0):.0f} sequences per replica "
+                        f"{plan.estimate['decode_batch']:.0f} sequences per replica "
                         "the pipeline has bubbles (needs several micro-batches per stage)")
     return plan
 

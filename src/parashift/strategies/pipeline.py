@@ -25,7 +25,7 @@ def stage_layers(num_layers: int, pp: int, stage: int,
                  partition: tuple[int, ...] | None = None) -> tuple[int, int]:
     """[first, end) of `stage`'s layers: per `partition` (layers per stage) when given, else
     as even as possible, the extra ones first."""
-    if partition is not None:
+    if partition is not None and len(partition) == pp:  # (check_model names a wrong length)
         first = sum(partition[:stage])
         return first, first + partition[stage]
     base, extra = divmod(num_layers, pp)

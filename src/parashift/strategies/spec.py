@@ -3,7 +3,7 @@ A sized axis is its name and a size >= 1; a flag axis (ep) is its bare name. The
 form lists dp, pp, tp, then the flags, then third-party axes; size-1 axes are dropped.
 
 A parsed spec keeps its axis objects (plugins included) and travels to engines and workers as
-such, or on a socket as its axes' class paths and sizes (`to_wire` / `from_wire`)."""
+such, or on a socket as its axes' class paths, sizes and options (`to_wire` / `from_wire`)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
   load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second;
               coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank)
   workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel, WorkerCall;
-              worker PUSH -> engine PULL: WorkerReady, WorkerReply; only tp rank 0 answers
-              ExecuteModel (StepResult), every rank answers a WorkerCall.
+              worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank
+              (last pp stage, tp rank 0) answers ExecuteModel (StepResult), every rank
+              answers a WorkerCall.
   nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
               (identity b"node-<start rank>"): NodeHello -> NodeInit; EngineDead up;
               Shutdown down.
