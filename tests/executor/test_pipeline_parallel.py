@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import plan_json
 
-from executor.test_tensor_parallel import assert_same, worker_children
+from executor.test_tensor_parallel import assert_same, load_peaks, save_42m_model, worker_children
 from parashift import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -91,30 +91,9 @@ def test_bad_partitions_are_refused_before_anything_starts(tiny_llama):
 
 def test_a_stage_loads_about_half_of_the_model(tmp_path):
     """Each stage reads only its own layers (and the embedding or the LM head)."""
-    from conftest import save_tiny_model
-
-    from parashift.config import EngineArgs
-    from parashift.engine.args import create_config
-    from parashift.engine.placement import engine_placement
-    from parashift.executor.multiproc import MultiprocExecutor
-
-    folder = save_tiny_model(str(tmp_path), "llama", hidden_size=512, intermediate_size=2048,
-                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                             vocab_size=8192)  # 42 M parameters: 168 MB in float32
-
-    def load(strategy: str) -> tuple[list[int], list[int]]:
-        config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256,
-                                          strategy=strategy))
-        # also at pp1: a worker process like the others
-        executor = MultiprocExecutor(config, engine_placement(config.parallel.strategy, "cpu",
-                                                              0))
-        try:
-            return executor.collective_rpc("load_peak_rss_bytes"), executor.weight_bytes()
-        finally:
-            executor.shutdown()
-
-    (whole,), _ = load("pp1")
-    peaks, weights = load("pp2")
+    folder = save_42m_model(str(tmp_path))
+    (whole,), _ = load_peaks(folder, strategy="pp1")
+    peaks, weights = load_peaks(folder, strategy="pp2")
     assert abs(weights[0] - weights[1]) < 0.05 * sum(weights)  # 4 layers + embedding / head
     for peak in peaks:
         assert 0.35 * whole < peak < 0.65 * whole, (peaks, whole)

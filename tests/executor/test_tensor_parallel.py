@@ -61,30 +61,34 @@ def test_bad_tp_sizes_are_refused_before_anything_starts(tiny_llama):
     assert worker_children() == []
 
 
-def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
-    """Sharded loading: each worker reads only its slice of the safetensors checkpoint."""
+def save_42m_model(folder: str) -> str:
     from conftest import save_tiny_model
 
+    return save_tiny_model(folder, "llama", hidden_size=512, intermediate_size=2048,
+                           num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                           vocab_size=8192)  # 42 M parameters: 168 MB in float32
+
+
+def load_peaks(folder: str, **engine_args) -> tuple[list[int], list[int]]:
+    """Peak RSS each worker's model load added, and its weight bytes (worker processes, even
+    for one worker)."""
     from parashift.config import EngineArgs
     from parashift.engine.args import create_config
     from parashift.engine.placement import engine_placement
     from parashift.executor.multiproc import MultiprocExecutor
 
-    folder = save_tiny_model(str(tmp_path), "llama", hidden_size=512, intermediate_size=2048,
-                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                             vocab_size=8192)  # 42 M parameters: 168 MB in float32
+    config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256, **engine_args))
+    executor = MultiprocExecutor(config, engine_placement(config.parallel.strategy, "cpu", 0))
+    try:
+        return executor.collective_rpc("load_peak_rss_bytes"), executor.weight_bytes()
+    finally:
+        executor.shutdown()
 
-    def load_peaks(tp: int) -> list[int]:
-        config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256,
-                                          tensor_parallel_size=tp))
-        # also at tp1: a worker process like the others
-        executor = MultiprocExecutor(config, engine_placement(config.parallel.strategy, "cpu", 0))
-        try:
-            return executor.collective_rpc("load_peak_rss_bytes")
-        finally:
-            executor.shutdown()
 
-    (whole,) = load_peaks(1)
+def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
+    """Sharded loading: each worker reads only its slice of the safetensors checkpoint."""
+    folder = save_42m_model(str(tmp_path))
+    (whole,), _ = load_peaks(folder, tensor_parallel_size=1)
     assert whole > 150e6
-    for half in load_peaks(2):
+    for half in load_peaks(folder, tensor_parallel_size=2)[0]:
         assert 0.35 * whole < half < 0.65 * whole, (half, whole)

@@ -41,6 +41,20 @@ def expected(tiny_llama):
     return greedy_texts(tiny_llama)
 
 
+def ask_all(server) -> list[str]:
+    """Greedy completions of PROMPTS through the openai client, 16 at a time."""
+    client = server.client()
+
+    def ask(prompt):
+        reply = client.completions.create(model=server.model_name, prompt=prompt,
+                                          max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(ask, PROMPTS))
+
+
 def complete(server, prompt, rank=None):
     headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
     status, raw = server.request("POST", "/v1/completions", {

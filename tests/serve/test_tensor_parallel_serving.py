@@ -3,7 +3,6 @@ a real gloo group, behind one endpoint."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import signal
 import time
@@ -12,13 +11,14 @@ import psutil
 import pytest
 
 from .conftest import TINY_ARGS, live, running_server
-from .test_data_parallel import PROMPTS, complete, greedy_texts
+from .test_data_parallel import PROMPTS, ask_all, complete, greedy_texts
 
 pytestmark = pytest.mark.slow
 
 
-def worker(server, dp: int, index: int, axis: str = "tp") -> psutil.Process:
-    name = f"parashift-worker-dp{dp}-{axis}{index}"
+def worker(server, dp: int, *coords: str) -> psutil.Process:
+    """The worker process of engine `dp` at `coords` (e.g. "pp1", "tp0")."""
+    name = "-".join([f"parashift-worker-dp{dp}", *coords])
     for proc in live(server.current_tree()):
         with contextlib.suppress(psutil.Error):
             if name in proc.name() or name in " ".join(proc.cmdline()):
@@ -29,18 +29,9 @@ def worker(server, dp: int, index: int, axis: str = "tp") -> psutil.Process:
 def test_dp2xtp2_serves_like_dp1_and_a_dead_worker_takes_only_its_rank(tiny_llama):
     expected = greedy_texts(tiny_llama)
     with running_server(tiny_llama, *TINY_ARGS, "--strategy", "dp2xtp2") as s:
-        workers = {(d, t): worker(s, d, t) for d in (0, 1) for t in (0, 1)}
+        workers = {(d, t): worker(s, d, f"tp{t}") for d in (0, 1) for t in (0, 1)}
         assert len({w.pid for w in workers.values()}) == 4
-        client = s.client()
-
-        def ask(prompt):
-            return client.completions.create(model=s.model_name, prompt=prompt,
-                                             max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True})
-
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            replies = list(pool.map(ask, PROMPTS))
-        assert [r.choices[0].text for r in replies] == expected
+        assert ask_all(s) == expected
 
         workers[(1, 1)].send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 15

@@ -14,7 +14,9 @@ import typer
 
 from parashift.bench.options import (
     Dtype,
+    InputLenRange,
     NumPrompts,
+    OutputLenRange,
     Repeat,
     SaveJson,
     Seed,
@@ -35,9 +37,8 @@ def dp_scaling(
     model: ModelArg = None,
     dtype: Dtype = "bfloat16",
     num_prompts: NumPrompts = 32,
-    input_len_range: Annotated[str, typer.Option("--input-len-range", help="A:B")] = "16:16",
-    output_len_range: Annotated[str, typer.Option("--output-len-range", help="A:B")
-                                ] = "256:256",
+    input_len_range: InputLenRange = "16:16",
+    output_len_range: OutputLenRange = "256:256",
     dp: Annotated[int, typer.Option("--dp", help="data-parallel ranks (and cores) to compare")
                   ] = 2,
     repeat: Repeat = 3,

@@ -14,6 +14,9 @@ InputLen = Annotated[int | None, typer.Option("--input-len")]
 OutputLen = Annotated[int | None, typer.Option("--output-len")]
 InputRange = Annotated[str | None, typer.Option("--input-len-range", help="A:B")]
 OutputRange = Annotated[str | None, typer.Option("--output-len-range", help="A:B")]
+# The same, for the commands whose workload always has ranges (each with its own default).
+InputLenRange = Annotated[str, typer.Option("--input-len-range", help="A:B")]
+OutputLenRange = Annotated[str, typer.Option("--output-len-range", help="A:B")]
 Dataset = Annotated[str | None, typer.Option(
     help=".jsonl (prompt or prompt_len, output_len) or ShareGPT .json/.jsonl")]
 Seed = Annotated[int, typer.Option(help="seeds the workload and the arrivals")]

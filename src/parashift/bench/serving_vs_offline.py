@@ -13,7 +13,9 @@ import typer
 
 from parashift.bench.options import (
     Dtype,
+    InputLenRange,
     NumPrompts,
+    OutputLenRange,
     Repeat,
     SaveJson,
     Seed,
@@ -27,9 +29,8 @@ def serving_vs_offline(
     model: ModelArg = None,
     dtype: Dtype = "bfloat16",
     num_prompts: NumPrompts = 32,
-    input_len_range: Annotated[str, typer.Option("--input-len-range", help="A:B")] = "32:256",
-    output_len_range: Annotated[str, typer.Option("--output-len-range", help="A:B")
-                                ] = "32:128",
+    input_len_range: InputLenRange = "32:256",
+    output_len_range: OutputLenRange = "32:128",
     repeat: Repeat = 1,
     extra: ServerArgs = "",
     skip_offline: Annotated[bool, typer.Option("--skip-offline", help="measure the server only")

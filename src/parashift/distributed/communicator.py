@@ -73,16 +73,12 @@ class GroupCommunicator:
         finished first, so at most one buffer is in flight."""
         self.wait_sends()
         dst = dist.get_global_rank(self.group, self.rank + 1)
-        self._pending_send = (dist.isend(tensor.contiguous(), dst, group=self.group), tensor)
+        tensor = tensor.contiguous()  # kept referenced until the send is done
+        self._pending_send = (dist.isend(tensor, dst, group=self.group), tensor)
 
     def wait_sends(self) -> None:
-        pending = self._pending_send
-        if pending is not None:
-            start = time.perf_counter()
-            pending[0].wait()
-            self.stats.seconds += time.perf_counter() - start
-            self.stats.calls += 1
-            self.stats.bytes += pending[1].numel() * pending[1].element_size()
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
             self._pending_send = None
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype,
