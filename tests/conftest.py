@@ -33,7 +33,15 @@ def make_tokenizer():
 
 
 def tiny_config(arch: str, tie: bool = False, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -54,6 +62,15 @@ def tiny_config(arch: str, tie: bool = False, **overrides):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**{**common, "head_dim": 32})
+    # MoE: 5 experts, so that no layout of 2 or 4 ranks splits them evenly.
+    if arch == "mixtral":
+        return MixtralConfig(**{"num_local_experts": 5, "num_experts_per_tok": 2, **common})
+    moe = {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **common}
+    if arch == "qwen2_moe":  # a gated shared expert, the second layer dense
+        return Qwen2MoeConfig(**{"shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
+                                 "norm_topk_prob": False, **moe})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{"head_dim": 32, "norm_topk_prob": True, **moe})
     raise ValueError(arch)
 
 

@@ -138,6 +138,9 @@ class ParallelConfig:
     strategy: StrategySpec
     data_parallel_rank: int = 0
     distributed_executor_backend: str = "mp"  # "ray": workers are Ray actors
+    # Expert parallel over several engines: where this incarnation of the group meets
+    # (tcp://host:port, from the launcher's handshake).
+    expert_group_address: str | None = None
 
     def __post_init__(self) -> None:
         num_engines = self.strategy.processes().num_engines

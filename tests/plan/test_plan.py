@@ -61,9 +61,8 @@ def test_qwen3_moe_dp8xep_puts_e_over_8_experts_per_rank():
     shape = PRESETS["Qwen3-30B-A3B"]
     saved = shape.moe_layers * (128 - 16) * shape.expert_params() * 2
     assert without.stages[0].weights - with_ep.stages[0].weights == saved
-    assert "ep all-to-all" in with_ep.comm
-    assert "ep: expert parallel is not available yet" in with_ep.warnings
-    assert with_ep.fits and not with_ep.runnable
+    assert with_ep.comm["ep all-gather+reduce-scatter"]["group_size"] == 8
+    assert with_ep.fits and with_ep.runnable
 
 
 def test_mesh_rows_and_process_names_in_json():

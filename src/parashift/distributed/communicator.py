@@ -52,9 +52,26 @@ class GroupCommunicator:
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
+        start = time.perf_counter()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.bytes += tensor.numel() * tensor.element_size() * self.world_size
         return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks and keep this rank's block of rows ([world * n, ...] ->
+        [n, ...])."""
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        out = tensor.new_empty(tensor.shape[0] // self.world_size, *tensor.shape[1:])
+        dist.reduce_scatter(out, list(tensor.chunk(self.world_size)), group=self.group)
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.bytes += tensor.numel() * tensor.element_size()
+        return out
 
     def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's tensor on rank 0; other ranks get None."""

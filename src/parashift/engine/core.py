@@ -45,6 +45,7 @@ class EngineCore:
                  placement: EnginePlacement | None = None):
         self.config = config
         self.executor = executor or make_executor(config, placement)
+        self.num_dummy_steps = 0  # lockstep steps run with nothing to schedule
         try:
             self._init_kv_cache()
             self.weight_bytes = self.executor.weight_bytes()
@@ -91,6 +92,18 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Lockstep: one step of the wave (a dummy one when there is nothing to schedule, so
+        that the group's collectives have this engine), and whether any engine of the group
+        had work."""
+        scheduler_output = self.scheduler.schedule()
+        scheduler_output.has_work = self.scheduler.has_unfinished_requests
+        if scheduler_output.is_empty:
+            self.num_dummy_steps += 1
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs, bool(runner_output.group_has_work)
+
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         queue = self.batch_queue
         while len(queue) < self.scheduler.max_batches_in_flight:
@@ -108,7 +121,9 @@ class EngineCore:
         return self.scheduler.update_from_output(queue.popleft(), runner_output)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_dummy_steps = self.num_dummy_steps
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache.pool.reset_prefix_cache()

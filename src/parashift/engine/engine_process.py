@@ -3,6 +3,7 @@ input sockets -> scheduler step -> outputs, blocking on its sockets when there i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import zmq
 from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.request import Request
+from parashift.engine.wave import WaveState
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
 from parashift.strategies.spec import StrategySpec
 from parashift.types.outputs import EngineCoreOutput
@@ -53,7 +55,10 @@ class EngineProcess:
         self.stopping = False
         self.core: EngineCore | None = None
         self.load_out: zmq.Socket | None = None  # to the DP coordinator
-        self._last_load: tuple[int, int] | None = None
+        self._last_load: tuple[int, int, int] | None = None
+        self.lockstep = False  # expert parallel over engines: every step in waves
+        self.wave = WaveState()
+        self.waves_in: zmq.Socket | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -70,6 +75,14 @@ class EngineProcess:
             # this rank's own cores (its workers'), so that ranks do not fight over them
             os.sched_setaffinity(0, self.placement.cpu_ids)
         config = create_config(init.engine_args, StrategySpec.from_wire(init.strategy))
+        config = dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, expert_group_address=init.expert_group_address))
+        self.lockstep = config.parallel.strategy.processes().lockstep
+        if self.lockstep:  # the coordinator's start-wave calls
+            self.waves_in = self.ctx.socket(zmq.SUB)
+            self.waves_in.setsockopt(zmq.LINGER, 0)
+            self.waves_in.setsockopt(zmq.SUBSCRIBE, b"")
+            self.waves_in.connect(init.coordinator_publish_address)
         self.core = EngineCore(config, placement=self.placement)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)
@@ -116,10 +129,15 @@ class EngineProcess:
         poller = zmq.Poller()
         for sock in self.inputs:
             poller.register(sock, zmq.POLLIN)
+        if self.waves_in is not None:
+            poller.register(self.waves_in, zmq.POLLIN)
         core = self.core
         while not self.stopping:
-            busy = core.has_unfinished_requests()
+            busy = core.has_unfinished_requests() or self.wave.running
             for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
+                if sock is self.waves_in:
+                    self._drain_waves()
+                    continue
                 while True:
                     try:
                         frame = sock.recv(zmq.NOBLOCK)
@@ -131,20 +149,47 @@ class EngineProcess:
                         logger.error("dropped a malformed message: %s", e)
                         continue
                     self._handle(msg)
-            if core.has_unfinished_requests():
+            if self.lockstep:
+                self._step_in_wave()
+            elif core.has_unfinished_requests():
                 self._publish(core.step())
             else:
                 core.executor.check_health()  # a dead tp worker takes its rank down now
             self._report_load()
 
+    def _drain_waves(self) -> None:
+        while True:
+            try:
+                msg = p.decode(self.waves_in.recv(zmq.NOBLOCK), p.FromCoordinator)
+            except zmq.Again:
+                return
+            if isinstance(msg, p.StartWave):
+                self.wave.on_start_wave(msg.wave)
+
+    def _step_in_wave(self) -> None:
+        """Lockstep: start a wave when work came while there was none (and ask the coordinator
+        to start it everywhere), then step with the group while the wave runs."""
+        core = self.core
+        wave = self.wave.start_if_needed(core.has_unfinished_requests())
+        if wave is not None:
+            self.load_out.send(p.encode(p.StartWave(wave, self.rank)))
+        if not self.wave.running:
+            core.executor.check_health()
+            return
+        outputs, group_has_work = core.step_in_wave()
+        self._publish(outputs)
+        self.wave.after_step(group_has_work)
+
     def _report_load(self) -> None:
         if self.load_out is None:
             return
         stats = self.core.stats()
-        load = (stats.num_waiting, stats.num_running)
+        load = (stats.num_waiting, stats.num_running, stats.num_dummy_steps)
         if load != self._last_load:
             self._last_load = load
-            self.load_out.send(p.encode(p.EngineLoad(self.rank, *load, stats.kv_cache_usage)))
+            self.load_out.send(p.encode(p.EngineLoad(
+                self.rank, stats.num_waiting, stats.num_running, stats.kv_cache_usage,
+                stats.num_dummy_steps)))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

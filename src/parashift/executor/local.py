@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from parashift.config import EngineConfig
+from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.worker import Worker
 from parashift.strategies.layout import MeshPoint
@@ -17,7 +18,8 @@ from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 class LocalExecutor:
     max_batches_in_flight = 1  # one step at a time: the model runs in this process
 
-    def __init__(self, config: EngineConfig, placement: EnginePlacement):
+    def __init__(self, config: EngineConfig, placement: EnginePlacement,
+                 startup_timeout: float = 600.0):
         (rank,) = placement.workers
         if rank.cuda_index is not None:
             torch.cuda.set_device(rank.cuda_index)
@@ -26,7 +28,9 @@ class LocalExecutor:
                 config.device, num_threads=len(rank.cpu_ids)))
         spec = config.parallel.strategy
         shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
-        self.worker = Worker(config, ParallelContext(shard))
+        groups = cross_engine_groups(spec, config.parallel.expert_group_address, rank.coords,
+                                     rank.cuda_index is not None, startup_timeout)
+        self.worker = Worker(config, ParallelContext(shard, groups))
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

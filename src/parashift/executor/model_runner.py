@@ -54,6 +54,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.vocab_size: int = model.config.vocab_size
+        # MoE over several engines: every step starts with the group's token-count exchange.
+        dispatcher = getattr(model, "dispatcher", None)
+        self.dispatcher = dispatcher if dispatcher is not None and dispatcher.is_active else None
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, kv in zip(self.model.attention_layers, kv_caches, strict=True):
@@ -95,8 +98,31 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
-        if out.is_empty:
-            return ModelRunnerOutput({})
+        if self.dispatcher is None:
+            return self._run(out) if not out.is_empty else ModelRunnerOutput({})
+        # Lockstep: every engine comes here every step of a wave, with work or without.
+        group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens,
+                                                    out.has_work)
+        if not out.is_empty:
+            result = self._run(out)
+        else:  # a dummy step: our experts still serve the other engines' tokens
+            if self.dispatcher.max_tokens:
+                self._forward_no_tokens()
+            result = ModelRunnerOutput({})
+        result.group_has_work = group_has_work
+        return result
+
+    def _forward_no_tokens(self) -> None:
+        empty = np.zeros(0, dtype=np.int64)
+        step = AttentionStepInputs(
+            query_start_loc=np.zeros(1, dtype=np.int64), seq_lens=empty,
+            num_computed_tokens=empty, block_table=np.zeros((0, 1), dtype=np.int64),
+            slot_mapping=torch.zeros(0, dtype=torch.long, device=self.device), num_decodes=0,
+            block_size=self.block_size, sliding_window=None, device=self.device)
+        no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.model(no_tokens, no_tokens, self.backend.build_metadata(step))
+
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Decodes (one query token) first: the attention backend batches them together.
         order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] > 1)
         states = [self.requests[r] for r in order]

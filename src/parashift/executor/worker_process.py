@@ -23,6 +23,7 @@ import zmq
 
 from parashift.config import EngineConfig
 from parashift.distributed.communicator import GroupCommunicator
+from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
 from parashift.strategies.layout import MeshPoint
@@ -46,6 +47,7 @@ class WorkerArgs:
     result_address: str  # this worker's PUSH -> engine PULL
     log_level: str
     shm_path: str | None = None  # where tp ranks meet for shared-memory all-reduce (one node)
+    startup_timeout: float = 600.0  # how long to wait for the other engines' ranks
 
     @property
     def name(self) -> str:
@@ -103,6 +105,8 @@ def _init(args: WorkerArgs):
                             world_size=spec.processes().workers_per_engine,
                             timeout=COLLECTIVE_TIMEOUT)
     groups = _join_groups(spec.local_groups(), args.rank, args.shm_path)
+    groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
+                                      placement.coords, backend == "nccl", args.startup_timeout))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
     return Worker(config, ParallelContext(shard, groups))
 

@@ -122,3 +122,17 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (an MoE router): no split, no collective."""
+
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext):
+        super().__init__(input_size, output_size, False, dtype, parallel)
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+        param.data.copy_(source.load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.packed_weight)

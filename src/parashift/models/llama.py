@@ -45,7 +45,8 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos_sin: tuple, metadata: Any) -> torch.Tensor:
         num_tokens, num_heads, num_kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         # [num_tokens, heads + 2 * kv_heads, head_dim]: q, k and v heads side by side
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(num_tokens, num_heads + 2 * num_kv_heads,
+                                         self.head_dim)
         v = qkv[:, num_heads + num_kv_heads :]
         if self.q_norm is None:  # rotate q and k heads in one pass
             qk = apply_rotary(qkv[:, : num_heads + num_kv_heads], *cos_sin)
@@ -57,16 +58,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, parallel: ParallelContext):
+    def __init__(self, cfg: Any, dtype: torch.dtype, parallel: ParallelContext,
+                 intermediate_size: int | None = None):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias, dtype, parallel
-        )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, dtype,
-                                           parallel)
+        size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size] * 2, bias, dtype,
+                                                       parallel)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias, dtype, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -74,12 +75,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
-                 parallel: ParallelContext, **attn_flags):
+                 parallel: ParallelContext, mlp: nn.Module, **attn_flags):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, dtype, backend, parallel, **attn_flags)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype, parallel)
+        self.mlp = mlp
 
     def forward(self, hidden, residual, cos_sin, metadata):
         if residual is None:
@@ -122,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
                                                     parallel) if self.has_embedding else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, backend, parallel, **flags)
-            for _ in range(self.first_layer, self.end_layer)
+            LlamaDecoderLayer(cfg, dtype, backend, parallel,
+                              self.make_mlp(cfg, index, dtype, parallel), **flags)
+            for index in range(self.first_layer, self.end_layer)
         )
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -133,6 +135,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.tie_to(self.embed_tokens)
+
+    def make_mlp(self, cfg: Any, layer_index: int, dtype: torch.dtype,
+                 parallel: ParallelContext) -> nn.Module:
+        """The feed-forward block of decoder layer `layer_index` (MoE models: experts)."""
+        return LlamaMLP(cfg, dtype, parallel)
 
     @staticmethod
     def _sliding_window(cfg: Any, max_position: int) -> int | None:
@@ -179,6 +186,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         return name
 
+    def _load_expert(self, name: str, source: WeightSource) -> set[str]:
+        """`layers.{i}.mlp.experts.{e}.{projection}.weight` -> our fused parameter of layer i,
+        if this rank holds expert e; returns the names of what it filled."""
+        prefix, rest = name.split(".experts.", 1)
+        expert, projection, _ = rest.split(".")
+        experts = self.get_submodule(f"{prefix}.experts")
+        if not experts.holds(int(expert)):
+            return set()
+        return {f"{prefix}.experts.{experts.load_expert(int(expert), projection, source)}"}
+
     def load_weights(self, weights: Iterable[WeightSource]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -187,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = self._local_name(source.name.removeprefix("model."))
             if name is None:
+                continue
+            if ".experts." in name:  # MoE: one expert's projection, kept only where it lives
+                loaded.update(self._load_expert(name, source))
                 continue
             shard_id = None
             for ckpt_name, (fused, shard) in self.packed_modules.items():

@@ -9,8 +9,11 @@ from torch import nn
 _MODELS = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -3,6 +3,9 @@ coordinator publishes the whole vector to every API server at most every 100 ms,
 heartbeat once a second when nothing changes, so that every API server routes on the same,
 fresh view of all ranks -- not just on the requests it sent itself.
 
+With expert parallel over engines it also starts the waves: an engine that gets work while
+idle asks for one, and the coordinator passes the call on to every engine at once.
+
 It also watches the engines' own heartbeats: a rank that has joined and then stays silent for
 `heartbeat_timeout` seconds is declared dead to every API server. That is how the death of an
 engine on another node (or of the whole node) is noticed; local deaths are seen sooner by the
@@ -71,7 +74,9 @@ class Coordinator:
                 return changed
             if not 0 <= msg.rank < len(self.load):
                 continue
-            if isinstance(msg, p.Heartbeat):
+            if isinstance(msg, p.StartWave):  # on to every engine at once
+                self.publish.send(p.encode(p.StartWave(msg.wave)))
+            elif isinstance(msg, p.Heartbeat):
                 if msg.rank not in self.last_seen:
                     logger.info("engine dp%d is sending heartbeats", msg.rank)
                 self.last_seen[msg.rank] = (time.monotonic(), msg.incarnation)

@@ -24,6 +24,7 @@ from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener, tcp_url
 from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines, join_all
+from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
@@ -40,6 +41,12 @@ class Launcher:
         self.num_engines = self.processes.num_engines
         self.local_ranks = args.local_ranks(self.num_engines)
         args.check_backend()
+        self.lockstep: LockstepGroup | None = None
+        if self.processes.lockstep:
+            if args.backend == "ray" or args.multi_node(self.num_engines):
+                raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
+                                 "on one node with --backend mp for now")
+            self.lockstep = LockstepGroup(self.num_engines)
         n = args.api_server_count
         if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
             from parashift.runtime.ray_engines import RayEngines
@@ -181,12 +188,17 @@ class Launcher:
             if self.args.backend == "mp" and msg.rank in self.local_ranks:
                 engine_args.model = self.config.model.path  # resolved: no second lookup
             coordinator = self.endpoints.coordinator_load if self.coordinator else None
+            group = self.lockstep
             self.handshake.send_multipart([identity, p.encode(p.EngineInit(
                 engine_args, self.spec.to_wire(), self.endpoints.requests,
-                self.endpoints.outputs, coordinator))])
+                self.endpoints.outputs, coordinator,
+                self.endpoints.coordinator_publish if group else None,
+                group.address if group else None))])
         elif isinstance(msg, p.Ready):
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg
+            if self.lockstep is not None:
+                self.lockstep.on_ready(msg.rank)
             logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weight "
                         "bytes per worker %s", msg.rank, "ready again" if again else "ready",
                         msg.num_blocks, msg.block_size, msg.max_model_len, msg.weight_bytes)
@@ -229,6 +241,8 @@ class Launcher:
                 return 1
             for death in self.engines.reap():
                 self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
+                if self.lockstep is not None and self.lockstep.on_death(death.rank):
+                    self.engines.stop_all()  # reaped (and restarted) on the next turns
             self.engines.restart_due()
             self._serve_handshake(200)
         return 0

@@ -135,6 +135,8 @@ class Broker:
             if isinstance(vector, p.EngineDead):  # a rank stopped sending heartbeats
                 self.mark_dead(vector.rank, vector.reason, vector.incarnation)
                 continue
+            if isinstance(vector, p.StartWave):  # for the engines
+                continue
             self.load = {load.rank: load for load in vector.loads}
             self.sent_since_update.clear()
             if self.on_load is not None:

@@ -35,6 +35,10 @@ class Metrics:
                                      ["engine"], registry=r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
+        self.dummy_steps = Gauge("parashift_lockstep_dummy_steps",
+                                 "Steps an engine ran with nothing to schedule so that its "
+                                 "expert-parallel group's collectives had it (since it started)",
+                                 ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 
@@ -43,6 +47,7 @@ class Metrics:
         self.running.labels(engine).set(s.num_running)
         self.waiting.labels(engine).set(s.num_waiting)
         self.kv_usage.labels(engine).set(s.kv_cache_usage)
+        self.dummy_steps.labels(engine).set(s.num_dummy_steps)
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
@@ -53,6 +58,7 @@ class Metrics:
             self.running.labels(engine).set(load.num_running)
             self.waiting.labels(engine).set(load.num_waiting)
             self.kv_usage.labels(engine).set(load.kv_cache_usage)
+            self.dummy_steps.labels(engine).set(load.num_dummy_steps)
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:

@@ -42,6 +42,11 @@ class Strategy:
         """Errors a user can act on, for this axis against the model ([] when it fits)."""
         return []
 
+    def check_layout(self, sizes: dict[str, int], hf_config: Any) -> list[str]:
+        """Errors of this axis against the whole layout (`sizes`: every mesh axis's size),
+        for what depends on the other axes too (ep: experts per dp x tp rank)."""
+        return []
+
     def unavailable(self) -> str | None:
         """Why this axis cannot run yet (None when it can)."""
         if not self.available and (self.is_flag or self.size > 1):

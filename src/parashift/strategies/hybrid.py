@@ -28,7 +28,11 @@ class HybridStrategy:
     axes: tuple[Strategy, ...]
 
     def validate_errors(self, hf_config: Any) -> list[str]:
-        return [e for axis in self.axes for e in axis.validate(hf_config)]
+        errors = [e for axis in self.axes for e in axis.validate(hf_config)]
+        if errors:
+            return errors
+        sizes = self.sizes()
+        return [e for axis in self.axes for e in axis.check_layout(sizes, hf_config)]
 
     def model_errors(self, hf_config: Any) -> list[str]:
         return [e for axis in self.axes for e in axis.check_model(hf_config)]

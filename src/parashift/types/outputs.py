@@ -36,6 +36,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
+    # Lockstep (expert parallel over engines): whether this engine still has requests; the
+    # step's collectives tell every engine whether any has.
+    has_work: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +59,7 @@ class ModelRunnerOutput:
     # Only requests whose prompt is complete sample; partial prefill chunks do not.
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] | None = None
+    group_has_work: bool | None = None  # lockstep: whether any engine of the group had work
 
 
 @dataclass
@@ -79,3 +83,4 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_dummy_steps: int = 0  # lockstep: steps run with nothing to schedule (since start)

@@ -7,8 +7,10 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
   outputs     API server PULL   <- engine PUSH: EngineOutputs, RequestFailed, UtilityResult,
               EngineDead
-  load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second;
-              coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank)
+  load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second,
+              StartWave (lockstep);
+              coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank);
+              -> engine SUB (lockstep only): StartWave
   workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel, WorkerCall;
               worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank
               (last pp stage, tp rank 0) answers ExecuteModel (StepResult), every rank
@@ -65,6 +67,10 @@ class EngineInit(_Msg):
     request_addresses: list[str]
     output_addresses: list[str]
     coordinator_address: str | None = None  # where to push load and heartbeats (dp > 1)
+    # Lockstep (expert parallel over engines): the coordinator's PUB, for its start-wave
+    # calls, and where this incarnation of the expert group meets.
+    coordinator_publish_address: str | None = None
+    expert_group_address: str | None = None
 
 
 class Ready(_Msg):
@@ -152,6 +158,7 @@ class EngineLoad(_Msg):
     num_waiting: int
     num_running: int
     kv_cache_usage: float
+    num_dummy_steps: int = 0  # lockstep: since the engine started
 
 
 class Heartbeat(_Msg):
@@ -160,6 +167,15 @@ class Heartbeat(_Msg):
 
     rank: int
     incarnation: int
+
+
+class StartWave(_Msg):
+    """Lockstep: an engine that got work while its wave was over asks the coordinator to start
+    wave `wave` (its count of finished waves) on every engine; the coordinator publishes it
+    on. An engine joins if it is idle and has finished exactly `wave` waves."""
+
+    wave: int
+    rank: int = -1  # who asked (-1: the coordinator)
 
 
 class LoadVector(_Msg):
@@ -222,8 +238,8 @@ FromWorker = WorkerReady | StepResult | WorkerReply
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
-ToEngineLoad = EngineLoad | Heartbeat  # on the coordinator's PULL socket
-FromCoordinator = LoadVector | EngineDead  # on an API server's SUB socket
+ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL socket
+FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and engines' SUB
 # on an API server's PULL socket
 Outputs = EngineOutputs | RequestFailed | UtilityResult | EngineDead
 Control = EngineReady | EngineDead | Shutdown  # on an API server's ROUTER socket

@@ -1,0 +1,51 @@
+"""The expert-parallel group that spans the engines: the ranks with one tp coordinate, one per
+engine. It is a process group of its own (gloo on CPU, nccl on GPU), apart from each engine's
+in-engine world, so that an engine without workers (tp1) joins it from its own process.
+
+Rendezvous: a TCP store at the address the launcher hands every engine for this incarnation
+of the group (a restarted group gets a new one), hosted by the rank at dp0 tp0.
+A peer that dies closes its connections, and a collective waiting on it fails at once; one
+that hangs fails after EP_COLLECTIVE_TIMEOUT."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from parashift.distributed.communicator import GroupCommunicator
+from parashift.strategies.spec import StrategySpec
+
+EP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int],
+                      on_gpu: bool, timeout: float) -> GroupCommunicator:
+    """`address`: tcp://host:port of the group's store; `timeout`: how long to wait for the
+    other engines to arrive."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    engines, tp_rank = sizes.get("dp", 1), coords.get("tp", 0)
+    rank = coords.get("dp", 0)
+    store = dist.TCPStore(host.strip("[]"), int(port), is_master=rank == 0 and tp_rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    prefixed = dist.PrefixStore(f"ep-tp{tp_rank}", store)
+    if on_gpu:
+        group = dist.ProcessGroupNCCL(prefixed, rank, engines)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, engines, EP_COLLECTIVE_TIMEOUT)
+    comm = GroupCommunicator(group, rank, engines)
+    comm.store = store  # the store must live as long as the group
+    return comm
+
+
+def cross_engine_groups(spec: StrategySpec, address: str | None, coords: dict[str, int],
+                        on_gpu: bool, timeout: float) -> dict[str, GroupCommunicator]:
+    """The groups of this rank that span engines and carry a model's collectives: `ep` when
+    the strategy shards experts over more than one engine (dp stays collective-free)."""
+    sizes = spec.sizes()
+    if sizes.get("dp", 1) == 1 or not any(g.name == "ep" for g in spec.groups()):
+        return {}
+    if address is None:
+        raise ValueError(f"strategy {spec}: expert parallel over engines runs only under "
+                         "'parashift run' (its launcher gives the engines their meeting point)")
+    return {"ep": join_expert_group(address, coords, sizes, on_gpu, timeout)}

@@ -1,0 +1,52 @@
+"""The launcher's view of a lockstep group (expert parallel over engines): every engine runs
+every step, so one dead engine stops them all. On a death the launcher stops the others at
+once (their requests then fail fast, none waits on a collective that cannot finish), and a
+restarted group meets at a fresh address, so that no engine of the old incarnation can join
+the new one."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from parashift.runtime.endpoints import tcp_url
+
+logger = logging.getLogger(__name__)
+
+
+def free_tcp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LockstepGroup:
+    def __init__(self, num_engines: int, host: str = "127.0.0.1"):
+        self.num_engines = num_engines
+        self.host = host
+        self.incarnation = 0
+        self.address = self._new_address()
+        self.broken = False
+        self.ready: set[int] = set()  # ranks of this incarnation that answered READY
+
+    def _new_address(self) -> str:
+        return tcp_url(self.host, free_tcp_port(self.host))
+
+    def on_death(self, rank: int) -> bool:
+        """An engine died. True if that breaks the group now (the launcher must stop the
+        others); False if it was already broken (e.g. one the launcher stopped)."""
+        if self.broken:
+            return False
+        logger.error("engine dp%d of the expert-parallel group died: stopping the group", rank)
+        self.broken = True
+        self.incarnation += 1
+        self.address = self._new_address()
+        self.ready.clear()
+        return True
+
+    def on_ready(self, rank: int) -> None:
+        self.ready.add(rank)
+        if self.broken and len(self.ready) == self.num_engines:
+            logger.info("the expert-parallel group serves again (incarnation %d)",
+                        self.incarnation)
+            self.broken = False
