@@ -1,0 +1,184 @@
+"""`parashift run --strategy dp2xep` and friends: MoE experts sharded over engines that run in
+lockstep waves. Outputs equal one engine holding every expert (itself checked against
+transformers in tests/models/test_moe_parity.py); waves start and stop on their own, with one
+dummy step per engine after the last request; a dead engine stops its whole group."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from parashift import LLM, SamplingParams
+
+from .conftest import running_server
+
+ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB")
+PROMPTS = [[(11 * i + j) % 250 + 1 for j in range(3 + (5 * i) % 23)] for i in range(12)]
+MAX_TOKENS = 6
+LOGPROB_ATOL = 2e-4
+
+
+def reference(model: str) -> list[tuple[str, list[float]]]:
+    """Greedy texts and token log-probabilities of PROMPTS from one engine holding every
+    expert (ep1)."""
+    llm = LLM(model, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                logprobs=1)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [(o.outputs[0].text, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                        o.outputs[0].token_ids, strict=True)])
+            for o in outs]
+
+
+def complete(server, prompt, rank=None, max_tokens=MAX_TOKENS, timeout=60.0):
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    status, raw = server.request("POST", "/v1/completions", {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "logprobs": 1}, headers=headers, timeout=timeout)
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]
+
+
+def assert_matches(server, expected, ranks):
+    """All PROMPTS at once, pinned round-robin over `ranks`, so that steps mix every rank's
+    tokens, ranks with none, and prefill with decode."""
+    pins = [ranks[i % len(ranks)] for i in range(len(PROMPTS))]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        choices = list(pool.map(lambda a: complete(server, *a), zip(PROMPTS, pins)))
+    for choice, (text, logprobs) in zip(choices, expected, strict=True):
+        assert choice["text"] == text
+        got = choice["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < LOGPROB_ATOL
+
+
+def dummy_steps(server, num_engines: int) -> list[float]:
+    return [server.metric("parashift_lockstep_dummy_steps", f'engine="dp{r}"') or 0.0
+            for r in range(num_engines)]
+
+
+def settled_dummy_steps(server, num_engines: int) -> list[float]:
+    """The counters once they stop moving (the coordinator publishes within 100 ms)."""
+    last = dummy_steps(server, num_engines)
+    while True:
+        time.sleep(0.5)
+        now = dummy_steps(server, num_engines)
+        if now == last:
+            return now
+        last = now
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny_model_factory) -> str:
+    return tiny_model_factory("mixtral")  # 5 experts: 3 on dp0, 2 on dp1
+
+
+@pytest.fixture(scope="module")
+def dp2xep(mixtral):
+    with running_server(mixtral, *ARGS, "--strategy", "dp2xep") as s:
+        yield s
+
+
+def test_dp2xep_matches_one_engine_with_every_expert(dp2xep, mixtral):
+    assert_matches(dp2xep, reference(mixtral), [0, 1])
+    assert_matches(dp2xep, reference(mixtral), [1])  # dp0 runs only dummy steps
+
+
+def test_dp2xtp2xep_matches_one_engine_with_every_expert(tiny_model_factory):
+    model = tiny_model_factory("qwen3_moe")  # 5 experts over 4 ranks: 2, 1, 1, 1
+    with running_server(model, *ARGS, "--strategy", "dp2xtp2xep") as s:
+        assert_matches(s, reference(model), [0, 1])
+
+
+def test_dp4xep_one_request_runs_one_wave_with_one_dummy_step_after(mixtral):
+    """The serving rank runs one dummy step (the wave's last, where no rank had work); the
+    others run one per step of the wave. Then they block: no more steps, almost no CPU."""
+    with running_server(mixtral, *ARGS, "--strategy", "dp4xep") as s:
+        before = settled_dummy_steps(s, 4)
+        prompt = PROMPTS[0]  # one prefill step, then a decode step per further token
+        assert len(complete(s, prompt, rank=2)["logprobs"]["tokens"]) == MAX_TOKENS
+        after = settled_dummy_steps(s, 4)
+        added = [a - b for a, b in zip(after, before, strict=True)]
+        assert added == [MAX_TOKENS + 1, MAX_TOKENS + 1, 1, MAX_TOKENS + 1], added
+        engines = [s.engine_process(r) for r in range(4)]
+        cpu = [e.cpu_times() for e in engines]
+        time.sleep(5)
+        for engine, start in zip(engines, cpu, strict=True):
+            end = engine.cpu_times()
+            used = (end.user + end.system) - (start.user + start.system)
+            assert used / 5 < 0.02, (engine.name(), used)
+        assert dummy_steps(s, 4) == after
+
+
+def test_random_arrivals_all_finish_and_the_waves_stop(dp2xep):
+    """200 requests of random lengths arriving at random times, some pinned, some aborted by
+    a client that gives up: every other one completes, then no engine steps."""
+    rng = random.Random(7)
+    jobs = [([rng.randrange(1, 250) for _ in range(rng.randrange(1, 60))],
+             rng.choice([None, 0, 1]), rng.randrange(1, 12), rng.random() * 4)
+            for _ in range(200)]
+
+    def run(job):
+        prompt, rank, max_tokens, delay = job
+        time.sleep(delay)
+        return len(complete(dp2xep, prompt, rank, max_tokens)["logprobs"]["tokens"])
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        lengths = list(pool.map(run, jobs))
+    assert lengths == [job[2] for job in jobs]
+    assert time.monotonic() - start < 120
+    settled = settled_dummy_steps(dp2xep, 2)
+    time.sleep(1)
+    assert dummy_steps(dp2xep, 2) == settled
+
+
+def test_a_request_that_arrives_as_a_wave_ends_is_served(dp2xep):
+    """Each request starts right after the previous one finished, on the other rank, with a
+    jittered gap: some land in the wave's last step, some just after it."""
+    rng = random.Random(3)
+    for i in range(30):
+        time.sleep(rng.random() * 0.01)
+        assert complete(dp2xep, PROMPTS[i % len(PROMPTS)], rank=i % 2, max_tokens=1,
+                        timeout=20)
+
+
+def test_sigkill_fails_the_groups_requests_and_restart_brings_it_back(tiny_model_factory):
+    """dp2xep with a long context, so that the requests are still running when dp1 dies:
+    both ranks' requests fail fast (dp0 cannot step without dp1's experts), /health names
+    the ranks, and the restarted group serves again."""
+    model = tiny_model_factory("mixtral", max_position_embeddings=8192)
+    with running_server(model, "--dtype", "float32", "--max-model-len", "8192",
+                        "--kv-cache-memory", "32MiB", "--strategy", "dp2xep",
+                        "--restart-dead-engines") as s:
+        long_prompt = [(7 * j) % 250 + 1 for j in range(16)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(s.request, "POST", "/v1/completions", {
+                "prompt": long_prompt, "max_tokens": 8000, "ignore_eos": True},
+                {"X-data-parallel-rank": str(r % 2)}, 60) for r in range(4)]
+            time.sleep(2)
+            assert not any(f.done() for f in futures)
+            victim = s.engine_process(1)
+            killed = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            statuses = [f.result()[0] for f in futures]
+            assert time.monotonic() - killed < 15
+        assert all(code >= 500 for code in statuses), statuses
+        status, body = s.get_json("/health")  # the restart waits 1 s at least
+        assert status == 503 and "dp0" in body["detail"] and "dp1" in body["detail"], body
+        deadline = time.monotonic() + 90
+        while s.get_json("/health")[0] != 200:
+            assert time.monotonic() < deadline, s.output()[-4000:]
+            time.sleep(0.2)
+        assert psutil.pid_exists(victim.pid) is False or victim.status() == psutil.STATUS_ZOMBIE
+        for rank in (0, 1):
+            assert complete(s, PROMPTS[0], rank=rank, max_tokens=2)
