@@ -35,3 +35,24 @@ def test_tiny_model_offline(tiny_split_by_3, tp):
 @pytest.mark.parametrize("tp", [1, 3])
 def test_smollm2_offline(smollm2_path, tp):
     _check_offline(smollm2_path, tp)
+
+
+def _check_offline_strategy(model: str, strategy: str, workers: int) -> None:
+    blocks, weights = predicted(plan_json(model, strategy))
+    llm = LLM(model, strategy=strategy)
+    try:
+        assert llm.engine.num_blocks == blocks
+        # Rank 0 holds the most experts (the remainder goes to the first ranks).
+        assert llm.engine.weight_bytes[0] == weights
+        assert len(llm.engine.weight_bytes) == workers
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch,strategy,workers", [
+    ("mixtral", "dp1", 1), ("mixtral", "tp2", 2), ("qwen2_moe", "dp1", 1),
+    ("qwen2_moe", "tp2", 2), ("qwen3_moe", "tp2xep", 2)])
+def test_moe_models_offline(tiny_model_factory, arch, strategy, workers):
+    """Routed experts (split by columns, or whole per rank under ep), the router, Qwen2-MoE's
+    gated shared expert and its dense layer: as the engine allocates them."""
+    _check_offline_strategy(tiny_model_factory(arch), strategy, workers)

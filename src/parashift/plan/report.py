@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from parashift.plan.estimate import Plan, PlanSettings
-from parashift.strategies.layout import MeshPoint
+from parashift.strategies.layout import MeshPoint, ShardPlan
 from parashift.strategies.mesh import RankPlacement
 
 GIB = 2**30
@@ -28,6 +28,7 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
                         "max_length_sequences": plan.concurrent_max_len_seqs},
         "experts_per_rank": plan.experts_per_rank,
+        "expert_options": plan.expert_options,
         "communication": plan.comm, "estimate": plan.estimate,
         "pipeline_bubble": plan.bubble,
     }
@@ -37,16 +38,29 @@ def _rank_row(plan: Plan, rank: RankPlacement) -> dict[str, Any]:
     row = dataclasses.asdict(rank)
     row.update(row.pop("coords"))
     row["cpu_ids"] = list(rank.cpu_ids)
-    row["ep"] = _ep(plan, rank)
+    shard = _ep_shard(plan, rank)
+    row["ep"] = shard.ep_rank if shard else None
+    row["experts"] = list(shard.experts) if shard and shard.experts else None
     return row
 
 
-def _ep(plan: Plan, rank: RankPlacement) -> int | None:
-    """The rank's place in its expert-parallel group, from the strategy's shard plan."""
+def _ep_shard(plan: Plan, rank: RankPlacement) -> ShardPlan | None:
+    """The rank's place in its expert-parallel group and its experts, from the strategy's
+    shard plan (None without ep)."""
     if plan.spec.axis("ep") is None:
         return None
     at = MeshPoint(rank.coords, plan.spec.sizes())
-    return plan.spec.shard(at, plan.shape.as_hf_config()).ep_rank
+    return plan.spec.shard(at, plan.shape.as_hf_config())
+
+
+def _ep_cell(plan: Plan, rank: RankPlacement) -> str:
+    shard = _ep_shard(plan, rank)
+    if shard is None:
+        return "-"
+    if not shard.experts:
+        return str(shard.ep_rank)
+    first, end = shard.experts
+    return f"{shard.ep_rank}: experts {first}-{end - 1}"
 
 
 def show(plan: Plan, s: PlanSettings, console: Console) -> None:
@@ -63,9 +77,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
         for col in ("rank", "node", "device", *names, "ep", "process"):
             table.add_column(col)
         for r in mesh.ranks:
-            ep = _ep(plan, r)
             table.add_row(str(r.rank), str(r.node), r.device, *(str(r.coords[n]) for n in names),
-                          "-" if ep is None else str(ep), r.process_name)
+                          _ep_cell(plan, r), r.process_name)
         console.print(table)
         if mesh.api_server_cpus:
             console.print(f"API servers on cpu{list(mesh.api_server_cpus)}")
@@ -83,6 +96,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   f"tokens = {plan.concurrent_max_len_seqs:.1f} max-length sequences"
                   + (f"; {plan.experts_per_rank} experts per rank" if plan.experts_per_rank
                      else ""))
+    if plan.expert_options:
+        _show_expert_options(plan, console)
     if plan.comm:
         table = Table(title="communication per step")
         for col in ("what", "count", "bytes per token", "more"):
@@ -108,6 +123,20 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
         console.print(f"[red]error:[/] {error}")
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def _show_expert_options(plan: Plan, console: Console) -> None:
+    table = Table(title="experts: replicated or sharded (ep: E // ranks each, the remainder "
+                        "to the first ranks)")
+    for col in ("option", "strategy", "experts per rank", "expert GiB per rank",
+                "weights GiB per rank", "note"):
+        table.add_column(col)
+    for name, o in plan.expert_options.items():
+        held = o["experts_per_rank"]
+        shown = ", ".join(map(str, held)) if len(set(held)) > 1 else f"{held[0]} each"
+        table.add_row(name, o["strategy"], shown, f"{o['expert_bytes_per_rank'] / GIB:.2f}",
+                      f"{o['weight_bytes_per_rank'] / GIB:.2f}", "; ".join(o["errors"]))
+    console.print(table)
 
 
 def show_ranking(plans: list[Plan], why: str, console: Console) -> None:

@@ -26,8 +26,11 @@ class ModelShape:
     num_experts: int = 0  # MoE: routed experts per MoE layer
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    num_shared_experts: int = 0
+    num_shared_experts: int = 0  # DeepSeek: shared experts of moe_intermediate_size each
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one gated shared expert this wide
     first_dense_layers: int = 0  # DeepSeek: the first k layers have a dense MLP
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: these layers stay dense, and only
+    decoder_sparse_step: int = 1  # every step-th layer is sparse (models/moe_model.py)
     # Multi-head latent attention (DeepSeek): the cache holds one latent per token and layer.
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -49,8 +52,21 @@ class ModelShape:
         return self.kv_lora_rank > 0
 
     @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        if not self.is_moe:
+            return tuple(range(self.num_layers))
+        return tuple(i for i in range(self.num_layers)
+                     if i < self.first_dense_layers or i in self.mlp_only_layers
+                     or (i + 1) % self.decoder_sparse_step)
+
+    @property
     def moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+        return self.num_layers - len(self.dense_layer_ids)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return (self.shared_expert_intermediate_size
+                or self.num_shared_experts * self.moe_intermediate_size)
 
     # --- parameters ---------------------------------------------------------------------------
     def attention_params(self) -> int:
@@ -75,8 +91,11 @@ class ModelShape:
         return self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
-        moe = self.moe_layers * (self.num_experts + self.num_shared_experts) * self.expert_params()
-        router = self.moe_layers * self.hidden_size * self.num_experts
+        h = self.hidden_size
+        moe = self.moe_layers * (self.num_experts * self.expert_params()
+                                 + 3 * h * self.shared_intermediate_size)
+        gates = 1 if self.shared_expert_intermediate_size else 0
+        router = self.moe_layers * h * (self.num_experts + gates)
         dense = (self.num_layers - self.moe_layers) * self.dense_mlp_params()
         heads = self.embedding_params() * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * self.attention_params() + moe + router + dense + heads
@@ -95,10 +114,11 @@ class ModelShape:
             num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
             qk_norm=self.qk_norm, intermediate_size=self.intermediate_size,
             layers=self.num_layers, moe_layers=self.moe_layers,
-            first_dense_layers=self.first_dense_layers, num_experts=self.num_experts,
+            dense_layer_ids=self.dense_layer_ids, num_experts=self.num_experts,
             num_experts_per_tok=self.num_experts_per_tok, experts_held=self.num_experts,
             moe_intermediate_size=self.moe_intermediate_size if self.is_moe else 0,
-            shared_intermediate_size=self.num_shared_experts * self.moe_intermediate_size,
+            shared_intermediate_size=self.shared_intermediate_size,
+            shared_expert_gate=bool(self.shared_expert_intermediate_size),
             vocab_rows=self.vocab_size, has_embedding=True,
             has_lm_head=not self.tie_word_embeddings, has_final_norm=True,
             mla_attention_params=self.attention_params() if self.is_mla else 0,
@@ -135,7 +155,11 @@ def from_hf_config(cfg: Any, name: str) -> ModelShape:
         moe_intermediate_size=(getattr(cfg, "moe_intermediate_size", None)
                                or (cfg.intermediate_size if experts else 0)),
         num_shared_experts=getattr(cfg, "n_shared_experts", 0) or 0,
+        shared_expert_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0)
+        or 0,
         first_dense_layers=getattr(cfg, "first_k_dense_replace", 0) or 0,
+        mlp_only_layers=tuple(getattr(cfg, "mlp_only_layers", None) or ()),
+        decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1) or 1,
         kv_lora_rank=getattr(cfg, "kv_lora_rank", 0) or 0,
         q_lora_rank=getattr(cfg, "q_lora_rank", 0) or 0,
         qk_rope_head_dim=getattr(cfg, "qk_rope_head_dim", 0) or 0,

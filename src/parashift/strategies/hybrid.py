@@ -29,13 +29,16 @@ class HybridStrategy:
 
     def validate_errors(self, hf_config: Any) -> list[str]:
         errors = [e for axis in self.axes for e in axis.validate(hf_config)]
-        if errors:
-            return errors
-        sizes = self.sizes()
-        return [e for axis in self.axes for e in axis.check_layout(sizes, hf_config)]
+        return errors or self.layout_errors(hf_config)
 
     def model_errors(self, hf_config: Any) -> list[str]:
-        return [e for axis in self.axes for e in axis.check_model(hf_config)]
+        """What stops the layout on this model (what `plan` reports), availability aside."""
+        errors = [e for axis in self.axes for e in axis.check_model(hf_config)]
+        return errors or self.layout_errors(hf_config)
+
+    def layout_errors(self, hf_config: Any) -> list[str]:
+        sizes = self.sizes()
+        return [e for axis in self.axes for e in axis.check_layout(sizes, hf_config)]
 
     def unavailable(self) -> list[str]:
         return [e for axis in self.axes if (e := axis.unavailable())]

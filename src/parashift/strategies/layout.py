@@ -93,12 +93,13 @@ class DeviceCost:
     intermediate_size: int  # dense MLP columns held
     layers: int
     moe_layers: int
-    first_dense_layers: int  # MoE models: the first layers keep a dense MLP
+    dense_layer_ids: tuple[int, ...]  # MoE models: the layers that keep a dense MLP
     num_experts: int  # routed experts of the model (the router scores all of them)
     num_experts_per_tok: int
     experts_held: int  # routed experts held, per MoE layer
     moe_intermediate_size: int  # columns of one routed expert held
     shared_intermediate_size: int  # columns of the shared experts held
+    shared_expert_gate: bool  # Qwen2-MoE: a 1-row sigmoid gate on the shared expert
     vocab_rows: int  # padded vocabulary rows of one embedding / LM head on this device
     has_embedding: bool
     has_lm_head: bool  # its own LM head weight (not tied to an embedding on this device)
@@ -121,7 +122,8 @@ class DeviceCost:
         h = self.hidden_size
         dense = self.layers - self.moe_layers
         moe = (3 * h * (self.experts_held * self.moe_intermediate_size
-                        + self.shared_intermediate_size) + h * self.num_experts)
+                        + self.shared_intermediate_size) + h * self.num_experts
+               + (h if self.shared_expert_gate else 0))
         rows = self.vocab_rows * ((1 if self.has_embedding else 0)
                                   + (1 if self.has_lm_head else 0))
         return (self.layers * (self.attention_params() + 2 * h)

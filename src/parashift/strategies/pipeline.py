@@ -86,7 +86,7 @@ class PipelineParallel(Strategy):
         if self.size == 1 or plan.layers is None:
             return cost
         first, end = plan.layers
-        moe = (sum(1 for i in range(first, end) if i >= cost.first_dense_layers)
+        moe = (sum(1 for i in range(first, end) if i not in cost.dense_layer_ids)
                if cost.moe_layers else 0)
         # A tied LM head on another stage than the embedding needs its own copy.
         lm_head = plan.has_lm_head and (cost.has_lm_head or not plan.has_embedding)
