@@ -54,7 +54,8 @@ def assert_matches(server, expected, ranks):
     tokens, ranks with none, and prefill with decode."""
     pins = [ranks[i % len(ranks)] for i in range(len(PROMPTS))]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        choices = list(pool.map(lambda a: complete(server, *a), zip(PROMPTS, pins)))
+        choices = list(pool.map(lambda a: complete(server, *a),
+                                zip(PROMPTS, pins, strict=True)))
     for choice, (text, logprobs) in zip(choices, expected, strict=True):
         assert choice["text"] == text
         got = choice["logprobs"]["token_logprobs"]
