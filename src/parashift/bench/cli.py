@@ -12,6 +12,7 @@ import typer
 
 from parashift.bench.backends import backends
 from parashift.bench.dp_scaling import dp_scaling
+from parashift.bench.moe import moe
 from parashift.bench.options import Plot, SaveJson, Seed
 from parashift.bench.pipeline import pipeline
 from parashift.bench.serve_cli import serve, sweep
@@ -85,5 +86,6 @@ bench_app.command()(sweep)
 bench_app.command()(dp_scaling)
 bench_app.command()(tp)
 bench_app.command()(pipeline)
+bench_app.command()(moe)
 bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)

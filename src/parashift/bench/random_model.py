@@ -1,6 +1,7 @@
-"""A random-weight Llama saved as a Hugging Face folder, for benchmarks that need a model big
-enough for compute and weight streaming to dominate (`parashift bench tp`). Token ids are all
-that matter: SmolLM2's tokenizer (49k entries) detokenizes any id below its size."""
+"""Random-weight models saved as Hugging Face folders, for benchmarks that need a model big
+enough for compute and weight streaming to dominate: a Llama (`parashift bench tp`) and a
+Mixtral-shaped MoE (`parashift bench moe`). Token ids are all that matter: SmolLM2's tokenizer
+(49k entries) detokenizes any id below its size."""
 
 from __future__ import annotations
 
@@ -11,13 +12,36 @@ import tempfile
 def random_llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
                  vocab: int, root: str | None = None) -> str:
     """The folder of that model under `root` (the temp dir), made once per shape."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from parashift.models.loader import resolve_model_path
+    from transformers import LlamaConfig
 
     name = f"parashift-bench-llama-h{hidden}-i{intermediate}-l{layers}-a{heads}-kv{kv_heads}" \
            f"-v{vocab}"
+    return _saved(name, root, vocab, lambda: LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=2048, tie_word_embeddings=False))
+
+
+def random_mixtral(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                   experts: int, top_k: int, vocab: int, root: str | None = None) -> str:
+    """A Mixtral-shaped MoE: `experts` routed experts of `intermediate` columns, top-k."""
+    from transformers import MixtralConfig
+
+    name = f"parashift-bench-mixtral-h{hidden}-i{intermediate}-l{layers}-a{heads}-kv{kv_heads}" \
+           f"-e{experts}-k{top_k}-v{vocab}"
+    return _saved(name, root, vocab, lambda: MixtralConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=2048,
+        tie_word_embeddings=False))
+
+
+def _saved(name: str, root: str | None, vocab: int, make_config) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from parashift.models.loader import resolve_model_path
+
     folder = os.path.join(root or tempfile.gettempdir(), name)
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):  # written last
         return folder
@@ -25,18 +49,14 @@ def random_llama(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
     if vocab > len(tokenizer):
         raise ValueError(f"--vocab {vocab} is above the {len(tokenizer)} entries of the "
                          "tokenizer it is saved with")
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                         tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.02)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    print(f"random Llama: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters "
-          f"-> {folder}", flush=True)
+    print(f"random {name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
+          f"parameters -> {folder}", flush=True)
     return folder

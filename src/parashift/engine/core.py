@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
@@ -45,7 +46,10 @@ class EngineCore:
                  placement: EnginePlacement | None = None):
         self.config = config
         self.executor = executor or make_executor(config, placement)
-        self.num_dummy_steps = 0  # lockstep steps run with nothing to schedule
+        # Lockstep: steps with nothing to schedule, waves ended, seconds stepping and in the
+        # expert dispatch within the steps.
+        self.num_dummy_steps = self.num_waves = 0
+        self.step_seconds = self.dispatch_seconds = 0.0
         try:
             self._init_kv_cache()
             self.weight_bytes = self.executor.weight_bytes()
@@ -100,7 +104,11 @@ class EngineCore:
         scheduler_output.has_work = self.scheduler.has_unfinished_requests
         if scheduler_output.is_empty:
             self.num_dummy_steps += 1
+        start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.step_seconds += time.perf_counter() - start
+        self.dispatch_seconds += runner_output.dispatch_seconds
+        self.num_waves += 0 if runner_output.group_has_work else 1
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return outputs, bool(runner_output.group_has_work)
 
@@ -122,7 +130,8 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        stats.num_dummy_steps = self.num_dummy_steps
+        stats.num_dummy_steps, stats.num_waves = self.num_dummy_steps, self.num_waves
+        stats.step_seconds, stats.dispatch_seconds = self.step_seconds, self.dispatch_seconds
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -55,7 +55,7 @@ class EngineProcess:
         self.stopping = False
         self.core: EngineCore | None = None
         self.load_out: zmq.Socket | None = None  # to the DP coordinator
-        self._last_load: tuple[int, int, int] | None = None
+        self._last_load: tuple[int, ...] | None = None
         self.lockstep = False  # expert parallel over engines: every step in waves
         self.wave = WaveState()
         self.waves_in: zmq.Socket | None = None
@@ -184,12 +184,14 @@ class EngineProcess:
         if self.load_out is None:
             return
         stats = self.core.stats()
-        load = (stats.num_waiting, stats.num_running, stats.num_dummy_steps)
+        # Lockstep counters change at a wave's end at the latest: the step seconds go along.
+        load = (stats.num_waiting, stats.num_running, stats.num_dummy_steps, stats.num_waves)
         if load != self._last_load:
             self._last_load = load
             self.load_out.send(p.encode(p.EngineLoad(
                 self.rank, stats.num_waiting, stats.num_running, stats.kv_cache_usage,
-                stats.num_dummy_steps)))
+                stats.num_dummy_steps, stats.num_waves, stats.step_seconds,
+                stats.dispatch_seconds)))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

@@ -101,6 +101,8 @@ class ModelRunner:
         if self.dispatcher is None:
             return self._run(out) if not out.is_empty else ModelRunnerOutput({})
         # Lockstep: every engine comes here every step of a wave, with work or without.
+        comm = self.dispatcher.ep.stats
+        waited = comm.seconds
         group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens,
                                                     out.has_work)
         if not out.is_empty:
@@ -110,6 +112,7 @@ class ModelRunner:
                 self._forward_no_tokens()
             result = ModelRunnerOutput({})
         result.group_has_work = group_has_work
+        result.dispatch_seconds = comm.seconds - waited
         return result
 
     def _forward_no_tokens(self) -> None:

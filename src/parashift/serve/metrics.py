@@ -39,6 +39,15 @@ class Metrics:
                                  "Steps an engine ran with nothing to schedule so that its "
                                  "expert-parallel group's collectives had it (since it started)",
                                  ["engine"], registry=r)
+        self.waves = Gauge("parashift_lockstep_waves", "Lockstep waves an engine has ended",
+                           ["engine"], registry=r)
+        self.step_seconds = Gauge("parashift_lockstep_step_seconds",
+                                  "Seconds an engine spent in lockstep steps", ["engine"],
+                                  registry=r)
+        self.dispatch_seconds = Gauge("parashift_expert_dispatch_seconds",
+                                      "Seconds of those steps in the expert dispatch and "
+                                      "combine (waiting for slower engines included)",
+                                      ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 
@@ -47,10 +56,16 @@ class Metrics:
         self.running.labels(engine).set(s.num_running)
         self.waiting.labels(engine).set(s.num_waiting)
         self.kv_usage.labels(engine).set(s.kv_cache_usage)
-        self.dummy_steps.labels(engine).set(s.num_dummy_steps)
+        self._lockstep(engine, s)
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
+
+    def _lockstep(self, engine: str, s) -> None:
+        self.dummy_steps.labels(engine).set(s.num_dummy_steps)
+        self.waves.labels(engine).set(s.num_waves)
+        self.step_seconds.labels(engine).set(s.step_seconds)
+        self.dispatch_seconds.labels(engine).set(s.dispatch_seconds)
 
     def on_load_vector(self, vector: p.LoadVector) -> None:
         for load in vector.loads:
@@ -58,7 +73,7 @@ class Metrics:
             self.running.labels(engine).set(load.num_running)
             self.waiting.labels(engine).set(load.num_waiting)
             self.kv_usage.labels(engine).set(load.kv_cache_usage)
-            self.dummy_steps.labels(engine).set(load.num_dummy_steps)
+            self._lockstep(engine, load)
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:

@@ -60,6 +60,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] | None = None
     group_has_work: bool | None = None  # lockstep: whether any engine of the group had work
+    dispatch_seconds: float = 0.0  # lockstep: this step's expert dispatch and combine
 
 
 @dataclass
@@ -83,4 +84,9 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
-    num_dummy_steps: int = 0  # lockstep: steps run with nothing to schedule (since start)
+    # Lockstep, since the engine started: steps run with nothing to schedule, waves ended,
+    # and the seconds of all steps and of their expert dispatch / combine within them.
+    num_dummy_steps: int = 0
+    num_waves: int = 0
+    step_seconds: float = 0.0
+    dispatch_seconds: float = 0.0

@@ -158,7 +158,11 @@ class EngineLoad(_Msg):
     num_waiting: int
     num_running: int
     kv_cache_usage: float
-    num_dummy_steps: int = 0  # lockstep: since the engine started
+    # Lockstep, since the engine started (types/outputs.py SchedulerStats)
+    num_dummy_steps: int = 0
+    num_waves: int = 0
+    step_seconds: float = 0.0
+    dispatch_seconds: float = 0.0
 
 
 class Heartbeat(_Msg):
