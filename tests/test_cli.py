@@ -32,6 +32,15 @@ def test_generate_runs_pipeline_stages(tiny_llama):
     assert pp2.stdout == pp1.stdout and "2 workers ready" in pp2.stderr
 
 
+def test_generate_runs_an_moe_model_with_experts_over_tp_ranks(tiny_model_factory):
+    model = tiny_model_factory("mixtral")
+    args = ("--prompt", "hello", "--max-tokens", "6", "--ignore-eos", "--dtype", "float32")
+    whole = run_cli("generate", model, *args)
+    split = run_cli("generate", model, *args, "--strategy", "tp2xep")
+    assert split.returncode == 0, split.stderr
+    assert split.stdout == whole.stdout and "2 workers ready" in split.stderr
+
+
 def test_generate_batch_prints_every_prompt(tiny_llama):
     result = run_cli("generate", tiny_llama, "-p", "a", "-p", "b", "--max-tokens", "3",
                      "--ignore-eos", "--chat")

@@ -10,6 +10,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -183,3 +185,26 @@ def test_sigkill_fails_the_groups_requests_and_restart_brings_it_back(tiny_model
         assert psutil.pid_exists(victim.pid) is False or victim.status() == psutil.STATUS_ZOMBIE
         for rank in (0, 1):
             assert complete(s, PROMPTS[0], rank=rank, max_tokens=2)
+
+
+@pytest.mark.parametrize("model,args,message", [
+    ("tiny_llama", ["--strategy", "dp2xep"],
+     "ep: the model has no experts (expert parallel needs an MoE model)"),
+    ("mixtral", ["--strategy", "dp4xtp2xep"],
+     "ep: 8 dp x tp ranks need at least 8 experts, the model has 5"),
+    ("mixtral", ["--strategy", "dp2xpp2xep"], "ep does not combine with pp yet"),
+    ("mixtral", ["--strategy", "dp2xep", "--backend", "ray"],
+     "expert parallel over engines runs on one node with --backend mp"),
+])
+def test_layouts_expert_parallel_cannot_run_are_refused(request, model, args, message):
+    folder = request.getfixturevalue(model)
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", folder, *ARGS, *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_ray_backend_serves_an_moe_model_with_replicated_experts(mixtral):
+    """Without ep an MoE model's engines are independent, as dense ones are: Ray places them
+    (dp2xtp2: every expert split over each engine's two worker actors)."""
+    with running_server(mixtral, *ARGS, "--backend", "ray", "--strategy", "dp2xtp2") as s:
+        assert_matches(s, reference(mixtral), [0, 1])

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 from parashift.bench.options import Dtype, InputLenRange, OutputLenRange, Repeat, SaveJson
-from parashift.cli_options import ModelArg, fail, setup_logging
+from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 LAYOUTS = {"dp2 (experts replicated)": "dp2", "dp2xep": "dp2xep"}
 RUN_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
@@ -154,6 +154,9 @@ def moe(
     input_len_range: InputLenRange = "32:128",
     output_len_range: OutputLenRange = "64:64",
     repeat: Repeat = 3,
+    dispatch_tokens: Annotated[str, typer.Option(
+        help="tokens per rank at which to time the two dispatch methods alone "
+             "(all-gather+reduce-scatter, all-to-all); 'none' to skip")] = "16,64,512",
     save_json: SaveJson = None,
 ) -> None:
     """dp2xep against dp2 with replicated experts: memory per rank, throughput and TPOT at a
@@ -166,6 +169,8 @@ def moe(
 
     if concurrency < 1 or repeat < 1:
         fail("--concurrency and --repeat must be >= 1")
+    token_counts = ([] if dispatch_tokens == "none"
+                    else parse_counts(dispatch_tokens, "--dispatch-tokens"))
     folder = model or random_mixtral(hidden=1024, intermediate=2048, layers=8, heads=16,
                                      kv_heads=4, experts=8, top_k=2, vocab=32000)
     try:
@@ -202,10 +207,25 @@ def moe(
     memory = (max(sharded["expert_bytes_per_rank"].values())
               / max(replicated["expert_bytes_per_rank"].values()))
     typer.echo(f"dp2xep over dp2: throughput {ratio:.2f}x, expert memory per rank {memory:.2f}x")
+    dispatch = dispatch_comparison(folder, token_counts)
     if save_json:
         report.save_json(save_json, "moe", {
             "model": model or folder, "dtype": dtype, "num_prompts": num_prompts,
             "concurrency": concurrency, "input_len_range": input_len_range,
             "output_len_range": output_len_range, "repeat": repeat},
             {"layouts": rows, "plan_expert_options": options, "throughput_ratio": ratio,
-             "expert_memory_ratio": memory})
+             "expert_memory_ratio": memory, "dispatch_methods": dispatch})
+
+
+def dispatch_comparison(model: str, token_counts: list[int]) -> dict[int, dict[str, float]]:
+    from parashift.bench.dispatch import time_dispatch
+    from parashift.models.loader import load_hf_config
+
+    cfg = load_hf_config(model)
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    out = {}
+    for tokens in token_counts:
+        out[tokens] = time_dispatch(tokens, cfg.hidden_size, experts, cfg.num_experts_per_tok)
+        typer.echo(f"one layer's token exchange, {tokens} tokens per rank: " + ", ".join(
+            f"{name} {seconds * 1e3:.2f} ms" for name, seconds in out[tokens].items()))
+    return out

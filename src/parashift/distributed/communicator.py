@@ -44,9 +44,7 @@ class GroupCommunicator:
                 self.shm.all_reduce(tensor)
             else:
                 dist.all_reduce(tensor, group=self.group)
-            self.stats.calls += 1
-            self.stats.seconds += time.perf_counter() - start
-            self.stats.bytes += tensor.numel() * tensor.element_size()
+            self._count(start, tensor)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -55,10 +53,21 @@ class GroupCommunicator:
         start = time.perf_counter()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        self.stats.calls += 1
-        self.stats.seconds += time.perf_counter() - start
-        self.stats.bytes += tensor.numel() * tensor.element_size() * self.world_size
+        self._count(start, tensor)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Block i of `tensor`'s rows goes to rank i; block j of the result came from rank j
+        (equal blocks). The group's own call, so that groups outside the default world (the
+        expert-parallel group) can make it too."""
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        self.group.alltoall_base(out, tensor, [], [], dist.AllToAllOptions()).wait()
+        self._count(start, tensor)
+        return out
 
     def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks and keep this rank's block of rows ([world * n, ...] ->
@@ -68,10 +77,13 @@ class GroupCommunicator:
         start = time.perf_counter()
         out = tensor.new_empty(tensor.shape[0] // self.world_size, *tensor.shape[1:])
         dist.reduce_scatter(out, list(tensor.chunk(self.world_size)), group=self.group)
+        self._count(start, tensor)
+        return out
+
+    def _count(self, start: float, tensor: torch.Tensor) -> None:
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         self.stats.bytes += tensor.numel() * tensor.element_size()
-        return out
 
     def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's tensor on rank 0; other ranks get None."""

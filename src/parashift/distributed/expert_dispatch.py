@@ -1,16 +1,24 @@
 """Expert parallel's dispatch and combine: every rank's tokens go to every rank that holds some
 of the experts, and each token's expert outputs come back summed.
 
-Chosen: all-gather + reduce-scatter over the engines (the `ep` group: ranks with the same tp
-coordinate, one per engine), padded to the largest rank's token count. Every collective has a
-fixed shape known from one small exchange per step (the token counts, which also carry the
-waves' "does any rank still have work"), so a rank with no tokens joins with zero rows and
-nothing else is exchanged per layer. An all-to-all would move only the routed copies, but needs
-per-layer split sizes first; docs/BENCHMARKS.md has the measured comparison."""
+The exchange is a gather and a scatter-sum of fixed shape: every engine's tokens, padded to the
+largest engine's count, known from one small exchange per step (the token counts, which also
+carry the waves' "does any engine still have work"). A rank with no tokens joins with zero
+rows, and nothing else is exchanged per layer.
+
+How the bytes move depends on the backend (measured with `parashift bench moe`, see
+docs/BENCHMARKS.md): on gloo, torch's all_gather and reduce_scatter take 2.4-6x as long as an
+all-to-all of the same blocks (gloo's reduce_scatter is a reduce and a scatter), so on CPU
+both directions are equal-block all-to-alls (the gather sends this rank's block to every
+rank; the combine sends each rank the partial outputs for its tokens and sums what comes back).
+On nccl the native all_gather and reduce_scatter are used. A routed all-to-all, moving only
+the copies a token's top-k experts need, saves little with 2 engines (with top-2 of 8 experts
+79% of the tokens need the other engine) and needs per-layer split sizes: not chosen."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from parashift.distributed.communicator import GroupCommunicator
 
@@ -22,6 +30,7 @@ class ExpertDispatcher:
     def __init__(self, ep: GroupCommunicator):
         self.ep = ep
         self.counts: list[int] = []  # tokens of each rank this step
+        self.over_all_to_all = isinstance(ep.group, dist.ProcessGroupGloo)
 
     @property
     def is_active(self) -> bool:
@@ -33,7 +42,7 @@ class ExpertDispatcher:
             self.counts = [num_tokens]
             return has_work
         mine = torch.tensor([[num_tokens, int(has_work)]], dtype=torch.int64)
-        every = self.ep.all_gather(mine, dim=0)  # [ranks, 2]
+        every = self._gather(mine)  # [ranks, 2]
         self.counts = every[:, 0].tolist()
         return bool(every[:, 1].any())
 
@@ -48,7 +57,7 @@ class ExpertDispatcher:
             return hidden
         padded = hidden.new_zeros(self.max_tokens, hidden.shape[1])
         padded[: hidden.shape[0]] = hidden
-        return self.ep.all_gather(padded, dim=0)
+        return self._gather(padded)
 
     def valid_rows(self, device: torch.device) -> torch.Tensor:
         """[ranks * max_tokens] bool: which dispatched rows are real tokens, not padding."""
@@ -62,4 +71,13 @@ class ExpertDispatcher:
         rank's rows summed over every rank's experts."""
         if not self.is_active:
             return partial
-        return self.ep.reduce_scatter(partial)[:num_tokens]
+        if not self.over_all_to_all:
+            return self.ep.reduce_scatter(partial)[:num_tokens]
+        received = self.ep.all_to_all(partial)  # block j: rank j's partials for our tokens
+        return received.view(self.ep.world_size, -1, partial.shape[1]).sum(0)[:num_tokens]
+
+    def _gather(self, block: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [ranks * n, ...], rank order."""
+        if not self.over_all_to_all:
+            return self.ep.all_gather(block, dim=0)
+        return self.ep.all_to_all(block.repeat(self.ep.world_size, *[1] * (block.dim() - 1)))
