@@ -31,11 +31,11 @@ def test_route_renormalises_only_when_asked():
 
 
 @pytest.mark.parametrize("arch,strategy", [("mixtral", "tp2"), ("qwen2_moe", "tp2"),
-                                           ("qwen3_moe", "tp2xep")])
+                                           ("qwen3_moe", "tp2xep"), ("qwen2_moe", "pp2")])
 def test_moe_model_in_one_engine_over_two_ranks_matches_transformers(tiny_model_factory, arch,
                                                                    strategy):
     """tp2: every expert split by columns; tp2xep: whole experts, 3 on one rank and 2 on the
-    other, summed by the tp all-reduce."""
+    other, summed by the tp all-reduce; pp2: a sparse stage and a dense one."""
     folder = tiny_model_factory(arch)
     llm = LLM(folder, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=8 << 20,
               strategy=strategy)

@@ -6,6 +6,7 @@ dummy step per engine after the last request; a dead engine stops its whole grou
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import random
@@ -64,6 +65,23 @@ def assert_matches(server, expected, ranks):
         assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < LOGPROB_ATOL
 
 
+def drop_after_first_chunk(server, prompt, max_tokens, rank=None) -> None:
+    """Stream a completion and close the connection at its first event: the API server
+    aborts the request in its engine."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if rank is not None:
+        headers["X-data-parallel-rank"] = str(rank)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}),
+        headers)
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    conn.close()
+
+
 def dummy_steps(server, num_engines: int) -> list[float]:
     return [server.metric("parashift_lockstep_dummy_steps", f'engine="dp{r}"') or 0.0
             for r in range(num_engines)]
@@ -87,7 +105,9 @@ def mixtral(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dp2xep(mixtral):
-    with running_server(mixtral, *ARGS, "--strategy", "dp2xep") as s:
+    """A small KV cache (48 blocks of 16 tokens per engine): many requests at once preempt."""
+    args = [a if a != "32MiB" else "384KiB" for a in ARGS]
+    with running_server(mixtral, *args, "--strategy", "dp2xep") as s:
         yield s
 
 
@@ -122,27 +142,39 @@ def test_dp4xep_one_request_runs_one_wave_with_one_dummy_step_after(mixtral):
         assert dummy_steps(s, 4) == after
 
 
-def test_random_arrivals_all_finish_and_the_waves_stop(dp2xep):
-    """200 requests of random lengths arriving at random times, some pinned, some aborted by
-    a client that gives up: every other one completes, then no engine steps."""
+def test_random_arrivals_aborts_and_preemption_all_end_and_the_waves_stop(dp2xep):
+    """200 requests of random lengths arriving at random times, some pinned, one in ten
+    dropped by its client after the first token (an abort), 64 at once on a small KV cache
+    (so requests are preempted): every other request completes with all its tokens, the KV
+    blocks all come back, then no engine steps."""
     rng = random.Random(7)
+    # The first 64 at once (a burst that overflows the KV cache), the rest over 2 s.
     jobs = [([rng.randrange(1, 250) for _ in range(rng.randrange(1, 60))],
-             rng.choice([None, 0, 1]), rng.randrange(1, 12), rng.random() * 4)
-            for _ in range(200)]
+             rng.choice([None, 0, 1]), rng.randrange(1, 40), 0 if i < 64 else rng.random() * 2,
+             rng.random() < 0.1) for i in range(200)]
+    preempted = sum(dp2xep.metric("parashift_num_preemptions", f'engine="dp{r}"') or 0
+                    for r in (0, 1))
 
     def run(job):
-        prompt, rank, max_tokens, delay = job
+        prompt, rank, max_tokens, delay, gives_up = job
         time.sleep(delay)
+        if gives_up:  # a streamed request the client drops after its first token
+            drop_after_first_chunk(dp2xep, prompt, 256 - len(prompt), rank)
+            return None
         return len(complete(dp2xep, prompt, rank, max_tokens)["logprobs"]["tokens"])
 
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         lengths = list(pool.map(run, jobs))
-    assert lengths == [job[2] for job in jobs]
-    assert time.monotonic() - start < 120
+    assert lengths == [None if job[4] else job[2] for job in jobs]
+    assert time.monotonic() - start < 180
     settled = settled_dummy_steps(dp2xep, 2)
     time.sleep(1)
     assert dummy_steps(dp2xep, 2) == settled
+    for rank in (0, 1):
+        assert dp2xep.metric("parashift_kv_cache_usage_ratio", f'engine="dp{rank}"') == 0.0
+    assert sum(dp2xep.metric("parashift_num_preemptions", f'engine="dp{r}"') or 0
+               for r in (0, 1)) > preempted
 
 
 def test_a_request_that_arrives_as_a_wave_ends_is_served(dp2xep):

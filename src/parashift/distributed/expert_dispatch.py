@@ -8,9 +8,9 @@ rows, and nothing else is exchanged per layer.
 
 How the bytes move depends on the backend (measured with `parashift bench moe`, see
 docs/BENCHMARKS.md): on gloo, torch's all_gather and reduce_scatter take 2.4-6x as long as an
-all-to-all of the same blocks (gloo's reduce_scatter is a reduce and a scatter), so on CPU
-both directions are equal-block all-to-alls (the gather sends this rank's block to every
-rank; the combine sends each rank the partial outputs for its tokens and sums what comes back).
+all-to-all of the same blocks, so on CPU both directions are equal-block all-to-alls (the
+gather sends this rank's block to every rank; the combine sends each rank the partial outputs
+for its tokens and sums what comes back).
 On nccl the native all_gather and reduce_scatter are used. A routed all-to-all, moving only
 the copies a token's top-k experts need, saves little with 2 engines (with top-2 of 8 experts
 79% of the tokens need the other engine) and needs per-layer split sizes: not chosen."""

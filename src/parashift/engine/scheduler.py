@@ -37,6 +37,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_batches_in_flight = max_batches_in_flight
         self.in_flight: set[str] = set()  # requests of batches submitted and not yet returned
+        self.num_preemptions = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -154,6 +155,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._forget(req.request_id)
         self.waiting.appendleft(req)
 
@@ -203,4 +205,5 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.waiting), len(self.running), self.kv_cache.usage,
-                              self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens)
+                              self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens,
+                              self.num_preemptions)

@@ -35,6 +35,9 @@ class Metrics:
                                      ["engine"], registry=r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
+        self.preemptions = Gauge("parashift_num_preemptions",
+                                 "Requests an engine preempted (since it started)", ["engine"],
+                                 registry=r)
         self.dummy_steps = Gauge("parashift_lockstep_dummy_steps",
                                  "Steps an engine ran with nothing to schedule so that its "
                                  "expert-parallel group's collectives had it (since it started)",
@@ -56,6 +59,7 @@ class Metrics:
         self.running.labels(engine).set(s.num_running)
         self.waiting.labels(engine).set(s.num_waiting)
         self.kv_usage.labels(engine).set(s.kv_cache_usage)
+        self.preemptions.labels(engine).set(s.num_preemptions)
         self._lockstep(engine, s)
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(

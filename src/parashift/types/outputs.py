@@ -84,6 +84,7 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0  # since the engine started
     # Lockstep, since the engine started: steps run with nothing to schedule, waves ended,
     # and the seconds of all steps and of their expert dispatch / combine within them.
     num_dummy_steps: int = 0
