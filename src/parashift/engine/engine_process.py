@@ -184,8 +184,8 @@ class EngineProcess:
         if self.load_out is None:
             return
         stats = self.core.stats()
-        # Lockstep counters change at a wave's end at the latest: the step seconds go along.
-        load = (stats.num_waiting, stats.num_running, stats.num_dummy_steps, stats.num_waves)
+        # Lockstep: the counters and seconds go along when a wave ends (not every dummy step).
+        load = (stats.num_waiting, stats.num_running, stats.num_waves)
         if load != self._last_load:
             self._last_load = load
             self.load_out.send(p.encode(p.EngineLoad(

@@ -162,6 +162,9 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
         errors.append(f"{spec} needs {spec.world_size} devices; --devices is {s.devices}")
     elif spec.world_size < s.devices:
         warnings.append(f"{spec} uses {spec.world_size} of the {s.devices} devices")
+    if spec.processes().lockstep and s.nodes > 1:
+        warnings.append(f"{spec}: expert parallel over engines runs on one node for now "
+                        "(`parashift run` refuses more)")
     mesh = None
     if spec.world_size <= s.devices:
         try:
