@@ -187,14 +187,17 @@ def test_a_request_that_arrives_as_a_wave_ends_is_served(dp2xep):
                         timeout=20)
 
 
-def test_sigkill_fails_the_groups_requests_and_restart_brings_it_back(tiny_model_factory):
-    """dp2xep with a long context, so that the requests are still running when dp1 dies:
-    both ranks' requests fail fast (dp0 cannot step without dp1's experts), /health names
-    the ranks, and the restarted group serves again."""
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_back(
+        tiny_model_factory, how):
+    """dp2xep with a long context, so that the requests are still running when dp1 dies
+    (SIGKILL) or hangs (SIGSTOP: its heartbeats stop, and the launcher kills it): both ranks'
+    requests fail fast (dp0 cannot step without dp1's experts), /health names the ranks, and
+    the restarted group serves again."""
     model = tiny_model_factory("mixtral", max_position_embeddings=8192)
     with running_server(model, "--dtype", "float32", "--max-model-len", "8192",
                         "--kv-cache-memory", "32MiB", "--strategy", "dp2xep",
-                        "--restart-dead-engines") as s:
+                        "--restart-dead-engines", "--heartbeat-timeout", "2") as s:
         long_prompt = [(7 * j) % 250 + 1 for j in range(16)]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(s.request, "POST", "/v1/completions", {
@@ -204,10 +207,12 @@ def test_sigkill_fails_the_groups_requests_and_restart_brings_it_back(tiny_model
             assert not any(f.done() for f in futures)
             victim = s.engine_process(1)
             killed = time.monotonic()
-            os.kill(victim.pid, signal.SIGKILL)
+            os.kill(victim.pid, how)
             statuses = [f.result()[0] for f in futures]
             assert time.monotonic() - killed < 15
         assert all(code >= 500 for code in statuses), statuses
+        if how == signal.SIGSTOP:
+            assert "engine dp1 is hung" in s.output()
         status, body = s.get_json("/health")  # the restart waits 1 s at least
         assert status == 503 and "dp0" in body["detail"] and "dp1" in body["detail"], body
         deadline = time.monotonic() + 90

@@ -54,6 +54,12 @@ class LocalEngines(RestartPolicy):
             self._schedule_restart(rank)
         return deaths
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL: for an engine that no longer answers (`reap` sees it go)."""
+        proc = self.procs.get(rank)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
     def stop_all(self) -> None:
         """Ask every live engine to stop (SIGTERM) without waiting: `reap` sees them go."""
         for proc in self.procs.values():
