@@ -1,6 +1,6 @@
 """`parashift run --strategy dp2xep` and friends: MoE experts sharded over engines that run in
-lockstep waves. Outputs equal one engine holding every expert (itself checked against
-transformers in tests/models/test_moe_parity.py); waves start and stop on their own, with one
+lockstep waves. Outputs equal one engine holding every expert, itself checked against
+transformers on the same prompts; waves start and stop on their own, with one
 dummy step per engine after the last request; a dead engine stops its whole group."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from parashift import LLM, SamplingParams
+from tests.models.test_parity import assert_matches_reference
 
 from .conftest import running_server
 
@@ -30,9 +31,10 @@ LOGPROB_ATOL = 2e-4
 
 def reference(model: str) -> list[tuple[str, list[float]]]:
     """Greedy texts and token log-probabilities of PROMPTS from one engine holding every
-    expert (ep1)."""
+    expert (ep1), which first must match transformers on them."""
     llm = LLM(model, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
     try:
+        assert_matches_reference(llm, model, PROMPTS, MAX_TOKENS)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                 logprobs=1)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
