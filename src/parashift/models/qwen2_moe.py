@@ -1,26 +1,11 @@
 """Qwen2-MoE: Qwen2 attention (q/k/v bias), sparse blocks with a gated shared expert, and
-dense layers where `mlp_only_layers` / `decoder_sparse_step` say so."""
+dense layers where `mlp_only_layers` / `decoder_sparse_step` say so (models/moe_model.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
-
-from parashift.distributed.parallel_context import ParallelContext
-from parashift.models.llama import LlamaMLP
-from parashift.models.moe_block import SparseMoeBlock
-from parashift.models.moe_model import MoEModel, is_sparse_layer
+from parashift.models.moe_model import QwenMoEModel
 from parashift.models.qwen2 import Qwen2ForCausalLM
 
 
-class Qwen2MoeForCausalLM(MoEModel, Qwen2ForCausalLM):
-    def make_mlp(self, cfg: Any, layer_index: int, dtype: torch.dtype,
-                 parallel: ParallelContext) -> nn.Module:
-        if not is_sparse_layer(cfg, layer_index):
-            return LlamaMLP(cfg, dtype, parallel)
-        return SparseMoeBlock(cfg, dtype, parallel, self.expert_dispatcher(parallel),
-                              cfg.num_experts, cfg.moe_intermediate_size,
-                              bool(cfg.norm_topk_prob),
-                              getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+class Qwen2MoeForCausalLM(QwenMoEModel, Qwen2ForCausalLM):
+    pass
