@@ -92,3 +92,19 @@ def test_a_tp2_worker_loads_about_half_of_what_tp1_loads(tmp_path):
     assert whole > 150e6
     for half in load_peaks(folder, tensor_parallel_size=2)[0]:
         assert 0.35 * whole < half < 0.65 * whole, (half, whole)
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path):
+    """tp2xep: each of the 2 ranks holds 4 of the 8 experts, whole, and reads only their bytes
+    (an expert it does not hold is skipped unread); the experts are ~90% of the model."""
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(str(tmp_path), "mixtral", hidden_size=256, intermediate_size=1024,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                             num_local_experts=8, vocab_size=1024)  # 27 M parameters
+    (whole,), (whole_weights,) = load_peaks(folder)
+    assert whole > 100e6
+    peaks, weights = load_peaks(folder, strategy="tp2xep")
+    for half, held in zip(peaks, weights, strict=True):
+        assert 0.35 * whole < half < 0.65 * whole, (half, whole)
+        assert 0.45 * whole_weights < held < 0.6 * whole_weights, (held, whole_weights)
