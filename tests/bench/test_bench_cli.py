@@ -135,6 +135,41 @@ def test_latency_reports_percentiles(tiny_llama):
     assert "3 iterations: mean" in done.stdout and "p99" in done.stdout
 
 
+def test_latency_breakdown_splits_a_decode_step(tiny_llama, tmp_path):
+    out = tmp_path / "latency.json"
+    done = bench("latency", tiny_llama, *ENGINE, "--batch-size", "4", "--input-len", "8",
+                 "--output-len", "6", "--iters", "1", "--breakdown", "--save-json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decode step at batch 4" in done.stdout and "GEMM floor" in done.stdout
+    result = json.loads(out.read_text())["results"]["breakdown"]
+    buckets = result["buckets_ms"]
+    assert set(buckets) == {"gemm", "attention", "sampling", "other_ops", "python"}
+    assert buckets["gemm"] > 0 and buckets["attention"] > 0 and buckets["sampling"] > 0
+    assert result["decode_steps"] == 5 and result["gemm_floor_ms"] > 0
+    # The buckets are the profiled step's ops and the rest of its wall time.
+    assert sum(buckets.values()) == pytest.approx(result["profiled_step_ms"], rel=0.5)
+
+
+def test_bench_moe_compares_ep_with_replicated_experts(tiny_model_factory, tmp_path):
+    out = tmp_path / "moe.json"
+    done = bench("moe", tiny_model_factory("mixtral"), "--dtype", "float32", "--num-prompts",
+                 "8", "--concurrency", "4", "--input-len-range", "8:16", "--output-len-range",
+                 "4:4", "--repeat", "1", "--dispatch-tokens", "16", "--save-json", str(out),
+                 timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dp2xep over dp2: throughput" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    sharded = results["layouts"]["dp2xep"]
+    replicated = results["layouts"]["dp2 (experts replicated)"]
+    # 5 experts: dp0 holds 3, dp1 2; replicated, each holds all 5.
+    assert sharded["weight_bytes_per_rank"]["0"] > sharded["weight_bytes_per_rank"]["1"]
+    assert replicated["weight_bytes_per_rank"]["0"] > sharded["weight_bytes_per_rank"]["0"]
+    assert results["expert_memory_ratio"] == pytest.approx(3 / 5)
+    assert 0 < sharded["dispatch_share"]["0"] < 1 and "dispatch_share" not in replicated
+    assert set(results["dispatch_methods"]["16"]) == {
+        "all-gather+reduce-scatter", "gather/scatter over all-to-all", "routed all-to-all"}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "/nonexistent.jsonl"], "--dataset /nonexistent.jsonl: no such file"),
     (["--input-len-range", "64:8"], "--input-len-range '64:8': need 1 <= A <= B"),

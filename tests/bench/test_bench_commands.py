@@ -14,7 +14,7 @@ from parashift.bench.dp_scaling import configurations
 from parashift.bench.metrics import prefix_agreement
 from parashift.bench.step_cost import efficiency_model
 
-NEW_COMMANDS = ("dp-scaling", "tp", "pipeline", "serving-vs-offline", "backends")
+NEW_COMMANDS = ("dp-scaling", "tp", "pipeline", "moe", "serving-vs-offline", "backends")
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -45,6 +45,9 @@ def test_bench_lists_the_comparison_commands():
                   "--output-len", "--server-args", "--seed", "--save-json"]),
     ("throughput", ["--baseline", "--hf-batch-size", "--hf-dtype", "--repeat", "--roofline",
                     "--strategy", "--threads"]),
+    ("moe", ["--dtype", "--num-prompts", "--concurrency", "--input-len-range",
+             "--output-len-range", "--repeat", "--dispatch-tokens", "--save-json"]),
+    ("latency", ["--batch-size", "--input-len", "--output-len", "--iters", "--breakdown"]),
 ])
 def test_help_shows_every_flag(command, flags):
     code, out = invoke(command, "--help")

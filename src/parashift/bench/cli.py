@@ -38,6 +38,9 @@ def latency(
     output_len: Annotated[int, typer.Option("--output-len")] = 128,
     iters: Annotated[int, typer.Option(help="timed batches")] = 5,
     warmup: Annotated[int, typer.Option(help="untimed batches first")] = 1,
+    breakdown: Annotated[bool, typer.Option(
+        "--breakdown", help="then profile a decode step: GEMM, attention, sampling, other "
+                            "ops, Python, against the GEMM floor")] = False,
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
@@ -71,10 +74,23 @@ def latency(
                f"{stats['p90']:.1f}, p99 {stats['p99']:.1f} "
                f"({batch_size * output_len / (stats['median'] / 1e3):.1f} output tok/s)")
     results = {"latency_ms": stats, "latencies_s": latencies}
+    if breakdown:
+        from parashift import LLM
+        from parashift.bench.breakdown import decode_breakdown, format_breakdown
+
+        llm = LLM.from_engine_args(engine_args)
+        try:
+            results["breakdown"] = decode_breakdown(llm, batch_size, input_len, output_len)
+        except ValueError as e:
+            fail(str(e))
+        finally:
+            llm.shutdown()
+        typer.echo(format_breakdown(results["breakdown"]))
     if save_json:
         report.save_json(save_json, "latency", {
             "model": engine_args.model, "batch_size": batch_size, "input_len": input_len,
-            "output_len": output_len, "iters": iters, "warmup": warmup, "seed": seed}, results)
+            "output_len": output_len, "iters": iters, "warmup": warmup, "breakdown": breakdown,
+            "seed": seed}, results)
     if plot:
         from parashift.bench.plots import latency_cdf
 

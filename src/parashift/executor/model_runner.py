@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
@@ -147,7 +148,8 @@ class ModelRunner:
         if logits is None:  # not the output rank
             return ModelRunnerOutput({})
         sampled_states = [states[i] for i in sample_rows]
-        tokens, logprobs = self.sampler(logits, self._sampling_metadata(sampled_states))
+        with record_function("parashift::sample"):  # for `bench latency --breakdown`
+            tokens, logprobs = self.sampler(logits, self._sampling_metadata(sampled_states))
         req_ids = [order[i] for i in sample_rows]
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(

@@ -4,6 +4,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from parashift.layers.attention.backend import AttentionBackend
 
@@ -24,4 +25,5 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any):
         assert self.kv_cache is not None, "KV cache not bound"
-        return self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        with record_function("parashift::attention"):  # for `bench latency --breakdown`
+            return self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)

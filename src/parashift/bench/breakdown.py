@@ -1,0 +1,126 @@
+"""`parashift bench latency --breakdown`: where a decode step's time goes, on this machine.
+
+One batch runs through the engine twice, step by step: once plain (the step times), once
+under torch.profiler. In the profile every op of a decode step is put in one bucket:
+attention (everything inside the attention layers: KV write, gather, SDPA), sampling
+(everything inside the sampler), GEMM (the matrix-multiply kernels elsewhere: linears and the
+LM head), other torch ops (norms, rotary, activations, embedding, copies); what the step's
+wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
+dispatch). Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
+the batch's rows, back to back (weights streamed from memory as in a real step)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+GEMM_OPS = {"mkl::_mkl_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+            "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"}
+BUCKETS = ("gemm", "attention", "sampling", "other_ops", "python")
+
+
+def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool) -> list[float]:
+    """Every step of one batch; seconds per step (the first is the prefill)."""
+    from torch.profiler import record_function
+
+    from parashift.engine.request import Request
+    from parashift.types.sampling_params import SamplingParams
+
+    core.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"b{i}", prompt, params, None))
+    times = []
+    while core.has_unfinished_requests():
+        start = time.perf_counter()
+        if label:
+            with record_function(f"parashift::step:{len(times)}"):
+                core.step()
+        else:
+            core.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _bucket(event) -> tuple[int | None, str]:
+    """(step index or None, bucket) of one profiled event, from its enclosing labels."""
+    step, bucket = None, None
+    node = event
+    while node is not None:
+        name = node.name
+        if name.startswith("parashift::step:"):
+            step = int(name.rsplit(":", 1)[1])
+        elif name == "parashift::attention" and bucket is None:
+            bucket = "attention"
+        elif name == "parashift::sample" and bucket is None:
+            bucket = "sampling"
+        node = node.cpu_parent
+    if bucket is None:
+        if event.name.startswith("parashift::step:"):
+            bucket = "python"  # the step's own time outside every op
+        else:
+            bucket = "gemm" if event.name in GEMM_OPS else "other_ops"
+    return step, bucket
+
+
+def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
+    """Every GEMM weight of `model` once at `rows` rows, back to back (best of `repeat`)."""
+    import torch
+
+    from parashift.layers.gemm import linear
+
+    gemms = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    best = float("inf")
+    with torch.inference_mode():
+        inputs = [torch.ones(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in gemms]
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for m, x in zip(gemms, inputs, strict=True):
+                linear(x, m.weight, getattr(m, "bias", None), m.packed_weight)
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int) -> dict[str, Any]:
+    """Median ms per decode step of a `batch_size` batch: plain, profiled, and per bucket."""
+    from torch.profiler import ProfilerActivity, profile
+
+    core = llm.engine
+    worker = getattr(core.executor, "worker", None)
+    if worker is None:
+        raise ValueError("--breakdown profiles one process: drop the tp and pp axes")
+    vocab = llm.config.model.vocab_size
+    prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
+               for b in range(batch_size)]
+    _run_batch(core, prompts, min(output_len, 4), label=False)  # warm-up
+    plain = _run_batch(core, prompts, output_len, label=False)[1:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = _run_batch(core, prompts, output_len, label=True)
+    per_step: dict[int, dict[str, float]] = {}
+    for event in prof.events():
+        step, bucket = _bucket(event)
+        if step is None or step == 0:  # outside the steps, or the prefill
+            continue
+        buckets = per_step.setdefault(step, dict.fromkeys(BUCKETS, 0.0))
+        buckets[bucket] += event.self_cpu_time_total / 1e3
+    median = {b: statistics.median(s[b] for s in per_step.values()) for b in BUCKETS}
+    return {"batch_size": batch_size, "decode_steps": len(plain),
+            "step_ms": statistics.median(plain) * 1e3,
+            "profiled_step_ms": statistics.median(profiled[1:]) * 1e3,
+            "buckets_ms": median,
+            "gemm_floor_ms": gemm_floor_ms(worker.model, batch_size)}
+
+
+def format_breakdown(result: dict[str, Any]) -> str:
+    buckets = result["buckets_ms"]
+    total = sum(buckets.values())
+    lines = [f"decode step at batch {result['batch_size']}: {result['step_ms']:.1f} ms "
+             f"(median of {result['decode_steps']}; {result['profiled_step_ms']:.1f} ms under "
+             "the profiler, split as:)"]
+    for name in BUCKETS:
+        lines.append(f"  {name.replace('_', ' '):12s} {buckets[name]:8.2f} ms  "
+                     f"{buckets[name] / total:6.1%}")
+    lines.append(f"  GEMM floor of this run (every GEMM weight once at {result['batch_size']} "
+                 f"rows): {result['gemm_floor_ms']:.2f} ms")
+    return "\n".join(lines)
