@@ -14,6 +14,7 @@ from parashift.distributed.communicator import CommStats
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner, StageStats
 from parashift.layers.attention.backend import get_attention_backend
+from parashift.layers.gemm import prepare_gemm_weights
 from parashift.models.loader import load_model
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -38,6 +39,8 @@ class Worker:
                                 mc.max_model_len, self.parallel)
         # Peak resident memory the load added: a tp shard must read only its slice.
         self.load_peak_rss = _peak_rss() - rss_before
+        for note in prepare_gemm_weights(self.model, self.device):  # after: it may time GEMMs
+            logger.info(note)
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device,
                                   self.parallel.group("pp"))
 

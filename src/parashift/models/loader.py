@@ -13,7 +13,6 @@ from transformers import AutoConfig
 
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.attention.backend import AttentionBackend
-from parashift.layers.gemm import prepare_gemm_weights
 from parashift.layers.weights import iterate_weights
 from parashift.models.gguf import converted_gguf_folder, embedded_default_gguf
 from parashift.models.registry import architecture_of, get_model_class
@@ -45,14 +44,13 @@ def load_hf_config(path: str) -> Any:
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, parallel: ParallelContext
                ) -> nn.Module:
-    """The model for this rank's shard plan (`parallel.shard`), reading only its slices."""
+    """The model for this rank's shard plan (`parallel.shard`), reading only its slices (its
+    GEMM weights are prepared for this CPU afterwards: layers/gemm.py)."""
     model_cls = get_model_class(architecture_of(hf_config))
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(hf_config, dtype, backend, max_position, parallel)
     model.load_weights(iterate_weights(path))
-    for note in prepare_gemm_weights(model, device):
-        logger.info(note)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", architecture_of(hf_config),

@@ -1,0 +1,157 @@
+"""Which GEMM path each weight shape takes on this CPU, chosen by timing, never assumed: the
+CPUs these engines run on differ (MKL's packed layout is 2-3.5x faster on one Xeon and 33%
+slower at 128 rows on a Zen 4; bf16 is native on some, emulated 5x slower on others).
+
+At load time every distinct (dtype, shape) of the model's GEMM weights is timed once per
+candidate path at decode-sized rows, with the weight streamed as in a real step (several
+copies, cycled, so that none stays in cache), and the fastest is kept. The choices are cached
+in a JSON file per CPU (model name, the instruction-set flags that matter, torch version,
+threads), so a later start reads them; a corrupt file is timed again and rewritten.
+
+Paths (what `prepare` does to a module's weight):
+- linear: `F.linear` on the weight as it is (oneDNN/MKL behind torch);
+- packed: fp32 weights copied into MKL's packed layout (`mkl::_mkl_linear`);
+- fp32 / fp32-packed: half-precision weights widened to fp32 once (the values stay exactly
+  the checkpoint's; activations stay in the model's dtype, each GEMM rounds its result to it),
+  then as linear / packed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import time
+
+import torch
+
+from parashift import env
+
+logger = logging.getLogger(__name__)
+
+ROWS = 32  # decode-sized: where the path matters most on a CPU
+STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def can_pack() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def candidates(dtype: torch.dtype) -> list[str]:
+    packed = can_pack()
+    if dtype == torch.float32:
+        return ["linear", "packed"] if packed else ["linear"]
+    if dtype in (torch.bfloat16, torch.float16):
+        return ["linear", "fp32", *(["fp32-packed"] if packed else [])]
+    return ["linear"]
+
+
+def prepare(weight: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the weight the GEMM reads, its packed copy or None) for `path`."""
+    if path.startswith("fp32"):
+        weight = weight.float()
+    packed = None
+    if path.endswith("packed"):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)
+    return weight, packed
+
+
+def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: int = ROWS,
+               rounds: int = 3) -> dict[str, float]:
+    """Seconds of one GEMM of `rows` rows by each candidate path, the weight streamed."""
+    from parashift.layers.gemm import linear  # the GEMM every layer calls
+
+    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(2, min(16, math.ceil(STREAM_BYTES / nbytes)))
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype)
+               for _ in range(copies)]
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    times = {}
+    with torch.inference_mode():
+        for path in candidates(dtype):
+            prepared = [prepare(w, path) for w in weights]
+            linear(x, prepared[0][0], None, prepared[0][1])  # first-call costs out
+            best = math.inf
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for w, packed in prepared:
+                    linear(x, w, None, packed)
+                best = min(best, (time.perf_counter() - start) / copies)
+            times[path] = best
+            del prepared
+    return times
+
+
+def cpu_signature() -> str:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
+        model = m.group(1).strip() if m else model
+        m = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", info, re.MULTILINE)
+        flags = set(m.group(1).split()) if m else set()
+    except OSError:
+        pass
+    kept = "+".join(f for f in FLAGS if f in flags)
+    return f"{model}|{kept}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def cache_file(signature: str | None = None) -> str:
+    signature = signature or cpu_signature()
+    slug = re.sub(r"[^a-z0-9]+", "-", signature.split("|")[0].lower()).strip("-")[:40]
+    digest = hashlib.sha1(signature.encode()).hexdigest()[:12]
+    return os.path.join(env.cache_dir(), "gemm-paths", f"{slug}-{digest}.json")
+
+
+class GemmPaths:
+    """The choices of one CPU, read from and written back to its cache file."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or cache_file()
+        self.choices: dict[str, str] = self._read()
+        self.timed: dict[str, dict[str, float]] = {}  # chosen now, with their timings
+
+    def _read(self) -> dict[str, str]:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("GEMM path cache %s unreadable (%s): timing again", self.path, e)
+            return {}
+        if not isinstance(data, dict) or not all(
+                isinstance(v, str) for v in data.get("choices", {}).values()):
+            logger.warning("GEMM path cache %s is malformed: timing again", self.path)
+            return {}
+        return dict(data.get("choices", {}))
+
+    def choose(self, dtype: torch.dtype, out_features: int, in_features: int) -> str:
+        key = f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
+        known = self.choices.get(key)
+        if known in candidates(dtype):
+            return known
+        times = time_paths(dtype, out_features, in_features)
+        self.choices[key] = min(times, key=times.get)
+        self.timed[key] = times
+        return self.choices[key]
+
+    def save(self) -> None:
+        """Atomically, and only if something new was timed; a read-only cache is no error."""
+        if not self.timed:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices}, f,
+                          indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not write the GEMM path cache %s: %s", self.path, e)

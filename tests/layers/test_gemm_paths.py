@@ -1,0 +1,80 @@
+"""The GEMM path choice (layers/gemm_paths.py): every candidate computes the same product, the
+choice is cached per CPU, a cached choice is used without timing, and a corrupt cache is timed
+again and rewritten. (Which path is fastest is the machine's answer: no timing asserted.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parashift.layers import gemm_paths
+from parashift.layers.gemm import linear
+from parashift.layers.gemm_paths import GemmPaths, cache_file, candidates, prepare
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_every_path_gives_the_same_product(dtype, atol, rows):
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    reference = x.double() @ weight.double().t()
+    for path in candidates(dtype):
+        out = linear(x, *_weights(weight, path))
+        assert out.dtype == dtype and out.shape == (rows, 96), path
+        assert torch.allclose(out.double(), reference, atol=atol, rtol=atol), path
+
+
+def _weights(weight, path):
+    w, packed = prepare(weight, path)
+    return w, None, packed
+
+
+def test_the_cache_file_is_per_cpu():
+    a = cache_file("AMD EPYC 7B13|avx2|torch 2.13.0|2 threads")
+    b = cache_file("Intel(R) Xeon(R) Platinum 8481C|avx2+avx512f|torch 2.13.0|2 threads")
+    c = cache_file("AMD EPYC 7B13|avx2|torch 2.13.0|1 threads")
+    assert len({a, b, c}) == 3
+    assert "amd-epyc-7b13" in a and "intel-r-xeon" in b
+
+
+def test_a_cached_choice_is_used_and_new_ones_are_saved(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.json"
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"linear": 2.0, "packed": 1.0}
+                        if a[0] == torch.float32 else {"linear": 1.0})
+    paths = GemmPaths(str(path))
+    assert paths.choose(torch.float32, 96, 64) == ("packed" if gemm_paths.can_pack()
+                                                   else "linear")
+    paths.save()
+    saved = json.loads(path.read_text())
+    assert set(saved["choices"]) == {"float32:96x64"} and "cpu" in saved
+
+    def no_timing(*args):
+        raise AssertionError("a cached shape was timed again")
+
+    monkeypatch.setattr(gemm_paths, "time_paths", no_timing)
+    again = GemmPaths(str(path))
+    assert again.choose(torch.float32, 96, 64) == paths.choices["float32:96x64"]
+    again.save()  # nothing new: the file is left as it was
+    assert json.loads(path.read_text()) == saved
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"choices": {"float32:1x1": 3}}'])
+def test_a_corrupt_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch, content):
+    path = tmp_path / "cpu.json"
+    path.write_text(content)
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"linear": 1.0})
+    paths = GemmPaths(str(path))
+    assert paths.choices == {}
+    assert paths.choose(torch.float32, 8, 8) == "linear"
+    paths.save()
+    assert json.loads(path.read_text())["choices"] == {"float32:8x8": "linear"}
+
+
+def test_a_stale_choice_for_a_missing_path_is_timed_again(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"choices": {"bfloat16:8x8": "packed"}}))  # not a bf16 path
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"fp32": 1.0})
+    assert GemmPaths(str(path)).choose(torch.bfloat16, 8, 8) == "fp32"
