@@ -16,6 +16,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 import urllib.request
 from typing import Annotated, Any
 
@@ -134,8 +135,6 @@ def measure(model: str, strategy: str, dtype: str, requests, concurrency: int, r
 
 def _settled_metrics(url: str) -> dict[str, dict[int, float]]:
     """After a run, once the engines have reported their last wave (within ~100 ms)."""
-    import time
-
     last = lockstep_metrics(url)
     for _ in range(20):
         time.sleep(0.3)

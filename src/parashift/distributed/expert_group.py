@@ -17,29 +17,27 @@ from parashift.distributed.communicator import GroupCommunicator
 from parashift.strategies.spec import StrategySpec
 
 EP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # the other engines may still be loading
 
 
 def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int],
-                      on_gpu: bool, timeout: float) -> GroupCommunicator:
-    """`address`: tcp://host:port of the group's store; `timeout`: how long to wait for the
-    other engines to arrive."""
+                      on_gpu: bool) -> GroupCommunicator:
+    """`address`: tcp://host:port of the group's store."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     engines, tp_rank = sizes.get("dp", 1), coords.get("tp", 0)
     rank = coords.get("dp", 0)
     store = dist.TCPStore(host.strip("[]"), int(port), is_master=rank == 0 and tp_rank == 0,
-                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+                          timeout=JOIN_TIMEOUT, wait_for_workers=False)
     prefixed = dist.PrefixStore(f"ep-tp{tp_rank}", store)
     if on_gpu:
         group = dist.ProcessGroupNCCL(prefixed, rank, engines)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, engines, EP_COLLECTIVE_TIMEOUT)
-    comm = GroupCommunicator(group, rank, engines)
-    comm.store = store  # the store must live as long as the group
-    return comm
+    return GroupCommunicator(group, rank, engines)  # the group keeps its store alive
 
 
 def cross_engine_groups(spec: StrategySpec, address: str | None, coords: dict[str, int],
-                        on_gpu: bool, timeout: float) -> dict[str, GroupCommunicator]:
+                        on_gpu: bool) -> dict[str, GroupCommunicator]:
     """The groups of this rank that span engines and carry a model's collectives: `ep` when
     the strategy shards experts over more than one engine (dp stays collective-free)."""
     sizes = spec.sizes()
@@ -48,4 +46,4 @@ def cross_engine_groups(spec: StrategySpec, address: str | None, coords: dict[st
     if address is None:
         raise ValueError(f"strategy {spec}: expert parallel over engines runs only under "
                          "'parashift run' (its launcher gives the engines their meeting point)")
-    return {"ep": join_expert_group(address, coords, sizes, on_gpu, timeout)}
+    return {"ep": join_expert_group(address, coords, sizes, on_gpu)}

@@ -27,6 +27,7 @@ from parashift.wire.process_util import (
     die_with_parent,
     set_process_name,
     setup_child_logging,
+    subscriber,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,7 @@ class EngineProcess:
             config.parallel, expert_group_address=init.expert_group_address))
         self.lockstep = config.parallel.strategy.processes().lockstep
         if self.lockstep:  # the coordinator's start-wave calls
-            self.waves_in = self.ctx.socket(zmq.SUB)
-            self.waves_in.setsockopt(zmq.LINGER, 0)
-            self.waves_in.setsockopt(zmq.SUBSCRIBE, b"")
-            self.waves_in.connect(init.coordinator_publish_address)
+            self.waves_in = subscriber(self.ctx, init.coordinator_publish_address)
         self.core = EngineCore(config, placement=self.placement)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)

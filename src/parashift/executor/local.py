@@ -18,8 +18,7 @@ from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 class LocalExecutor:
     max_batches_in_flight = 1  # one step at a time: the model runs in this process
 
-    def __init__(self, config: EngineConfig, placement: EnginePlacement,
-                 startup_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, placement: EnginePlacement):
         (rank,) = placement.workers
         if rank.cuda_index is not None:
             torch.cuda.set_device(rank.cuda_index)
@@ -29,7 +28,7 @@ class LocalExecutor:
         spec = config.parallel.strategy
         shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
         groups = cross_engine_groups(spec, config.parallel.expert_group_address, rank.coords,
-                                     rank.cuda_index is not None, startup_timeout)
+                                     rank.cuda_index is not None)
         self.worker = Worker(config, ParallelContext(shard, groups))
 
     def determine_num_blocks(self) -> int:

@@ -47,7 +47,6 @@ class WorkerArgs:
     result_address: str  # this worker's PUSH -> engine PULL
     log_level: str
     shm_path: str | None = None  # where tp ranks meet for shared-memory all-reduce (one node)
-    startup_timeout: float = 600.0  # how long to wait for the other engines' ranks
 
     @property
     def name(self) -> str:
@@ -106,7 +105,7 @@ def _init(args: WorkerArgs):
                             timeout=COLLECTIVE_TIMEOUT)
     groups = _join_groups(spec.local_groups(), args.rank, args.shm_path)
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
-                                      placement.coords, backend == "nccl", args.startup_timeout))
+                                      placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
     return Worker(config, ParallelContext(shard, groups))
 

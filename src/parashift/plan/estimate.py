@@ -17,9 +17,9 @@ from parashift.defaults import (
     default_max_num_batched_tokens,
 )
 from parashift.plan.bubble import pipeline_bubbles
+from parashift.plan.experts import expert_options
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
 from parashift.plan.shape import ModelShape
-from parashift.strategies.expert import expert_range
 from parashift.strategies.layout import DeviceCost, MeshPoint
 from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
@@ -129,32 +129,6 @@ def activation_reserve(cost: DeviceCost, shape: ModelShape, s: PlanSettings) -> 
     return s.batched_tokens * cost.activation_values_per_token() * s.dtype_bytes + logits + extra
 
 
-def expert_options(shape: ModelShape, spec: StrategySpec, s: PlanSettings
-                   ) -> dict[str, dict[str, Any]]:
-    """MoE: the experts replicated on every rank (no ep) and sharded over the dp x tp ranks
-    (ep), for this strategy's ranks: experts held by each rank and the bytes of rank 0 (which
-    holds the most: the remainder goes to the first ranks)."""
-    if not shape.is_moe:
-        return {}
-    if spec.axis("ep") is None:
-        options = {"without ep": spec, "with ep": StrategySpec.parse(f"{spec.canonical}xep")}
-    else:
-        options = {"without ep": StrategySpec(tuple(a for a in spec.axes if a.name != "ep")),
-                   "with ep": spec}
-    out = {}
-    for name, option in options.items():
-        sizes = option.sizes()
-        ranks = sizes.get("dp", 1) * sizes.get("tp", 1)
-        held = ([expert_range(shape.num_experts, ranks, r) for r in range(ranks)]
-                if name == "with ep" else [(0, shape.num_experts)] * ranks)
-        cost = stage_costs(shape, option)[0]
-        out[name] = {"strategy": str(option), "experts_per_rank": [e - f for f, e in held],
-                     "expert_bytes_per_rank": cost.expert_weight_params() * s.dtype_bytes,
-                     "weight_bytes_per_rank": cost.weight_params() * s.dtype_bytes,
-                     "errors": option.model_errors(shape.as_hf_config())}
-    return out
-
-
 def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     errors = [f"strategy {spec}: {e}" for e in spec.model_errors(shape.as_hf_config())]
     warnings = list(spec.unavailable())
@@ -219,7 +193,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
-    plan.expert_options = expert_options(shape, spec, s)
+    plan.expert_options = expert_options(shape, spec, s.dtype_bytes)
     plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.concurrency) if len(costs) > 1
                    else {})
     if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):

@@ -19,6 +19,7 @@ from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p
+from parashift.wire.process_util import subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,7 @@ class HeadlessLauncher:
         msg = p.decode(self.to_head.recv(), p.ToNode)
         if isinstance(msg, p.Shutdown):
             raise StartupError("the head node is shutting down")
-        self.head_heartbeats = self.ctx.socket(zmq.SUB)
-        self.head_heartbeats.setsockopt(zmq.SUBSCRIBE, b"")
-        self.head_heartbeats.setsockopt(zmq.LINGER, 0)
-        self.head_heartbeats.connect(msg.coordinator_publish_address)
+        self.head_heartbeats = subscriber(self.ctx, msg.coordinator_publish_address)
 
     def serve_forever(self) -> int:
         poller = zmq.Poller()

@@ -46,7 +46,7 @@ class Launcher:
             if args.backend == "ray" or args.multi_node(self.num_engines):
                 raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
                                  "on one node with --backend mp for now")
-            self.lockstep = LockstepGroup(self.num_engines)
+            self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
         n = args.api_server_count
         if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
             from parashift.runtime.ray_engines import RayEngines
@@ -71,7 +71,6 @@ class Launcher:
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.controls: list[zmq.Socket] = []
-        self.verdicts: zmq.Socket | None = None  # lockstep: the coordinator's EngineDead
         self.nodes: set[bytes] = set()  # identities of headless launchers
         self.ready: dict[int, p.Ready] = {}
         self.stopping = False
@@ -124,11 +123,8 @@ class Launcher:
                           self.endpoints.coordinator_load, self.endpoints.coordinator_publish)))
             self.coordinator.start()
             coordinator_pub = self.endpoints.coordinator_publish
-            if self.lockstep is not None:  # its heartbeat verdicts: a hung engine is killed
-                self.verdicts = self.ctx.socket(zmq.SUB)
-                self.verdicts.setsockopt(zmq.LINGER, 0)
-                self.verdicts.setsockopt(zmq.SUBSCRIBE, b"")
-                self.verdicts.connect(coordinator_pub)
+            if self.lockstep is not None:
+                self.lockstep.watch(self.ctx, coordinator_pub)
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
@@ -245,7 +241,9 @@ class Launcher:
             except StartupError as e:
                 logger.error("%s; shutting down", e)
                 return 1
-            self._kill_silent_engines()
+            if self.lockstep is not None:
+                for rank in self.lockstep.hung_ranks():
+                    self.engines.kill(rank)
             for death in self.engines.reap():
                 self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
                 if self.lockstep is not None and self.lockstep.on_death(death.rank):
@@ -253,19 +251,6 @@ class Launcher:
             self.engines.restart_due()
             self._serve_handshake(200)
         return 0
-
-    def _kill_silent_engines(self) -> None:
-        """Lockstep: an engine the coordinator heard no heartbeat from is hung (a dead one is
-        reaped sooner); its peers would wait on it in a collective, so it is killed, and its
-        death then stops the group like any other."""
-        while self.verdicts is not None:
-            try:
-                msg = p.decode(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator)
-            except zmq.Again:
-                return
-            if isinstance(msg, p.EngineDead) and msg.rank in self.local_ranks:
-                logger.error("engine dp%d is hung (%s): killing it", msg.rank, msg.reason)
-                self.engines.kill(msg.rank)
 
     def shutdown(self) -> None:
         timeout = self.args.shutdown_timeout

@@ -2,14 +2,21 @@
 every step, so one dead engine stops them all. On a death the launcher stops the others at
 once (their requests then fail fast, none waits on a collective that cannot finish), and a
 restarted group meets at a fresh address, so that no engine of the old incarnation can join
-the new one."""
+the new one. An engine the coordinator hears no heartbeat from is hung (a dead one is reaped
+sooner): its peers would wait on it in a collective, so the launcher kills it, and its death
+then stops the group like any other."""
 
 from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterator
+
+import zmq
 
 from parashift.runtime.endpoints import tcp_url
+from parashift.wire import protocol as p
+from parashift.wire.process_util import subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +28,11 @@ def free_tcp_port(host: str) -> int:
 
 
 class LockstepGroup:
-    def __init__(self, num_engines: int, host: str = "127.0.0.1"):
+    def __init__(self, num_engines: int, local_ranks: list[int], host: str = "127.0.0.1"):
         self.num_engines = num_engines
+        self.local_ranks = set(local_ranks)
         self.host = host
+        self.verdicts: zmq.Socket | None = None  # the coordinator's EngineDead for silent ranks
         self.incarnation = 0
         self.address = self._new_address()
         self.broken = False
@@ -31,6 +40,20 @@ class LockstepGroup:
 
     def _new_address(self) -> str:
         return tcp_url(self.host, free_tcp_port(self.host))
+
+    def watch(self, ctx: zmq.Context, coordinator_publish: str) -> None:
+        self.verdicts = subscriber(ctx, coordinator_publish)
+
+    def hung_ranks(self) -> Iterator[int]:
+        """This node's ranks the coordinator declared silent since the last call."""
+        while self.verdicts is not None:
+            try:
+                msg = p.decode(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator)
+            except zmq.Again:
+                return
+            if isinstance(msg, p.EngineDead) and msg.rank in self.local_ranks:
+                logger.error("engine dp%d is hung (%s): killing it", msg.rank, msg.reason)
+                yield msg.rank
 
     def on_death(self, rank: int) -> bool:
         """An engine died. True if that breaks the group now (the launcher must stop the

@@ -17,7 +17,7 @@ import zmq.asyncio
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
-from parashift.wire.process_util import bind
+from parashift.wire.process_util import bind, subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +67,7 @@ class Broker:
         self.on_load = None  # optional hook(LoadVector) for metrics
         self.load_in = None
         if coordinator_address is not None:
-            self.load_in = self.ctx.socket(zmq.SUB)
-            self.load_in.setsockopt(zmq.SUBSCRIBE, b"")
-            self.load_in.setsockopt(zmq.LINGER, 0)
-            self.load_in.connect(coordinator_address)
+            self.load_in = subscriber(self.ctx, coordinator_address)
         self._told_launcher = False
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0

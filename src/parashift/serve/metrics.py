@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
 
+# Expert-parallel lockstep, per engine since it started: stats field -> (metric, help)
+_LOCKSTEP = {
+    "num_dummy_steps": ("parashift_lockstep_dummy_steps",
+                        "Steps an engine ran with nothing to schedule so that its "
+                        "expert-parallel group's collectives had it"),
+    "num_waves": ("parashift_lockstep_waves", "Lockstep waves an engine has ended"),
+    "step_seconds": ("parashift_lockstep_step_seconds",
+                     "Seconds an engine spent in lockstep steps"),
+    "dispatch_seconds": ("parashift_expert_dispatch_seconds",
+                         "Seconds of those steps in the expert dispatch and combine (waiting "
+                         "for slower engines included)"),
+}
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -38,19 +51,8 @@ class Metrics:
         self.preemptions = Gauge("parashift_num_preemptions",
                                  "Requests an engine preempted (since it started)", ["engine"],
                                  registry=r)
-        self.dummy_steps = Gauge("parashift_lockstep_dummy_steps",
-                                 "Steps an engine ran with nothing to schedule so that its "
-                                 "expert-parallel group's collectives had it (since it started)",
-                                 ["engine"], registry=r)
-        self.waves = Gauge("parashift_lockstep_waves", "Lockstep waves an engine has ended",
-                           ["engine"], registry=r)
-        self.step_seconds = Gauge("parashift_lockstep_step_seconds",
-                                  "Seconds an engine spent in lockstep steps", ["engine"],
-                                  registry=r)
-        self.dispatch_seconds = Gauge("parashift_expert_dispatch_seconds",
-                                      "Seconds of those steps in the expert dispatch and "
-                                      "combine (waiting for slower engines included)",
-                                      ["engine"], registry=r)
+        self.lockstep = {field: Gauge(name, doc, ["engine"], registry=r)
+                         for field, (name, doc) in _LOCKSTEP.items()}
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 
@@ -65,11 +67,9 @@ class Metrics:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
 
-    def _lockstep(self, engine: str, s) -> None:
-        self.dummy_steps.labels(engine).set(s.num_dummy_steps)
-        self.waves.labels(engine).set(s.num_waves)
-        self.step_seconds.labels(engine).set(s.step_seconds)
-        self.dispatch_seconds.labels(engine).set(s.dispatch_seconds)
+    def _lockstep(self, engine: str, s: SchedulerStats | p.EngineLoad) -> None:
+        for field, gauge in self.lockstep.items():
+            gauge.labels(engine).set(getattr(s, field))
 
     def on_load_vector(self, vector: p.LoadVector) -> None:
         for load in vector.loads:

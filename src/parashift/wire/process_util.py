@@ -63,6 +63,15 @@ def exit_after(entry: Callable[..., Any], *args: Any) -> NoReturn:
     exit_now(0)
 
 
+def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A SUB socket on everything published at `address`, dropped unsent at close."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
 def bind(sock: zmq.Socket, address: str, bound: dict[str, socket.socket] | None = None
          ) -> None:
     """Bind `sock` at `address`, on the listening socket a launcher bound there for us when
