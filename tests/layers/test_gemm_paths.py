@@ -27,6 +27,19 @@ def test_every_path_gives_the_same_product(dtype, atol, rows):
         assert torch.allclose(out.double(), reference, atol=atol, rtol=atol), path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_takes_a_bias_and_leading_dims(dtype):
+    g = torch.Generator().manual_seed(1)
+    weight, bias = (torch.randn(40, 24, generator=g).to(dtype), torch.randn(40, generator=g))
+    x = torch.randn(2, 3, 24, generator=g).to(dtype)
+    reference = x.double() @ weight.double().t() + bias.to(dtype).double()
+    for path in candidates(dtype):
+        w, packed = prepare(weight, path)
+        out = linear(x, w, bias.to(w.dtype), packed)
+        assert out.shape == (2, 3, 40), path
+        assert torch.allclose(out.double(), reference, atol=5e-2, rtol=2e-2), path
+
+
 def _weights(weight, path):
     w, packed = prepare(weight, path)
     return w, None, packed

@@ -1,8 +1,9 @@
 """The GEMM under every linear layer and the LM head, and how weights are prepared for it.
 
 On CPU each GEMM weight takes the path that measured fastest for its dtype and shape on this
-CPU (layers/gemm_paths.py: F.linear as it is, MKL's packed fp32 layout, or a half-precision
-weight widened to fp32 once, plain or packed), timed at load time and cached per CPU model.
+CPU (layers/gemm_paths.py: F.linear as it is, MKL's packed fp32 layout, oneDNN's reordered
+layout, or a half-precision weight widened to fp32 once, then one of those), timed at load
+time and cached per CPU model.
 The widened and packed copies trade weight memory (up to 4x a bf16 checkpoint) for speed;
 CUDA is untouched."""
 
@@ -19,7 +20,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out], in x's dtype."""
     xw = x.to(weight.dtype) if weight.dtype != x.dtype else x
-    if packed is not None:
+    if packed is not None and packed.shape == weight.shape:  # oneDNN's layout keeps the shape
+        y = torch.ops.mkldnn._linear_pointwise(xw.contiguous(), packed, bias, "none", [], "")
+    elif packed is not None:  # MKL's: one flat buffer
         # The packed layout does not depend on the row count, which must be passed as is.
         y = torch.ops.mkl._mkl_linear(xw, packed, weight, bias, xw.shape[0])
     else:
