@@ -97,7 +97,11 @@ def run(
                        ] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
                                                     help="seconds to drain on SIGTERM")] = 10.0,
-    startup_timeout: Annotated[float, typer.Option("--startup-timeout")] = 600.0,
+    startup_timeout: Annotated[float, typer.Option(
+        "--startup-timeout", help="seconds for every engine to load and report ready")] = 600.0,
+    request_timeout: Annotated[float | None, typer.Option(
+        "--request-timeout", help="seconds one request may take before it is aborted "
+        "(504); default: no limit")] = None,
     seed: Annotated[int, typer.Option(help="the engines' random state (unseeded sampling)")] = 0,
     data_parallel_size_local: Annotated[int | None, typer.Option(
         "--data-parallel-size-local", "-dpl", help="dp ranks on this node (multi-node)")] = None,
@@ -130,11 +134,19 @@ def run(
     from parashift.runtime.node import ServeArgs
     from parashift.wire.process_util import exit_now
 
-    args = ServeArgs(engine_args, host, port, api_server_count, served_model_name, api_key,
-                     shutdown_timeout, startup_timeout, env.log_level(),
-                     data_parallel_size_local, data_parallel_start_rank, data_parallel_address,
-                     data_parallel_rpc_port, headless, restart_dead_engines, heartbeat_timeout,
-                     backend, ray_address, ray_placement)
+    if request_timeout is not None and request_timeout <= 0:
+        raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
+    args = ServeArgs(
+        engine_args, host=host, port=port, api_server_count=api_server_count,
+        served_model_name=served_model_name, api_key=api_key,
+        shutdown_timeout=shutdown_timeout, startup_timeout=startup_timeout,
+        request_timeout=request_timeout, log_level=env.log_level(),
+        data_parallel_size_local=data_parallel_size_local,
+        data_parallel_start_rank=data_parallel_start_rank,
+        data_parallel_address=data_parallel_address,
+        data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
+        restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
+        backend=backend, ray_address=ray_address, ray_placement=ray_placement)
     try:
         code = run_server(args)
     except ValueError as e:

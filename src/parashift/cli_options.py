@@ -63,6 +63,8 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "max_model_len": Annotated[int | None, typer.Option("--max-model-len")],
     "max_num_seqs": Annotated[int, typer.Option("--max-num-seqs")],
     "max_num_batched_tokens": Annotated[int | None, typer.Option("--max-num-batched-tokens")],
+    "max_waiting_requests": Annotated[int | None, typer.Option(
+        "--max-waiting-requests", help="per engine: past it, new requests get HTTP 429")],
     "block_size": Annotated[int, typer.Option("--block-size")],
     "kv_cache_memory": Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],

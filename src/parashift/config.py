@@ -36,6 +36,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
+    max_waiting_requests: int | None = None  # per engine; past it a new request is a 429
     enable_chunked_prefill: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
@@ -115,8 +116,12 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(
+                f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from .conftest import TINY_ARGS, TINY_MAX_MODEL_LEN, running_server
 
@@ -102,6 +105,32 @@ BAD_REQUESTS = [
     ("best-of", COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of", ()),
     ("logit-bias", COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400,
      "logit_bias", ()),
+    # Admission limits (issue 17): every out-of-range number is a 400 naming its field.
+    ("n-100000", COMPLETIONS, {"prompt": "hi", "n": 100000}, 400, "n", ("128",)),
+    ("n-100000-chat", CHAT, {"messages": MSG, "n": 100000}, 400, "n", ("128",)),
+    ("best-of-100000", COMPLETIONS, {"prompt": "hi", "best_of": 100000}, 400, "best_of", ()),
+    ("choices-over-256", COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 100}, 400, "n",
+     ("256",)),
+    ("seed-2-80", COMPLETIONS, {"prompt": "hi", "seed": 2**80}, 400, "seed", ()),
+    ("seed-2-80-chat", CHAT, {"messages": MSG, "seed": -(2**80)}, 400, "seed", ()),
+    ("top-k-2-40", COMPLETIONS, {"prompt": "hi", "top_k": 2**40}, 400, "top_k", ()),
+    ("max-tokens-2-40", COMPLETIONS, {"prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens",
+     ()),
+    ("token-id-2-70", COMPLETIONS, {"prompt": [1, 2**70]}, 400, "prompt", ()),
+    ("stop-token-negative", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [-1]}, 400,
+     "stop_token_ids", ()),
+    ("temperature-infinite", COMPLETIONS, b'{"prompt": "hi", "temperature": 1e999}', 400,
+     "temperature", ()),
+    ("stop-65", COMPLETIONS, {"prompt": "hi", "stop": ["x"] * 65}, 400, "stop", ()),
+    # Strict fields: unknown to OpenAI and to parashift, named; known but unsupported, named.
+    ("unknown-field", COMPLETIONS, {"prompt": "hi", "max_token": 3}, 400, "max_token",
+     ("max_token",)),
+    ("unknown-field-chat", CHAT, {"messages": MSG, "temprature": 0}, 400, "temprature", ()),
+    ("unknown-message-field", CHAT, {"messages": [{"role": "user", "content": "x",
+                                                   "mood": "happy"}]}, 400, "mood", ()),
+    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", ()),
+    ("response-format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}},
+     400, "response_format", ()),
 ]
 
 
@@ -188,3 +217,109 @@ def test_right_key_works_and_health_needs_none(server):
     status, raw = server.request("GET", "/metrics")
     assert status == 200 and b"parashift_requests_total" in raw
     assert server.proc.poll() is None  # the launcher never went down
+
+
+def test_fields_openai_knows_are_accepted(server):
+    body = {"messages": [{"role": "developer", "content": "be brief"}] + MSG, "max_tokens": 2,
+            "store": False, "metadata": {"k": "v"}, "tool_choice": "none",
+            "response_format": {"type": "text"}, "parallel_tool_calls": False,
+            "stream_options": None, "user": "u"}
+    status, raw = server.request("POST", CHAT, body, headers=AUTH)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] <= 2
+
+
+# --- OpenAPI ---------------------------------------------------------------------------------
+def _validator(doc: dict, name: str) -> jsonschema.Draft202012Validator:
+    schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    return jsonschema.Draft202012Validator(schema)
+
+
+GOOD_BODIES = [
+    (COMPLETIONS, "CompletionRequest", {"prompt": "hi", "max_tokens": 2}),
+    (COMPLETIONS, "CompletionRequest", {"prompt": [[1, 2], [3]], "max_tokens": 1, "n": 2,
+                                        "logprobs": 1, "stop": ["x"], "seed": 5}),
+    (CHAT, "ChatCompletionRequest", {"messages": MSG, "max_tokens": 2, "stream": True,
+                                     "stream_options": {"include_usage": True}}),
+]
+
+
+def test_openapi_describes_every_endpoint_and_the_bodies_it_accepts(server):
+    status, doc = server.get_json("/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                 "/health", "/metrics", "/reset_prefix_cache", "/openapi.json"}
+    jsonschema.Draft202012Validator.check_schema(
+        {"components": doc["components"], "$ref": "#/components/schemas/CompletionRequest"})
+    for path, name, body in GOOD_BODIES:
+        _validator(doc, name).validate(body)
+        status, raw = server.request("POST", path, body, headers=AUTH)
+        assert status == 200, raw
+    # What the schema refuses, the server refuses: the bad bodies above that are JSON objects.
+    for case_id, path, body, expected, _, _ in BAD_REQUESTS:
+        if not isinstance(body, dict) or expected == 404:
+            continue
+        name = "ChatCompletionRequest" if path == CHAT else "CompletionRequest"
+        if not _validator(doc, name).is_valid(body):
+            status, raw = server.request("POST", path, body, headers=AUTH)
+            assert status == 400, (case_id, raw)
+
+
+# --- fuzzing ---------------------------------------------------------------------------------
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                     st.floats(allow_nan=False), st.text(max_size=12))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of",
+           "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+           "logprobs", "top_logprobs", "echo", "stream", "stream_options", "ignore_eos",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "tools", "response_format", "suffix", "user", "x_unknown"]
+_GOOD = {"prompt": st.sampled_from(["hi", ["a", "b"], [1, 2, 3]]),
+         "messages": st.just(MSG), "max_tokens": st.integers(-2, 40),
+         "n": st.integers(-1, 3), "temperature": st.floats(-1, 3),
+         "logprobs": st.one_of(st.integers(-1, 22), st.booleans()),
+         "stream": st.booleans(), "stop": st.sampled_from(["\n", ["a", ""], None]),
+         "top_p": st.floats(0, 1), "top_k": st.integers(-2, 50), "seed": st.integers(-5, 99),
+         "ignore_eos": st.booleans(), "echo": st.booleans(), "user": st.text(max_size=5),
+         "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3),
+         "stream_options": st.just({"include_usage": True})}
+# A valid body with up to three fields replaced: by plausible values mostly, by anything else
+# (wrong types, huge numbers, nested junk, unknown names) often.
+_OVERRIDES = st.dictionaries(st.sampled_from(_FIELDS), st.none(), max_size=3).flatmap(
+    lambda names: st.fixed_dictionaries({name: st.one_of(_GOOD.get(name, _VALUES),
+                                                           _GOOD.get(name, _VALUES), _VALUES)
+                                         for name in names}))
+_BASE = {COMPLETIONS: {"prompt": "hi", "max_tokens": 4}, CHAT: {"messages": MSG,
+                                                                "max_tokens": 4}}
+FUZZ_EXAMPLES = 400  # a bounded budget for CI; `parashift bench soak` sends many more
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=st.sampled_from([COMPLETIONS, CHAT]), overrides=_OVERRIDES)
+def test_fuzzed_bodies_get_a_completion_or_an_openai_error(server, path, overrides):
+    body = {**_BASE[path], **overrides}
+    status, raw = server.request("POST", path, body, headers=AUTH)
+    event(f"HTTP {status}")  # --hypothesis-show-statistics shows the mix
+    assert status < 500, (body, raw)
+    if status != 200:
+        assert_openai_error(status, raw, status)
+    elif body.get("stream") is True:
+        events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", raw
+        for line in events[:-1]:
+            assert "error" not in json.loads(line[6:]), (body, line)
+    else:
+        reply = json.loads(raw)
+        assert reply["choices"] and reply["usage"]["completion_tokens"] >= 1, reply
+
+
+def test_the_server_is_whole_after_the_fuzzing(server):
+    status, raw = server.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2},
+                                 headers=AUTH)
+    assert status == 200, raw
+    assert_healthy(server)
+    assert server.metric("parashift_kv_cache_usage_ratio", 'engine="dp0"') == 0.0  # no leak
+    assert server.proc.poll() is None

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-            "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"}
+            "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
+            "aten::_weight_int4pack_mm_for_cpu"}
 BUCKETS = ("gemm", "attention", "sampling", "other_ops", "python")
 
 

@@ -69,7 +69,7 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
                         args.seed)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(args.max_num_seqs)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
-                                args.enable_chunked_prefill)
+                                args.enable_chunked_prefill, args.max_waiting_requests)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
     return EngineConfig(model, cache, scheduler, parallel, device)

@@ -18,6 +18,7 @@ import zmq
 from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.request import Request
+from parashift.engine.scheduler import QueueFullError
 from parashift.engine.wave import WaveState
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
 from parashift.strategies.spec import StrategySpec
@@ -198,8 +199,9 @@ class EngineProcess:
                 self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
                                               msg.eos_token_id, msg.arrival_time))
             except ValueError as e:  # a bad request fails alone
+                status = 429 if isinstance(e, QueueFullError) else 400
                 self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
-                    self.rank, msg.request_id, str(e))))
+                    self.rank, msg.request_id, str(e), status)))
                 self.client_of.pop(msg.request_id, None)
         elif isinstance(msg, p.AbortRequests):
             self.core.abort_requests(msg.request_ids)

@@ -30,6 +30,10 @@ from parashift.types.outputs import (
 )
 
 
+class QueueFullError(ValueError):
+    """A new request past --max-waiting-requests (the API server answers 429)."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  max_batches_in_flight: int = 1):
@@ -53,6 +57,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the engine's waiting queue is full ({limit} requests, "
+                                 "--max-waiting-requests): try again later")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -130,8 +130,8 @@ class Launcher:
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
                 eos, mc.vocab_size, self.args.api_key,
-                self.args.log_level, coordinator_pub, self.endpoints.handed(
-                    self.endpoints.requests[i], self.endpoints.outputs[i]))
+                self.args.log_level, coordinator_pub, self.args.request_timeout,
+                self.endpoints.handed(self.endpoints.requests[i], self.endpoints.outputs[i]))
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()

@@ -18,6 +18,7 @@ class ServeArgs:
     api_key: str | None = None
     shutdown_timeout: float = 10.0
     startup_timeout: float = 600.0
+    request_timeout: float | None = None  # seconds one HTTP generation may take
     log_level: str = "INFO"
     # Multi-node data parallel (vLLM's flags) and failure handling.
     data_parallel_size_local: int | None = None

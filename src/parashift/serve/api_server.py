@@ -20,6 +20,7 @@ from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableErr
 from parashift.serve.generation import Generation
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -27,6 +28,7 @@ from parashift.serve.openai_protocol import (
     parse,
     sampling_params,
 )
+from parashift.serve.openapi import openapi_document
 from parashift.wire.process_util import (
     die_with_parent,
     exit_now,
@@ -51,6 +53,7 @@ class ApiServerArgs:
     api_key: str | None = None
     log_level: str = "INFO"
     coordinator_address: str | None = None  # the DP coordinator's PUB (dp > 1)
+    request_timeout: float | None = None  # seconds a generation may take; None: no limit
     bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
 
 
@@ -79,6 +82,7 @@ class ApiServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     @web.middleware
@@ -126,6 +130,11 @@ class ApiServer:
                 1 if rank in self.broker.ready and rank not in self.broker.dead else 0)
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from importlib.metadata import version
+
+        return _json(openapi_document(version("parashift")))
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         results = {f"dp{r}": await self.broker.utility("reset_prefix_cache", r)
@@ -195,11 +204,15 @@ class ApiServer:
 
     async def _generate(self, request: web.Request, req: Any, prompts: list[list[int]],
                         chat: bool) -> web.StreamResponse:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
+                              f"{MAX_CHOICES} choices in one request", param="n")
         params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.broker, self.tokenizer, request_id, prompts, params,
-                         self.args.eos_token_id, self._rank(request))
+                         self.args.eos_token_id, self._rank(request),
+                         lambda outcome: self.metrics.failovers.labels(outcome).inc())
         self.metrics.routed.labels(f"dp{gen.engine}").inc()
         fmt = responses.ChatFormatter if chat else responses.CompletionFormatter
         formatter = fmt(request_id, self.args.served_model_name, self.tokenizer, gen, req)
@@ -208,18 +221,27 @@ class ApiServer:
             if req.stream:
                 response = await self._stream(request, gen, formatter)
             else:
-                async for _ in gen.stream():
-                    pass
+                async with asyncio.timeout(self.args.request_timeout):
+                    async for _ in gen.stream():
+                        pass
                 response = _json(formatter.full_response())
             status = "ok"
             return response
+        except TimeoutError:
+            status = "timeout"
+            raise self._timed_out() from None
         except asyncio.CancelledError:
             status = "disconnected"
             raise
         finally:
+            gen.abort_unfinished()  # a timeout or a disconnect leaves no sample running
             t = gen.timing
             self.metrics.observe_request(status, gen.num_prompt_tokens, gen.num_output_tokens,
                                          t.arrival, t.first_token, time.monotonic())
+
+    def _timed_out(self) -> OpenAIError:
+        return OpenAIError(504, f"the request took longer than --request-timeout "
+                           f"({self.args.request_timeout:g} s) and was aborted", "timeout")
 
     async def _stream(self, request: web.Request, gen: Generation,
                       formatter: responses.Formatter) -> web.StreamResponse:
@@ -229,11 +251,14 @@ class ApiServer:
         try:
             for chunk in formatter.stream_start():
                 await response.write(responses.sse(chunk))
-            async for delta in gen.stream():
-                await response.write(responses.sse(formatter.stream_chunk(delta)))
+            async with asyncio.timeout(self.args.request_timeout):
+                async for delta in gen.stream():
+                    await response.write(responses.sse(formatter.stream_chunk(delta)))
             usage = formatter.stream_usage()
             if usage is not None:
                 await response.write(responses.sse(usage))
+        except TimeoutError:
+            await response.write(responses.sse(self._timed_out().body()))
         except (EngineDeadError, OpenAIError) as e:
             err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
             await response.write(responses.sse(err.body()))

@@ -27,7 +27,13 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(ValueError):
-    """The engine refused one request (a bad request: 400), apart from any engine death."""
+    """The engine refused one request (400: bad; 429: its waiting queue is full), apart from
+    any engine death."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+        self.type = "rate_limit_error" if status == 429 else "invalid_request_error"
 
 
 class EngineUnavailableError(RuntimeError):
@@ -103,8 +109,8 @@ class Broker:
     def alive_engines(self) -> list[int]:
         return [r for r in sorted(self.ready) if r not in self.dead]
 
-    def pick_engine(self, pinned: int | None = None) -> int:
-        alive = self.alive_engines()
+    def pick_engine(self, pinned: int | None = None, exclude: int | None = None) -> int:
+        alive = [r for r in self.alive_engines() if r != exclude]
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")
@@ -208,7 +214,7 @@ class Broker:
             elif isinstance(msg, p.RequestFailed):
                 queue = self.queues.get(msg.request_id)
                 if queue is not None:
-                    queue.put_nowait(RequestFailedError(msg.error))
+                    queue.put_nowait(RequestFailedError(msg.error, msg.status))
                     self._forget(msg.request_id)
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)

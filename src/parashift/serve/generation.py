@@ -1,20 +1,33 @@
 """One HTTP request's generation: its prompts x n samples become engine requests; their token
 deltas come back merged, detokenized and cut at stop strings. While streaming, text that could
-still turn out to be the start of a stop string is held back, so a stop string never leaks."""
+still turn out to be the start of a stop string is held back, so a stop string never leaks.
+
+Failover: when the engine of a request dies before any of its samples produced a token, the
+request is sent again, once, to another live rank (waiting up to FAILOVER_WAIT_S for one, as
+when a lockstep group restarts), never to the rank that died; the client sees only a later
+first token. A pinned request fails over too: the pin chose its first rank, and the rank is
+gone. A request that had tokens already gets the engine's death as its error."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.request_tracker import RequestTracker, SampleDelta
-from parashift.serve.broker import Broker, RequestFailedError
+from parashift.serve.broker import (
+    Broker,
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from parashift.serve.openai_protocol import OpenAIError
 from parashift.types.outputs import EngineCoreOutput
 from parashift.types.sampling_params import SamplingParams
+
+FAILOVER_WAIT_S = 30.0  # how long a failover waits for a live rank (a lockstep restart)
 
 
 @dataclass
@@ -27,40 +40,76 @@ class Timing:
 class Generation:
     def __init__(self, broker: Broker, tokenizer: Any, request_id: str,
                  prompts: list[list[int]], params: list[SamplingParams],
-                 eos_token_id: int | None, rank: int | None):
+                 eos_token_id: int | None, rank: int | None,
+                 on_failover: Callable[[str], None] | None = None):
         self.broker = broker
         self.request_id = request_id
         self.prompts = prompts
+        self.eos_token_id = eos_token_id
+        self.on_failover = on_failover  # hook(outcome): "resent" or "failed", for metrics
         self.timing = Timing()
         self.tracker = RequestTracker(tokenizer)
         self.choices = self.tracker.samples  # sample id -> Sample (one per choice)
+        self._samples: dict[str, tuple[list[int], SamplingParams]] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
-        self.engine = engine = broker.pick_engine(rank)
+        self._attempt = 0  # items of pumps of an earlier attempt are stale
+        self.engine = broker.pick_engine(rank)
         try:
-            self._add_all(tokenizer, params, eos_token_id, engine)
+            for prompt_index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                # n == 1 still gets its own id: every choice of the request is told apart.
+                prompt_id = f"{request_id}-{prompt_index}" + ("-0" if sp.n == 1 else "")
+                for sample_id, sample_params in self.tracker.add_prompt(
+                        prompt_id, prompt_index, prompt, sp):
+                    self._samples[sample_id] = (prompt, sample_params)
+            self._send_all()
         except BaseException:
             self.abort_unfinished()  # never leave half a request in flight
             raise
 
-    def _add_all(self, tokenizer: Any, params: list[SamplingParams], eos_token_id: int | None,
-                 engine: int) -> None:
-        broker, request_id = self.broker, self.request_id
-        for prompt_index, (prompt, sp) in enumerate(zip(self.prompts, params, strict=True)):
-            # n == 1 still gets its own id: every choice of the request is told apart.
-            prompt_id = f"{request_id}-{prompt_index}" + ("-0" if sp.n == 1 else "")
-            for sample_id, sample_params in self.tracker.add_prompt(prompt_id, prompt_index,
-                                                                    prompt, sp):
-                queue = broker.add_request(sample_id, prompt, sample_params, eos_token_id,
-                                           engine)
-                self._pumps.append(asyncio.create_task(self._pump(sample_id, queue)))
+    def _send_all(self) -> None:
+        for sample_id, (prompt, params) in self._samples.items():
+            queue = self.broker.add_request(sample_id, prompt, params, self.eos_token_id,
+                                            self.engine)
+            self._pumps.append(asyncio.create_task(self._pump(self._attempt, sample_id, queue)))
 
-    async def _pump(self, child_id: str, queue: asyncio.Queue) -> None:
+    async def _pump(self, attempt: int, child_id: str, queue: asyncio.Queue) -> None:
         while True:
             item = await queue.get()
-            await self._queue.put((child_id, item))
+            await self._queue.put((attempt, child_id, item))
             if isinstance(item, Exception) or item.finished:
                 return
+
+    async def _fail_over(self, error: EngineDeadError) -> None:
+        """Send every sample again to a live rank other than the one that died, or raise."""
+        dead = self.engine
+        if self._attempt or self.timing.first_token is not None or self.broker.num_engines < 2:
+            self._count("failed")
+            raise error
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        while True:
+            try:
+                self.engine = self.broker.pick_engine(exclude=dead)
+                break
+            except EngineUnavailableError:
+                if time.monotonic() > deadline:
+                    self._count("failed")
+                    raise error from None
+                await asyncio.sleep(0.1)
+        for task in self._pumps:
+            task.cancel()
+        self._pumps.clear()
+        self._attempt += 1
+        try:
+            self._send_all()
+        except EngineUnavailableError:
+            self._count("failed")
+            raise error from None
+        self._count("resent")
+
+    def _count(self, outcome: str) -> None:
+        if self.on_failover is not None:
+            self.on_failover(outcome)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,9 +124,14 @@ class Generation:
         unfinished = len(self.choices)
         try:
             while unfinished:
-                child_id, item = await self._queue.get()
+                attempt, child_id, item = await self._queue.get()
+                if attempt != self._attempt:
+                    continue
                 if isinstance(item, RequestFailedError):
-                    raise OpenAIError(400, str(item))
+                    raise OpenAIError(item.status, str(item), item.type)
+                if isinstance(item, EngineDeadError):
+                    await self._fail_over(item)
+                    continue
                 if isinstance(item, Exception):
                     raise item
                 delta = self._apply(item)

@@ -53,6 +53,10 @@ class Metrics:
                                  registry=r)
         self.lockstep = {field: Gauge(name, doc, ["engine"], registry=r)
                          for field, (name, doc) in _LOCKSTEP.items()}
+        self.failovers = Counter(
+            "parashift_request_failovers", "Requests whose engine died: re-sent to a live rank "
+            "before their first token (resent), or ended with the error (failed)",
+            ["outcome"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 

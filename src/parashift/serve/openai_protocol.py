@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from typing import Annotated, Any
+
 import msgspec
+from msgspec import Meta
 
 from parashift.types.sampling_params import SamplingParams
 
@@ -21,66 +25,143 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
 
-class StreamOptions(msgspec.Struct):
+# Documented limits (README "Serving"): past them a request is a 400 naming the field.
+MAX_N = 128  # samples per prompt (n, best_of)
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_LOGPROBS = 20  # OpenAI's own cap
+MAX_STOPS = 64  # stop strings, and stop token ids
+INT64 = (-(2**63), 2**63 - 1)
+INT32_MAX = 2**31 - 1
+
+Int64 = Annotated[int, Meta(ge=INT64[0], le=INT64[1])]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Meta(le=MAX_N)]  # the lower bound is SamplingParams' (its message)
+Tokens = Annotated[int, Meta(le=INT32_MAX)]
+TopK = Annotated[int, Meta(le=INT32_MAX)]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# Finite floats: JSON's 1e999 decodes to inf, which no sampler should see.
+Float = Annotated[float, Meta(ge=-1e6, le=1e6)]
+Stops = str | Annotated[list[str], Meta(max_length=MAX_STOPS)]
+
+
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A field unknown to both OpenAI and parashift is a 400 naming it (vLLM's strict mode):
+    a typo such as `max_token` must not be silently ignored."""
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, not used
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(_Strict, kw_only=True):
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: Count = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: TopK | None = None  # vLLM's extra sampling fields, as vLLM names them
+    min_p: Float | None = None
+    seed: Int64 | None = None
+    stop: Stops | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
+    # OpenAI's fields that change nothing here: accepted and ignored.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     # text, texts, token ids, or lists of token ids (checked by `completion_prompts`)
-    prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str | TokenId | list[TokenId]]
+    max_tokens: Tokens | None = 16
+    logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(_Strict):
     type: str
     text: str | None = None
+    image_url: Any = None  # OpenAI's other part kinds: known, refused by `message_text`
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: Any = None  # known to OpenAI; refused by `chat_messages` when set
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's fields for what this server does not do: a 400 naming them when set (below).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+# Unsupported OpenAI fields and the values that still mean "not used".
+_UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+}
+
+
+def check_supported(req: ChatCompletionRequest) -> None:
+    for name, unused in _UNSUPPORTED.items():
+        if getattr(req, name) not in unused:
+            raise OpenAIError(400, f"{name} is not supported by this server", param=name)
 
 
 def parse(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        raise OpenAIError(400, f"invalid request: {e}") from None
+        raise OpenAIError(400, f"invalid request: {e}", param=_field_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise OpenAIError(400, f"the body is not valid JSON: {e}") from None
+
+
+def _field_of(error: str) -> str | None:
+    """msgspec's "... - at `$.messages[0].role`" -> "messages"; "unknown field `x`" -> "x"."""
+    unknown = re.search(r"unknown field `([^`]+)`", error)
+    if unknown:
+        return unknown.group(1)
+    at = re.search(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)", error)
+    return at.group(1) if at else None
 
 
 def message_text(message: ChatMessage) -> str:
@@ -98,8 +179,14 @@ def message_text(message: ChatMessage) -> str:
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     if not req.messages:
         raise OpenAIError(400, "messages must not be empty", param="messages")
+    check_supported(req)
     out = []
     for m in req.messages:
+        if m.tool_calls or m.function_call or m.audio:
+            raise OpenAIError(400, "tool calls and audio in messages are not supported",
+                              param="messages")
+        if m.role == "developer":  # OpenAI's newer name for the system role
+            m = msgspec.structs.replace(m, role="system")
         if m.role not in ("system", "user", "assistant"):
             raise OpenAIError(400, f"message role must be system, user or assistant, got "
                               f"{m.role!r}", param="messages")

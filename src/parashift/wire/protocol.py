@@ -128,6 +128,7 @@ class RequestFailed(_Msg):
     rank: int
     request_id: str
     error: str
+    status: int = 400  # the HTTP status it becomes: 400 bad request, 429 queue full
 
 
 class UtilityResult(_Msg):
