@@ -219,14 +219,13 @@ class ApiServer:
         status = "error"
         try:
             if req.stream:
-                response = await self._stream(request, gen, formatter)
-            else:
-                async with asyncio.timeout(self.args.request_timeout):
-                    async for _ in gen.stream():
-                        pass
-                response = _json(formatter.full_response())
+                response, status = await self._stream(request, gen, formatter)
+                return response
+            async with asyncio.timeout(self.args.request_timeout):
+                async for _ in gen.stream():
+                    pass
             status = "ok"
-            return response
+            return _json(formatter.full_response())
         except TimeoutError:
             status = "timeout"
             raise self._timed_out() from None
@@ -244,10 +243,12 @@ class ApiServer:
                            f"({self.args.request_timeout:g} s) and was aborted", "timeout")
 
     async def _stream(self, request: web.Request, gen: Generation,
-                      formatter: responses.Formatter) -> web.StreamResponse:
+                      formatter: responses.Formatter) -> tuple[web.StreamResponse, str]:
+        """The SSE response and how it ended: ok, timeout or error (an event says which)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        status = "error"
         try:
             for chunk in formatter.stream_start():
                 await response.write(responses.sse(chunk))
@@ -257,7 +258,9 @@ class ApiServer:
             usage = formatter.stream_usage()
             if usage is not None:
                 await response.write(responses.sse(usage))
+            status = "ok"
         except TimeoutError:
+            status = "timeout"
             await response.write(responses.sse(self._timed_out().body()))
         except (EngineDeadError, OpenAIError) as e:
             err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
@@ -268,7 +271,7 @@ class ApiServer:
             await response.write(responses.sse(err.body()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
+        return response, status
 
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
