@@ -36,5 +36,19 @@ def test_narrow_and_load_equal_torch(tmp_path, monkeypatch):
 
 def test_not_a_safetensors_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!")
-    with pytest.raises(ValueError, match="is not a safetensors file"):
+    with pytest.raises(ValueError, match="is not a valid safetensors file"):
+        list(iterate_weights(str(tmp_path)))
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_a_slice_is_read(tmp_path):
+    save_file({"a": torch.zeros(3, 4), "b": torch.ones(2, 4)}, str(tmp_path / "m.safetensors"))
+    source = next(s for s in iterate_weights(str(tmp_path)) if s.name == "a")
+    assert source.expect(3, 4) is source
+    with pytest.raises(ValueError, match=r"'a' has shape \[3, 4\], the model expects \[4, 4\]"):
+        source.expect(4, 4)
+
+
+def test_a_header_past_the_end_of_the_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="past the end of the file"):
         list(iterate_weights(str(tmp_path)))

@@ -29,6 +29,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
         rows = self.vocab_end - self.vocab_start
+        source.expect(self.vocab_size, param.shape[1])
         param.data[:rows].copy_(source.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class FusedMoE(nn.Module):
                                  f"by tp={shard.tp_size}")
             self.tp_rank, columns = shard.tp_rank, intermediate_size // shard.tp_size
         self.num_local_experts = end - self.first_expert
-        self.columns = columns
+        self.columns, self.hidden_size = columns, hidden_size
+        self.intermediate_size = intermediate_size
         # [local experts, 2 * columns, hidden]: gate rows, then up rows
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * columns, hidden_size,
                                             dtype=dtype), requires_grad=False)
@@ -71,8 +72,10 @@ class FusedMoE(nn.Module):
         name, block = EXPERT_PROJECTIONS[projection]
         local, cols = expert_id - self.first_expert, self.columns
         if name == "w2":  # [hidden, intermediate]: our columns
+            source.expect(self.hidden_size, self.intermediate_size)
             self.w2.data[local].copy_(source.narrow(1, self.tp_rank * cols, cols))
         else:  # [intermediate, hidden]: our rows, into the gate or the up block
+            source.expect(self.intermediate_size, self.hidden_size)
             self.w13.data[local, block * cols : (block + 1) * cols].copy_(
                 source.narrow(0, self.tp_rank * cols, cols))
         return name

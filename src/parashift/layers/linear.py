@@ -17,6 +17,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = parallel.tp  # the all-reduces
         self.tp_rank = parallel.shard.tp_rank  # which slice this rank loads
+        self.tp_size = parallel.shard.tp_size
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
@@ -45,6 +46,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
         rows = param.shape[0]
+        source.expect(rows * self.tp_size, *param.shape[1:])
         param.data.copy_(source.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: int) -> None:
         size = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
+        source.expect(size * self.tp_size, *param.shape[1:])
         param.data[offset : offset + size].copy_(source.narrow(0, self.tp_rank * size, size))
 
 
@@ -98,6 +101,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
+        source.expect(size * (self.tp_size if shard_id == "q" else
+                              self.tp_size // self.kv_replicas), *param.shape[1:])
         param.data[offset : offset + size].copy_(source.narrow(0, rank * size, size))
 
 
@@ -114,9 +119,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
         if param.dim() == 1:  # bias: not sharded
-            param.data.copy_(source.load())
+            param.data.copy_(source.expect(*param.shape).load())
             return
         cols = param.shape[1]
+        source.expect(param.shape[0], cols * self.tp_size)
         param.data.copy_(source.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, False, dtype, parallel)
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
-        param.data.copy_(source.load())
+        param.data.copy_(source.expect(*param.shape).load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, None, self.packed_weight)

@@ -30,10 +30,14 @@ class SafetensorsFile:
         self.fd = os.open(path, os.O_RDONLY)
         try:
             (size,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            if size > os.fstat(self.fd).st_size - 8:
+                raise ValueError(f"a header of {size} bytes is past the end of the file")
             header = json.loads(os.pread(self.fd, size, 8))
-        except (struct.error, json.JSONDecodeError) as e:
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (struct.error, ValueError, OverflowError) as e:  # JSON errors are ValueErrors
             os.close(self.fd)
-            raise ValueError(f"{path} is not a safetensors file") from e
+            raise ValueError(f"{path} is not a valid safetensors file ({e})") from None
         header.pop("__metadata__", None)
         self.data_start = 8 + size
         self.entries = header
@@ -72,6 +76,14 @@ class WeightSource:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._tensor.shape) if self._tensor is not None else self._shape
+
+    def expect(self, *shape: int) -> WeightSource:
+        """Checks the whole tensor's shape against the model's, before any slice is read: a
+        slice past the end of a short tensor would read its neighbour's bytes."""
+        if self.shape != shape:
+            raise ValueError(f"checkpoint tensor {self.name!r} has shape {list(self.shape)}, "
+                             f"the model expects {list(shape)}")
+        return self
 
     def load(self) -> torch.Tensor:
         if self._tensor is not None:

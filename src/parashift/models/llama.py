@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             elif loader is not None:
                 loader(param, source)
             else:
-                param.data.copy_(source.load())
+                param.data.copy_(source.expect(*param.shape).load())
             loaded.add(name)
         tied_head = self.tie_word_embeddings and self.embed_tokens is not None
         expected = {n for n in params if not (n == "lm_head.weight" and tied_head)}

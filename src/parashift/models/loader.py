@@ -26,19 +26,25 @@ def resolve_model_path(model: str | None) -> str:
     if model is None:
         return converted_gguf_folder(embedded_default_gguf())
     if not os.path.exists(model):
-        raise ValueError(f"model path {model!r} does not exist (parashift never downloads "
+        raise ValueError(f"MODEL {model!r} does not exist (parashift never downloads "
                          "weights: give a local Hugging Face folder or a .gguf file)")
     if os.path.isfile(model):
         if not model.endswith(".gguf"):
-            raise ValueError(f"model file {model!r} is not a .gguf file")
-        return converted_gguf_folder(model)
+            raise ValueError(f"MODEL {model!r} is not a .gguf file")
+        try:
+            return converted_gguf_folder(model)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"MODEL {model!r} cannot be read: {e}") from None
     if not os.path.exists(os.path.join(model, "config.json")):
-        raise ValueError(f"model folder {model!r} has no config.json")
+        raise ValueError(f"MODEL folder {model!r} has no config.json")
     return model
 
 
 def load_hf_config(path: str) -> Any:
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"MODEL {path!r}: its config.json cannot be read ({e})") from None
 
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -50,7 +56,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(hf_config, dtype, backend, max_position, parallel)
-    model.load_weights(iterate_weights(path))
+    try:
+        model.load_weights(iterate_weights(path))
+    except ValueError as e:  # a corrupt or mismatched checkpoint
+        raise ValueError(f"MODEL {path!r}: {e}") from None
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.1f M parameters, %s) in %.1f s", architecture_of(hf_config),
