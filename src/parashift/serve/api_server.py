@@ -73,9 +73,11 @@ class ApiServer:
         self.metrics = Metrics()
         self.broker.on_outputs = self.metrics.on_engine_outputs
         self.broker.on_load = self.metrics.on_load_vector
+        self.metrics.api_server.labels(str(args.index)).set(1)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=32 << 20)
+        app = web.Application(middlewares=[self._count, self._errors, self._auth],
+                              client_max_size=32 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -84,6 +86,18 @@ class ApiServer:
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        if request.path not in ("/v1/completions", "/v1/chat/completions"):
+            return await handler(request)
+        code = 499  # the client went away: the handler was cancelled
+        try:
+            response = await handler(request)
+            code = response.status
+            return response
+        finally:
+            self.metrics.responses.labels(str(code)).inc()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -211,7 +225,7 @@ class ApiServer:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.broker, self.tokenizer, request_id, prompts, params,
-                         self.args.eos_token_id, self._rank(request),
+                         self.args.eos_token_id, self._rank(request), req.stream,
                          lambda outcome: self.metrics.failovers.labels(outcome).inc())
         self.metrics.routed.labels(f"dp{gen.engine}").inc()
         fmt = responses.ChatFormatter if chat else responses.CompletionFormatter

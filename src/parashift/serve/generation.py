@@ -2,11 +2,12 @@
 deltas come back merged, detokenized and cut at stop strings. While streaming, text that could
 still turn out to be the start of a stop string is held back, so a stop string never leaks.
 
-Failover: when the engine of a request dies before any of its samples produced a token, the
+Failover: when the engine of a request dies before the request has streamed anything, the
 request is sent again, once, to another live rank (waiting up to FAILOVER_WAIT_S for one, as
 when a lockstep group restarts), never to the rank that died; the client sees only a later
-first token. A pinned request fails over too: the pin chose its first rank, and the rank is
-gone. A request that had tokens already gets the engine's death as its error."""
+first token. A request that is not streamed has shown nothing until it ends, so it starts
+over even when it had tokens. A pinned request fails over too: the pin chose its first rank,
+and the rank is gone. A stream that had sent tokens gets the engine's death as its error."""
 
 from __future__ import annotations
 
@@ -40,32 +41,40 @@ class Timing:
 class Generation:
     def __init__(self, broker: Broker, tokenizer: Any, request_id: str,
                  prompts: list[list[int]], params: list[SamplingParams],
-                 eos_token_id: int | None, rank: int | None,
+                 eos_token_id: int | None, rank: int | None, streamed: bool = False,
                  on_failover: Callable[[str], None] | None = None):
         self.broker = broker
         self.request_id = request_id
         self.prompts = prompts
+        self.params = params
+        self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self.streamed = streamed
         self.on_failover = on_failover  # hook(outcome): "resent" or "failed", for metrics
         self.timing = Timing()
-        self.tracker = RequestTracker(tokenizer)
-        self.choices = self.tracker.samples  # sample id -> Sample (one per choice)
-        self._samples: dict[str, tuple[list[int], SamplingParams]] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._attempt = 0  # items of pumps of an earlier attempt are stale
+        self._track()
         self.engine = broker.pick_engine(rank)
         try:
-            for prompt_index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-                # n == 1 still gets its own id: every choice of the request is told apart.
-                prompt_id = f"{request_id}-{prompt_index}" + ("-0" if sp.n == 1 else "")
-                for sample_id, sample_params in self.tracker.add_prompt(
-                        prompt_id, prompt_index, prompt, sp):
-                    self._samples[sample_id] = (prompt, sample_params)
             self._send_all()
         except BaseException:
             self.abort_unfinished()  # never leave half a request in flight
             raise
+
+    def _track(self) -> None:
+        """A fresh tracker of every sample (again after a failover that starts over)."""
+        self.tracker = RequestTracker(self.tokenizer)
+        self.choices = self.tracker.samples  # sample id -> Sample (one per choice)
+        self._samples: dict[str, tuple[list[int], SamplingParams]] = {}
+        for prompt_index, (prompt, sp) in enumerate(zip(self.prompts, self.params,
+                                                        strict=True)):
+            # n == 1 still gets its own id: every choice of the request is told apart.
+            prompt_id = f"{self.request_id}-{prompt_index}" + ("-0" if sp.n == 1 else "")
+            for sample_id, sample_params in self.tracker.add_prompt(prompt_id, prompt_index,
+                                                                    prompt, sp):
+                self._samples[sample_id] = (prompt, sample_params)
 
     def _send_all(self) -> None:
         for sample_id, (prompt, params) in self._samples.items():
@@ -83,7 +92,8 @@ class Generation:
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
         dead = self.engine
-        if self._attempt or self.timing.first_token is not None or self.broker.num_engines < 2:
+        shown = self.streamed and self.timing.first_token is not None
+        if self._attempt or shown or self.broker.num_engines < 2:
             self._count("failed")
             raise error
         deadline = time.monotonic() + FAILOVER_WAIT_S
@@ -100,6 +110,9 @@ class Generation:
             task.cancel()
         self._pumps.clear()
         self._attempt += 1
+        if self.timing.first_token is not None:  # not streamed: start over
+            self.timing.first_token = None
+            self._track()
         try:
             self._send_all()
         except EngineUnavailableError:
@@ -131,6 +144,7 @@ class Generation:
                     raise OpenAIError(item.status, str(item), item.type)
                 if isinstance(item, EngineDeadError):
                     await self._fail_over(item)
+                    unfinished = len(self.choices)
                     continue
                 if isinstance(item, Exception):
                     raise item

@@ -53,6 +53,13 @@ class Metrics:
                                  registry=r)
         self.lockstep = {field: Gauge(name, doc, ["engine"], registry=r)
                          for field, (name, doc) in _LOCKSTEP.items()}
+        # Which API server answered this scrape (each has its own registry), and every HTTP
+        # answer of the generation endpoints by status: a client can count its requests here.
+        self.api_server = Gauge("parashift_api_server", "1, labelled with this API server's "
+                                "index", ["index"], registry=r)
+        self.responses = Counter("parashift_http_responses", "Answers of /v1/completions and "
+                                 "/v1/chat/completions by HTTP status (499: the client left)",
+                                 ["code"], registry=r)
         self.failovers = Counter(
             "parashift_request_failovers", "Requests whose engine died: re-sent to a live rank "
             "before their first token (resent), or ended with the error (failed)",
