@@ -448,3 +448,16 @@ def test_failed_run_aborts_everything_and_engine_recovers(llm):
     assert_no_leaks(llm)
     outputs = llm.generate(prompts, greedy(3), use_tqdm=False)
     assert [len(t) for t in token_ids(outputs)] == [3, 3, 3]
+
+
+def test_the_engine_refuses_a_token_id_past_its_embedding(llm):
+    """What an API server lets through (a tokenizer larger than the model) fails alone in the
+    engine instead of crashing its step."""
+    from parashift.engine.request import Request
+
+    vocab = llm.engine.config.model.vocab_size
+    with pytest.raises(ValueError, match=f"token id {vocab} is outside"):
+        llm.engine.add_request(Request("bad", [1, vocab], greedy(1), None))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        llm.engine.add_request(Request("bad", [-1], greedy(1), None))
+    assert not llm.engine.has_unfinished_requests()

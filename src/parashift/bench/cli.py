@@ -17,6 +17,7 @@ from parashift.bench.options import Plot, SaveJson, Seed
 from parashift.bench.pipeline import pipeline
 from parashift.bench.serve_cli import serve, sweep
 from parashift.bench.serving_vs_offline import serving_vs_offline
+from parashift.bench.soak_cli import soak
 from parashift.bench.tensor_parallel import tp
 from parashift.bench.throughput_cli import throughput
 from parashift.cli_options import engine_options, fail, setup_logging
@@ -105,3 +106,4 @@ bench_app.command()(pipeline)
 bench_app.command()(moe)
 bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)
+bench_app.command()(soak)

@@ -81,6 +81,14 @@ class EngineCore:
             collections.deque() if depth > 1 else None)
 
     def add_request(self, request: Request) -> None:
+        """Raises ValueError for a request the model cannot run (it fails alone, the engine
+        stays up): a token id past the embedding would crash the step of every request."""
+        ids, vocab = request.prompt_token_ids, self.config.model.vocab_size
+        if not ids:
+            raise ValueError("the prompt must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

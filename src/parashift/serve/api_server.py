@@ -201,12 +201,16 @@ class ApiServer:
             prompts = [list(p) for p in prompt]
         if not prompts or any(not p for p in prompts):
             raise OpenAIError(400, "the prompt must not be empty", param="prompt")
+        return prompts
+
+    def _check_vocabulary(self, prompts: list[list[int]], param: str) -> None:
+        """Token ids the model has no embedding for (given, or from a tokenizer larger than
+        the model's vocabulary) are refused here, before they reach an engine."""
         for p in prompts:
             bad = [t for t in p if not 0 <= t < self.args.vocab_size]
             if bad:
-                raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary",
-                                  param="prompt")
-        return prompts
+                raise OpenAIError(400, f"token id {bad[0]} is outside the model's vocabulary "
+                                  f"(0..{self.args.vocab_size - 1})", param=param)
 
     def _rank(self, request: web.Request) -> int | None:
         pinned = request.headers.get("X-data-parallel-rank")
@@ -218,6 +222,7 @@ class ApiServer:
 
     async def _generate(self, request: web.Request, req: Any, prompts: list[list[int]],
                         chat: bool) -> web.StreamResponse:
+        self._check_vocabulary(prompts, "messages" if chat else "prompt")
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
                               f"{MAX_CHOICES} choices in one request", param="n")
