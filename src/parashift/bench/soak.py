@@ -119,8 +119,7 @@ def plan(num_requests: int, vocab: int, seed: int = 0) -> list[SoakRequest]:
         tokens = rng.randint(1, 32)
         if draw < 0.10:
             body, status = rng.choice(BAD)
-            out.append(SoakRequest("bad", rng.choice([COMPLETIONS, CHAT]) if status == 404
-                                   else COMPLETIONS, body, status=status))
+            out.append(SoakRequest("bad", COMPLETIONS, body, status=status))
         elif draw < 0.20:
             out.append(SoakRequest("disconnect", COMPLETIONS, _body(
                 {"prompt": ids, "max_tokens": 200, "ignore_eos": True, "stream": True}), True))
@@ -175,7 +174,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: SoakRequest, star
                     break
                 o.status, o.ok = 499, True
                 r.close()
-            elif req.stream:
+            elif req.stream and r.status == 200:
                 _check_stream(o, req, [line async for line in r.content])
             else:
                 _check_json(o, req, await r.json(content_type=None))

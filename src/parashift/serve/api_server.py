@@ -37,6 +37,7 @@ from parashift.wire.process_util import (
 )
 
 logger = logging.getLogger(__name__)
+CLIENT_LEFT = "parashift.client_left"  # request key: a stream's client went away mid-stream
 
 
 @dataclass
@@ -94,7 +95,7 @@ class ApiServer:
         code = 499  # the client went away: the handler was cancelled
         try:
             response = await handler(request)
-            code = response.status
+            code = 499 if request.get(CLIENT_LEFT) else response.status
             return response
         finally:
             self.metrics.responses.labels(str(code)).inc()
@@ -263,10 +264,22 @@ class ApiServer:
 
     async def _stream(self, request: web.Request, gen: Generation,
                       formatter: responses.Formatter) -> tuple[web.StreamResponse, str]:
-        """The SSE response and how it ended: ok, timeout or error (an event says which)."""
+        """The SSE response and how it ended: ok, timeout or error (an event says which), or
+        disconnected (the client left: nothing more is written)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        try:
+            status = await self._stream_events(request, response, gen, formatter)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            status = "disconnected"
+            request[CLIENT_LEFT] = True
+        return response, status
+
+    async def _stream_events(self, request: web.Request, response: web.StreamResponse,
+                             gen: Generation, formatter: responses.Formatter) -> str:
         status = "error"
         try:
             for chunk in formatter.stream_start():
@@ -278,6 +291,8 @@ class ApiServer:
             if usage is not None:
                 await response.write(responses.sse(usage))
             status = "ok"
+        except ConnectionResetError:
+            raise
         except TimeoutError:
             status = "timeout"
             await response.write(responses.sse(self._timed_out().body()))
@@ -288,9 +303,7 @@ class ApiServer:
             logger.exception("internal error while streaming %s", request.path)
             err = OpenAIError(500, f"internal error: {e}", "internal_error")
             await response.write(responses.sse(err.body()))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response, status
+        return status
 
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:

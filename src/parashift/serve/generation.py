@@ -55,10 +55,17 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._attempt = 0  # items of pumps of an earlier attempt are stale
+        self._shown = False  # a delta with tokens went out to the client
         self._track()
         self.engine = broker.pick_engine(rank)
         try:
-            self._send_all()
+            try:
+                self._send_all()
+            except EngineUnavailableError:  # it died before the broker heard: the next rank
+                self.abort_unfinished()
+                self.engine, self._attempt = broker.pick_engine(exclude=self.engine), 1
+                self._send_all()
+                self._count("resent")
         except BaseException:
             self.abort_unfinished()  # never leave half a request in flight
             raise
@@ -92,8 +99,7 @@ class Generation:
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
         dead = self.engine
-        shown = self.streamed and self.timing.first_token is not None
-        if self._attempt or shown or self.broker.num_engines < 2:
+        if self._attempt or (self.streamed and self._shown) or self.broker.num_engines < 2:
             self._count("failed")
             raise error
         deadline = time.monotonic() + FAILOVER_WAIT_S
@@ -154,6 +160,7 @@ class Generation:
                 if delta.finished:
                     unfinished -= 1
                 if delta.text or delta.num_new_logprobs or delta.finished:
+                    self._shown = self._shown or bool(delta.text or delta.num_new_logprobs)
                     yield delta
             self.timing.finished = time.monotonic()
         finally:
