@@ -91,3 +91,22 @@ def test_a_stale_choice_for_a_missing_path_is_timed_again(tmp_path, monkeypatch)
     path.write_text(json.dumps({"choices": {"bfloat16:8x8": "packed"}}))  # not a bf16 path
     monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"fp32": 1.0})
     assert GemmPaths(str(path)).choose(torch.bfloat16, 8, 8) == "fp32"
+
+
+def test_onednn_row_buckets_are_few_and_cover_every_count():
+    from parashift.layers.gemm import onednn_rows
+
+    buckets = {onednn_rows(m) for m in range(1, 4097)}
+    assert len(buckets) < 64  # one cached kernel per bucket and shape, not per token count
+    assert all(onednn_rows(m) >= m for m in range(1, 4097))
+    assert [onednn_rows(m) for m in (1, 16, 17, 256, 257)] == [1, 16, 32, 256, 384]
+
+
+@pytest.mark.skipif(not gemm_paths.can_reorder(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("rows", [17, 300])
+def test_a_padded_onednn_gemm_returns_just_its_rows(rows):
+    g = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(24, 16, generator=g), torch.randn(rows, 16, generator=g)
+    out = linear(x, *prepare(weight, "onednn")[:1], None, prepare(weight, "onednn")[1])
+    assert out.shape == (rows, 24)
+    assert torch.allclose(out, x @ weight.t(), atol=1e-4)

@@ -32,7 +32,7 @@ def test_tiny_model_offline(tiny_split_by_3, tp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("tp", [1, pytest.param(3, marks=pytest.mark.extended)])
 def test_smollm2_offline(smollm2_path, tp):
     _check_offline(smollm2_path, tp)
 

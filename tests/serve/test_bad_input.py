@@ -4,6 +4,7 @@ status and OpenAI's error body, and the server stays healthy after every one."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import openai
@@ -293,7 +294,8 @@ _OVERRIDES = st.dictionaries(st.sampled_from(_FIELDS), st.none(), max_size=3).fl
                                          for name in names}))
 _BASE = {COMPLETIONS: {"prompt": "hi", "max_tokens": 4}, CHAT: {"messages": MSG,
                                                                 "max_tokens": 4}}
-FUZZ_EXAMPLES = 400  # a bounded budget for CI; `parashift bench soak` sends many more
+# A bounded budget for CI; the benchmark's larger run: PARASHIFT_FUZZ_EXAMPLES=5000 pytest -k fuzz
+FUZZ_EXAMPLES = int(os.environ.get("PARASHIFT_FUZZ_EXAMPLES", "400"))
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,

@@ -65,6 +65,7 @@ def test_dp2xpp2_serves_and_a_dead_stage_fails_only_its_rank_fast(tiny_llama_lon
             assert complete(s, prompt)["choices"][0]["text"] == want
 
 
+@pytest.mark.extended  # dp2xpp2 is served in the suite, pp2xtp2 runs offline there
 def test_dp2xpp2xtp2_serves_like_pp1(tiny_llama):
     expected = greedy_texts(tiny_llama)
     with running_server(tiny_llama, *TINY_ARGS, "--strategy", "dp2xpp2xtp2") as s:

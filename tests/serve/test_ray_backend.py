@@ -48,7 +48,9 @@ def find(server, name: str) -> psutil.Process:
     raise AssertionError(f"no {name} process:\n" + server.output()[-3000:])
 
 
-@pytest.mark.parametrize("strategy", ["dp2", "dp2xtp2", "dp2xpp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("dp2", marks=pytest.mark.extended),
+                                      "dp2xtp2",
+                                      pytest.param("dp2xpp2", marks=pytest.mark.extended)])
 def test_ray_backend_serves_like_mp(tiny_llama, strategy):
     expected = greedy_texts(tiny_llama)
     assert ray_processes() == []

@@ -8,11 +8,10 @@ import asyncio
 from collections import Counter
 
 import pytest
+from conftest import TINY_VOCAB
 
 from parashift.bench.server import running_server
 from parashift.bench.soak import SERVER_ARGS, plan, run_soak
-
-from conftest import TINY_VOCAB
 
 NUM_REQUESTS = 300
 

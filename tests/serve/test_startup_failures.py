@@ -1,6 +1,7 @@
 """Every way a launch can fail before it serves ends the same way: one error line that names
 the cause and the flag, a non-zero exit within the deadline, and nothing left behind (no
-process of the launch, no ipc folder, no shared-memory segment)."""
+process of the launch, no ipc folder, no shared-memory segment). The seven launches run at
+once (one fixture), each test reads its own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import psutil
 import pytest
@@ -18,7 +21,16 @@ from safetensors.torch import load_file, save_file
 
 from .conftest import TINY_ARGS, free_port, wait_gone
 
-DEADLINE = 90.0  # seconds a failing launch may take, start-up timeouts included
+DEADLINE = 120.0  # seconds a failing launch may take, start-up timeouts included
+HANG_TIMEOUT = 8  # --startup-timeout of the launch whose load never ends
+
+
+@dataclass
+class Launch:
+    returncode: int | None
+    output: str
+    seconds: float
+    survivors: list = field(default_factory=list)
 
 
 def _snapshot() -> tuple[set[str], set[str]]:
@@ -26,10 +38,7 @@ def _snapshot() -> tuple[set[str], set[str]]:
     return ipc, set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def failed_launch(model: str, *flags: str, deadline: float = DEADLINE) -> str:
-    """Runs `parashift run MODEL FLAGS`, which must fail; returns its output after checking
-    the exit code, the time and the leftovers."""
-    before = _snapshot()
+def _launch(model: str, flags: list[str]) -> Launch:
     cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1", *flags]
     if "--port" not in flags:
         cmd += ["--port", str(free_port())]
@@ -38,7 +47,7 @@ def failed_launch(model: str, *flags: str, deadline: float = DEADLINE) -> str:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", env=env)
     seen: dict[int, psutil.Process] = {}
-    while proc.poll() is None and time.monotonic() - start < deadline:
+    while proc.poll() is None and time.monotonic() - start < DEADLINE:
         try:
             for p in psutil.Process(proc.pid).children(recursive=True):
                 seen.setdefault(p.pid, p)
@@ -48,79 +57,104 @@ def failed_launch(model: str, *flags: str, deadline: float = DEADLINE) -> str:
     if proc.poll() is None:
         for p in [*seen.values(), psutil.Process(proc.pid)]:
             p.kill()
-        pytest.fail(f"`{' '.join(cmd)}` still ran after {deadline:.0f} s:\n"
-                    f"{proc.communicate()[0]}")
     output = proc.communicate()[0]
-    assert proc.returncode != 0, output
-    survivors = wait_gone(list(seen.values()), 10)
-    assert not survivors, f"left running: {survivors}\n{output}"
-    ipc, shm = _snapshot()
-    assert ipc <= before[0], f"ipc folders left: {ipc - before[0]}"
-    assert shm <= before[1], f"shared memory left: {shm - before[1]}"
-    errors = [line for line in output.splitlines() if "ERROR" in line or "error:" in line]
-    assert errors, output
-    return output
+    return Launch(proc.returncode, output, time.monotonic() - start,
+                  wait_gone(list(seen.values()), 10))
 
 
-def test_port_in_use(tiny_llama):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = failed_launch(tiny_llama, *TINY_ARGS, "--port", str(port))
-    assert f"--port {port}" in out and "in use" in out, out
-
-
-def test_bad_model_path(tmp_path):
-    missing = str(tmp_path / "no-such-model")
-    out = failed_launch(missing, *TINY_ARGS)
-    assert missing in out and "MODEL" in out, out
-
-
-def _copy(model: str, tmp_path, name: str) -> str:
-    folder = tmp_path / name
+def _copy(model: str, root, name: str) -> str:
+    folder = root / name
     shutil.copytree(model, folder)
     return str(folder)
 
 
-def test_corrupt_safetensors(tiny_llama, tmp_path):
-    model = _copy(tiny_llama, tmp_path, "corrupt")
-    with open(os.path.join(model, "model.safetensors"), "r+b") as f:
+@pytest.fixture(scope="module")
+def launches(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup-failures")
+    corrupt = _copy(tiny_llama, root, "corrupt")
+    with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:
         f.write(b"\xff" * 64)  # the header length and the start of the header
-    out = failed_launch(model, *TINY_ARGS)
+    gguf = root / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + os.urandom(256))
+    wrong = _copy(tiny_llama, root, "wrong-shapes")
+    tensors = load_file(os.path.join(wrong, "model.safetensors"))
+    wrong_name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    tensors[wrong_name] = tensors[wrong_name][:-1]  # one row short: the load fails
+    save_file(tensors, os.path.join(wrong, "model.safetensors"), metadata={"format": "pt"})
+    hangs = _copy(tiny_llama, root, "hangs")
+    os.remove(os.path.join(hangs, "model.safetensors"))
+    os.mkfifo(os.path.join(hangs, "model.safetensors"))  # opening it blocks: a load that hangs
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cases = {
+        "port": (tiny_llama, [*TINY_ARGS, "--port", str(port)]),
+        "path": (str(root / "no-such-model"), TINY_ARGS),
+        "safetensors": (corrupt, TINY_ARGS),
+        "gguf": (str(gguf), TINY_ARGS),
+        "kv": (tiny_llama, ["--dtype", "float32", "--max-model-len", "256",
+                            "--kv-cache-memory", "4KiB"]),
+        "crash": (wrong, TINY_ARGS),
+        "hang": (hangs, [*TINY_ARGS, "--startup-timeout", str(HANG_TIMEOUT)]),
+    }
+    before = _snapshot()
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(_launch, *case) for name, case in cases.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    taken.close()
+    after = _snapshot()
+    return {"results": results, "port": port, "root": root, "wrong_name": wrong_name,
+            "left": (after[0] - before[0], after[1] - before[1])}
+
+
+def failed(launches, name: str) -> str:
+    launch = launches["results"][name]
+    assert launch.returncode not in (0, None), launch.output
+    assert launch.seconds < DEADLINE and not launch.survivors, (launch.survivors,
+                                                                launch.output)
+    errors = [line for line in launch.output.splitlines()
+              if "ERROR" in line or "error:" in line]
+    assert errors, launch.output
+    return launch.output
+
+
+def test_nothing_is_left_behind(launches):
+    ipc, shm = launches["left"]
+    assert not ipc, f"ipc folders left: {ipc}"
+    assert not shm, f"shared memory left: {shm}"
+
+
+def test_port_in_use(launches):
+    out = failed(launches, "port")
+    assert f"--port {launches['port']}" in out and "in use" in out, out
+
+
+def test_bad_model_path(launches):
+    out = failed(launches, "path")
+    assert str(launches["root"] / "no-such-model") in out and "MODEL" in out, out
+
+
+def test_corrupt_safetensors(launches):
+    out = failed(launches, "safetensors")
     assert "model.safetensors" in out and "MODEL" in out, out
 
 
-def test_corrupt_gguf(tmp_path):
-    model = tmp_path / "broken.gguf"
-    model.write_bytes(b"GGUF" + os.urandom(256))
-    out = failed_launch(str(model), *TINY_ARGS)
+def test_corrupt_gguf(launches):
+    out = failed(launches, "gguf")
     assert "broken.gguf" in out and "MODEL" in out, out
 
 
-def test_kv_cache_that_does_not_fit(tiny_llama):
-    out = failed_launch(tiny_llama, "--dtype", "float32", "--max-model-len", "256",
-                        "--kv-cache-memory", "4KiB")
-    assert "--kv-cache-memory" in out, out
+def test_kv_cache_that_does_not_fit(launches):
+    assert "--kv-cache-memory" in failed(launches, "kv")
 
 
-def test_engine_that_crashes_during_load(tiny_llama, tmp_path):
-    model = _copy(tiny_llama, tmp_path, "wrong-shapes")
-    path = os.path.join(model, "model.safetensors")
-    tensors = load_file(path)
-    name = next(k for k in tensors if k.endswith("q_proj.weight"))
-    tensors[name] = tensors[name][:-1]  # one row short: the engine fails while loading
-    save_file(tensors, path, metadata={"format": "pt"})
-    out = failed_launch(model, *TINY_ARGS)
-    assert "dp0" in out and name in out, out
+def test_engine_that_crashes_during_load(launches):
+    out = failed(launches, "crash")
+    assert "dp0" in out and launches["wrong_name"] in out, out
 
 
-def test_worker_that_hangs_during_load(tiny_llama, tmp_path):
-    model = _copy(tiny_llama, tmp_path, "hangs")
-    path = os.path.join(model, "model.safetensors")
-    os.remove(path)
-    os.mkfifo(path)  # opening it blocks until a writer comes: a load that never ends
-    start = time.monotonic()
-    out = failed_launch(model, *TINY_ARGS, "--startup-timeout", "15")
+def test_worker_that_hangs_during_load(launches):
+    out = failed(launches, "hang")
     assert "--startup-timeout" in out and "dp0" in out, out
-    assert time.monotonic() - start < 15 + 30
+    assert launches["results"]["hang"].seconds < HANG_TIMEOUT + 30

@@ -77,6 +77,7 @@ class SoakReport:
     back_after_s: float | None = None  # the killed rank healthy again
     settled_after_s: float | None = None  # every request in flight at the kill finished
     rss_mib: list[tuple[int, float]] = field(default_factory=list)  # (done, server tree)
+    rss_by_process: list[dict[str, float]] = field(default_factory=list)  # warm-up, end
     kv_usage_after: dict[str, float] = field(default_factory=dict)
     server_codes: dict[str, int] = field(default_factory=dict)
     failovers: dict[str, float] = field(default_factory=dict)
@@ -223,6 +224,11 @@ def _check_stream(o: Outcome, req: SoakRequest, lines: list[bytes]) -> None:
 
 def tree_rss_mib(pid: int) -> float:
     """Resident memory of a process and all its descendants (Linux /proc)."""
+    return sum(tree_rss_by_process(pid).values())
+
+
+def tree_rss_by_process(pid: int) -> dict[str, float]:
+    """MiB resident per process (by its title) of a process and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -232,16 +238,19 @@ def tree_rss_mib(pid: int) -> float:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [pid]
+    out, stack = {}, [pid]
     while stack:
         p = stack.pop()
         stack += children.get(p, [])
         try:
             with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                name = f.read().split(b"\0")[0].decode(errors="replace") or str(p)
         except (OSError, ValueError, IndexError):
             continue
-    return total / 2**20
+        out[f"{name} ({p})" if name in out else name] = rss
+    return out
 
 
 def engine_pid(server_pid: int, rank: int) -> int:
@@ -305,6 +314,7 @@ async def run_soak(url: str, server_pid: int, requests: list[SoakRequest], concu
             limit=0, force_close=True)) as session:  # new connections reach both servers
 
         watch: list[asyncio.Task] = []
+        warm_rss: dict[str, float] = {}
 
         async def watch_back() -> None:  # the killed rank, restarted, healthy again
             await asyncio.sleep(0.5)  # the death is noticed first
@@ -328,6 +338,8 @@ async def run_soak(url: str, server_pid: int, requests: list[SoakRequest], concu
                     watch.append(asyncio.create_task(watch_back()))
                 outcomes[i] = await _send(session, url, requests[i], start)
                 done += 1
+                if done == len(requests) // 10:
+                    warm_rss.update(tree_rss_by_process(server_pid))
                 if done % max(1, len(requests) // 50) == 0:
                     report.rss_mib.append((done, await loop.run_in_executor(
                         None, tree_rss_mib, server_pid)))
@@ -340,6 +352,7 @@ async def run_soak(url: str, server_pid: int, requests: list[SoakRequest], concu
     report.seconds = time.monotonic() - start
     report.outcomes = [o for o in outcomes if o is not None]
     report.rss_mib.append((done, tree_rss_mib(server_pid)))
+    report.rss_by_process = [warm_rss, tree_rss_by_process(server_pid)]
     if report.kill_at is not None:
         in_flight = [o.end for o in report.outcomes if o.start <= report.kill_at < o.end]
         report.settled_after_s = max(in_flight) - report.kill_at if in_flight else 0.0

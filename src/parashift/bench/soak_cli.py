@@ -81,5 +81,9 @@ def format_report(r) -> str:
         lines.append(f"  server RSS: {warm:.0f} MiB after warm-up, {r.rss_mib[-1][1]:.0f} MiB "
                      f"at the end ({r.rss_growth():+.1%}); peak "
                      f"{max(v for _, v in r.rss_mib):.0f} MiB")
+    if len(r.rss_by_process) == 2:
+        warm, end = r.rss_by_process
+        lines.append("  RSS by process, MiB (warm-up -> end): " + ", ".join(
+            f"{name} {warm.get(name, 0):.0f} -> {mib:.0f}" for name, mib in sorted(end.items())))
     lines.append(f"  KV cache usage after the run: {r.kv_usage_after}")
     return "\n".join(lines)

@@ -116,7 +116,7 @@ class Generation:
             task.cancel()
         self._pumps.clear()
         self._attempt += 1
-        if self.timing.first_token is not None:  # not streamed: start over
+        if self.timing.first_token is not None:  # tokens the client never saw: start over
             self.timing.first_token = None
             self._track()
         try:
