@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,28 +16,28 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_generate_streams_one_prompt(tiny_llama):
-    result = run_cli("generate", tiny_llama, "--prompt", "hello", "--max-tokens", "6",
-                     "--ignore-eos", "--dtype", "float32")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
-    assert "KV cache:" in result.stderr  # start-up logs the block count
+def run_both(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """The commands at once: most of each is start-up, which overlaps well."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
 
 
-def test_generate_runs_pipeline_stages(tiny_llama):
-    args = ("--prompt", "hello", "--max-tokens", "6", "--ignore-eos", "--dtype", "float32")
-    pp1 = run_cli("generate", tiny_llama, *args)
-    pp2 = run_cli("generate", tiny_llama, *args, "--strategy", "pp2",
-                  "--pp-layer-partition", "1,1")
+def test_generate_streams_one_prompt_and_runs_pipeline_stages(tiny_llama):
+    args = ("generate", tiny_llama, "--prompt", "hello", "--max-tokens", "6", "--ignore-eos",
+            "--dtype", "float32")
+    pp1, pp2 = run_both(args, (*args, "--strategy", "pp2", "--pp-layer-partition", "1,1"))
+    assert pp1.returncode == 0, pp1.stderr
+    assert pp1.stdout.strip()
+    assert "KV cache:" in pp1.stderr  # start-up logs the block count
     assert pp2.returncode == 0, pp2.stderr
     assert pp2.stdout == pp1.stdout and "2 workers ready" in pp2.stderr
 
 
 def test_generate_runs_an_moe_model_with_experts_over_tp_ranks(tiny_model_factory):
     model = tiny_model_factory("mixtral")
-    args = ("--prompt", "hello", "--max-tokens", "6", "--ignore-eos", "--dtype", "float32")
-    whole = run_cli("generate", model, *args)
-    split = run_cli("generate", model, *args, "--strategy", "tp2xep")
+    args = ("generate", model, "--prompt", "hello", "--max-tokens", "6", "--ignore-eos",
+            "--dtype", "float32")
+    whole, split = run_both(args, (*args, "--strategy", "tp2xep"))
     assert split.returncode == 0, split.stderr
     assert split.stdout == whole.stdout and "2 workers ready" in split.stderr
 

@@ -26,8 +26,8 @@ def _check_offline(model: str, tp: int) -> None:
     assert engine_weights == [weights] * tp
 
 
-@pytest.mark.parametrize("tp", [1, 3])
-def test_tiny_model_offline(tiny_split_by_3, tp):
+@pytest.mark.parametrize("tp", [1, pytest.param(3, marks=pytest.mark.extended)])
+def test_tiny_model_offline(tiny_split_by_3, tp):  # tp3: served in serve/test_plan_truth.py
     _check_offline(tiny_split_by_3, tp)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -31,27 +30,16 @@ RUN_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
 
 def engine_peak_rss(server_pid: int) -> dict[int, int]:
     """Rank -> peak resident bytes (VmHWM) of the server's engine processes (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    peaks, stack = {}, [server_pid]
-    while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
+    from parashift.bench.server import process_title, process_tree
+
+    peaks = {}
+    for pid in process_tree(server_pid):
+        m = re.match(r"parashift-engine-dp(\d+)", process_title(pid))
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = f.read().split(b"\0")[0].decode(errors="replace")
             with open(f"/proc/{pid}/status") as f:
-                status = f.read()
+                hwm = re.search(r"VmHWM:\s+(\d+)", f.read())
         except OSError:
             continue
-        m, hwm = re.match(r"parashift-engine-dp(\d+)", name), re.search(r"VmHWM:\s+(\d+)", status)
         if m and hwm:
             peaks[int(m.group(1))] = int(hwm.group(1)) * 1024
     return peaks

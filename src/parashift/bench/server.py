@@ -32,6 +32,34 @@ class ServerProcess:
     lines: list[str] = field(default_factory=list)  # its output so far
 
 
+def process_tree(pid: int) -> list[int]:
+    """The pid and all its descendants' (Linux /proc): a server's processes."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        tree.append(p)
+        stack += children.get(p, [])
+    return tree
+
+
+def process_title(pid: int) -> str:
+    """What `ps` shows as its command (parashift-engine-dp0, ...); '' once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,6 +29,8 @@ from typing import Any
 
 import aiohttp
 
+from parashift.bench.server import process_title, process_tree
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SERVER_ARGS = ["--strategy", "dp2", "--api-server-count", "2", "--restart-dead-engines",
                "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32"]
@@ -229,54 +231,24 @@ def tree_rss_mib(pid: int) -> float:
 
 def tree_rss_by_process(pid: int) -> dict[str, float]:
     """MiB resident per process (by its title) of a process and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = {}, [pid]
-    while stack:
-        p = stack.pop()
-        stack += children.get(p, [])
+    out = {}
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/statm") as f:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                name = f.read().split(b"\0")[0].decode(errors="replace") or str(p)
         except (OSError, ValueError, IndexError):
             continue
+        name = process_title(p) or str(p)
         out[f"{name} ({p})" if name in out else name] = rss
     return out
 
 
 def engine_pid(server_pid: int, rank: int) -> int:
     """The pid of engine dp<rank> under the server (by its process title)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    name = f.read().split(b"\0")[0].decode(errors="replace")
-            except OSError:
-                continue
-            if name == f"parashift-engine-dp{rank}" and _descends(int(entry), server_pid):
-                return int(entry)
+    for pid in process_tree(server_pid):
+        if process_title(pid) == f"parashift-engine-dp{rank}":
+            return pid
     raise RuntimeError(f"no parashift-engine-dp{rank} under pid {server_pid}")
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
 
 
 def scrape_every_api_server(url: str, num_servers: int, tries: int = 200) -> list[str]:

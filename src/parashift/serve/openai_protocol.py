@@ -36,8 +36,7 @@ INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Meta(ge=INT64[0], le=INT64[1])]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Meta(le=MAX_N)]  # the lower bound is SamplingParams' (its message)
-Tokens = Annotated[int, Meta(le=INT32_MAX)]
-TopK = Annotated[int, Meta(le=INT32_MAX)]
+Int32 = Annotated[int, Meta(le=INT32_MAX)]  # max_tokens, top_k (lower bounds: SamplingParams)
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # Finite floats: JSON's 1e999 decodes to inf, which no sampler should see.
 Float = Annotated[float, Meta(ge=-1e6, le=1e6)]
@@ -59,7 +58,7 @@ class _Sampling(_Strict, kw_only=True):
     n: Count = 1
     temperature: Float | None = None
     top_p: Float | None = None
-    top_k: TopK | None = None  # vLLM's extra sampling fields, as vLLM names them
+    top_k: Int32 | None = None  # vLLM's extra sampling fields, as vLLM names them
     min_p: Float | None = None
     seed: Int64 | None = None
     stop: Stops | None = None
@@ -83,7 +82,7 @@ class _Sampling(_Strict, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # text, texts, token ids, or lists of token ids (checked by `completion_prompts`)
     prompt: str | list[str | TokenId | list[TokenId]]
-    max_tokens: Tokens | None = 16
+    max_tokens: Int32 | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None
@@ -112,8 +111,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: Tokens | None = None
-    max_completion_tokens: Tokens | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     parallel_tool_calls: bool | None = None
@@ -202,13 +201,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, num_prompt_t
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise OpenAIError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
-    else:
+    else:  # (logprobs and top_logprobs are bounded by their types above)
         max_tokens = req.max_tokens
         num_logprobs = req.logprobs
-        if num_logprobs is not None and not 0 <= num_logprobs <= 20:
-            raise OpenAIError(400, "logprobs must be between 0 and 20", param="logprobs")
     room = max_model_len - num_prompt_tokens
     if room < 1 and max_tokens is None:
         raise OpenAIError(400, f"this model's maximum context length is {max_model_len} "
