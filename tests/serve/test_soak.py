@@ -11,7 +11,8 @@ import pytest
 from conftest import TINY_VOCAB
 
 from parashift.bench.server import running_server
-from parashift.bench.soak import SERVER_ARGS, plan, run_soak
+from parashift.bench.soak import SERVER_ARGS, run_soak
+from parashift.bench.soak_requests import plan
 
 NUM_REQUESTS = 300
 

@@ -30,7 +30,8 @@ def soak(
     from parashift.bench import report
     from parashift.bench.random_model import random_llama
     from parashift.bench.server import running_server
-    from parashift.bench.soak import SERVER_ARGS, plan, run_soak
+    from parashift.bench.soak import SERVER_ARGS, run_soak
+    from parashift.bench.soak_requests import plan
     from parashift.models.loader import load_hf_config, resolve_model_path
 
     if num_requests < 1 or concurrency < 1:

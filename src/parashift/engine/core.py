@@ -13,7 +13,7 @@ import time
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.placement import engine_placement, ray_engine_placement
-from parashift.engine.request import Request
+from parashift.engine.request import Request, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
 from parashift.executor.local import LocalExecutor
 from parashift.strategies.mesh import EnginePlacement
@@ -81,14 +81,9 @@ class EngineCore:
             collections.deque() if depth > 1 else None)
 
     def add_request(self, request: Request) -> None:
-        """Raises ValueError for a request the model cannot run (it fails alone, the engine
-        stays up): a token id past the embedding would crash the step of every request."""
-        ids, vocab = request.prompt_token_ids, self.config.model.vocab_size
-        if not ids:
-            raise ValueError("the prompt must not be empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+        """Raises ValueError for a request the model cannot run: it fails alone, the engine
+        stays up."""
+        check_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -14,7 +14,7 @@ from parashift.config import EngineArgs
 from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
-from parashift.engine.request import Request
+from parashift.engine.request import Request, check_prompt_tokens
 from parashift.engine.request_output import RequestOutput
 from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.types.sampling_params import SamplingParams
@@ -132,16 +132,11 @@ class LLM:
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
-        if not token_ids:
-            raise ValueError("the prompt is empty")
+        check_prompt_tokens(token_ids, self.config.model.vocab_size)
         if len(token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
                              f"{max_len}: no room to generate (shorten it or raise "
                              "--max-model-len)")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, num_requests: int, use_tqdm: bool,
              on_output: Callable[[str, str], None] | None) -> dict[str, RequestOutput]:

@@ -8,6 +8,17 @@ import time
 from parashift.types.sampling_params import SamplingParams
 
 
+def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
+    """Raises ValueError for a prompt no model step can run: empty, or a token id past the
+    embedding (which would crash the step of every request batched with it)."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary "
+                         f"(0..{vocab_size - 1})")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

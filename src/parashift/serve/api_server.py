@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from parashift.serve import responses
+from parashift.engine.request import check_prompt_tokens
+from parashift.serve import responses, sse
 from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
 from parashift.serve.generation import Generation
 from parashift.serve.metrics import Metrics
@@ -37,7 +38,6 @@ from parashift.wire.process_util import (
 )
 
 logger = logging.getLogger(__name__)
-CLIENT_LEFT = "parashift.client_left"  # request key: a stream's client went away mid-stream
 
 
 @dataclass
@@ -95,7 +95,7 @@ class ApiServer:
         code = 499  # the client went away: the handler was cancelled
         try:
             response = await handler(request)
-            code = 499 if request.get(CLIENT_LEFT) else response.status
+            code = 499 if request.get(sse.CLIENT_LEFT) else response.status
             return response
         finally:
             self.metrics.responses.labels(str(code)).inc()
@@ -200,18 +200,18 @@ class ApiServer:
             prompts = [list(prompt)]
         else:
             prompts = [list(p) for p in prompt]
-        if not prompts or any(not p for p in prompts):
+        if not prompts:
             raise OpenAIError(400, "the prompt must not be empty", param="prompt")
         return prompts
 
-    def _check_vocabulary(self, prompts: list[list[int]], param: str) -> None:
-        """Token ids the model has no embedding for (given, or from a tokenizer larger than
-        the model's vocabulary) are refused here, before they reach an engine."""
+    def _check_tokens(self, prompts: list[list[int]], param: str) -> None:
+        """The engine's own check, answered here as a 400: token ids the model has no
+        embedding for (given, or from a tokenizer larger than the model's vocabulary)."""
         for p in prompts:
-            bad = [t for t in p if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise OpenAIError(400, f"token id {bad[0]} is outside the model's vocabulary "
-                                  f"(0..{self.args.vocab_size - 1})", param=param)
+            try:
+                check_prompt_tokens(p, self.args.vocab_size)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param=param) from None
 
     def _rank(self, request: web.Request) -> int | None:
         pinned = request.headers.get("X-data-parallel-rank")
@@ -223,7 +223,7 @@ class ApiServer:
 
     async def _generate(self, request: web.Request, req: Any, prompts: list[list[int]],
                         chat: bool) -> web.StreamResponse:
-        self._check_vocabulary(prompts, "messages" if chat else "prompt")
+        self._check_tokens(prompts, "messages" if chat else "prompt")
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
                               f"{MAX_CHOICES} choices in one request", param="n")
@@ -239,7 +239,8 @@ class ApiServer:
         status = "error"
         try:
             if req.stream:
-                response, status = await self._stream(request, gen, formatter)
+                response, status = await sse.stream(request, gen, formatter,
+                                                    self.args.request_timeout)
                 return response
             async with asyncio.timeout(self.args.request_timeout):
                 async for _ in gen.stream():
@@ -248,7 +249,7 @@ class ApiServer:
             return _json(formatter.full_response())
         except TimeoutError:
             status = "timeout"
-            raise self._timed_out() from None
+            raise sse.timed_out(self.args.request_timeout) from None
         except asyncio.CancelledError:
             status = "disconnected"
             raise
@@ -257,53 +258,6 @@ class ApiServer:
             t = gen.timing
             self.metrics.observe_request(status, gen.num_prompt_tokens, gen.num_output_tokens,
                                          t.arrival, t.first_token, time.monotonic())
-
-    def _timed_out(self) -> OpenAIError:
-        return OpenAIError(504, f"the request took longer than --request-timeout "
-                           f"({self.args.request_timeout:g} s) and was aborted", "timeout")
-
-    async def _stream(self, request: web.Request, gen: Generation,
-                      formatter: responses.Formatter) -> tuple[web.StreamResponse, str]:
-        """The SSE response and how it ended: ok, timeout or error (an event says which), or
-        disconnected (the client left: nothing more is written)."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            status = await self._stream_events(request, response, gen, formatter)
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:
-            status = "disconnected"
-            request[CLIENT_LEFT] = True
-        return response, status
-
-    async def _stream_events(self, request: web.Request, response: web.StreamResponse,
-                             gen: Generation, formatter: responses.Formatter) -> str:
-        status = "error"
-        try:
-            for chunk in formatter.stream_start():
-                await response.write(responses.sse(chunk))
-            async with asyncio.timeout(self.args.request_timeout):
-                async for delta in gen.stream():
-                    await response.write(responses.sse(formatter.stream_chunk(delta)))
-            usage = formatter.stream_usage()
-            if usage is not None:
-                await response.write(responses.sse(usage))
-            status = "ok"
-        except ConnectionResetError:
-            raise
-        except TimeoutError:
-            status = "timeout"
-            await response.write(responses.sse(self._timed_out().body()))
-        except (EngineDeadError, OpenAIError) as e:
-            err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
-            await response.write(responses.sse(err.body()))
-        except Exception as e:  # the headers are out: a bug ends this stream with an event
-            logger.exception("internal error while streaming %s", request.path)
-            err = OpenAIError(500, f"internal error: {e}", "internal_error")
-            await response.write(responses.sse(err.body()))
-        return status
 
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
