@@ -195,19 +195,23 @@ def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_bac
     """dp2xep with a long context, so that the requests are still running when dp1 dies
     (SIGKILL) or hangs (SIGSTOP: its heartbeats stop, and the launcher kills it): both ranks'
     streams, which had sent tokens, end fast with an error event (dp0 cannot step without
-    dp1's experts), /health names the ranks, and the restarted group serves again. (A request
-    failed over into the restarting group can race the group's re-formation: see the issue 17
-    note; not asserted here.)"""
+    dp1's experts), /health names the ranks, and the restarted group serves again; a request
+    that is not streamed fails over: it waits for the group and starts over there. (The
+    coordinator times out the stopped dp0 while the new one loads: that verdict names the old
+    process and must not kill the new one.)"""
     model = tiny_model_factory("mixtral", max_position_embeddings=8192)
     with running_server(model, "--dtype", "float32", "--max-model-len", "8192",
                         "--kv-cache-memory", "32MiB", "--strategy", "dp2xep",
                         "--restart-dead-engines", "--heartbeat-timeout", "2") as s:
         long_prompt = [(7 * j) % 250 + 1 for j in range(16)]
         body = {"prompt": long_prompt, "max_tokens": 8000, "ignore_eos": True}
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
             streams = [pool.submit(s.request, "POST", "/v1/completions", {
                 **body, "stream": True}, {"X-data-parallel-rank": str(r % 2)}, 60)
                 for r in range(4)]
+            whole = (pool.submit(s.request, "POST", "/v1/completions", {
+                **body, "max_tokens": 1500}, {"X-data-parallel-rank": "1"}, 120)
+                if how == signal.SIGKILL else None)
             time.sleep(2)
             assert not any(f.done() for f in streams)
             victim = s.engine_process(1)
@@ -231,6 +235,10 @@ def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_bac
         assert psutil.pid_exists(victim.pid) is False or victim.status() == psutil.STATUS_ZOMBIE
         for rank in (0, 1):
             assert complete(s, PROMPTS[0], rank=rank, max_tokens=2)
+        if whole is not None:
+            status, raw = whole.result()
+            assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 1500, raw
+            assert s.metric("parashift_request_failovers_total", 'outcome="resent"') == 1
 
 
 @pytest.mark.parametrize("model,args,message", [

@@ -242,8 +242,8 @@ class Launcher:
                 logger.error("%s; shutting down", e)
                 return 1
             if self.lockstep is not None:
-                for rank in self.lockstep.hung_ranks():
-                    self.engines.kill(rank)
+                for rank, incarnation in self.lockstep.hung_ranks():
+                    self.engines.kill(rank, incarnation)
             for death in self.engines.reap():
                 self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
                 if self.lockstep is not None and self.lockstep.on_death(death.rank):

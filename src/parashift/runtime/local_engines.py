@@ -54,11 +54,18 @@ class LocalEngines(RestartPolicy):
             self._schedule_restart(rank)
         return deaths
 
-    def kill(self, rank: int) -> None:
-        """SIGKILL: for an engine that no longer answers (`reap` sees it go)."""
+    def kill(self, rank: int, incarnation: int) -> None:
+        """SIGKILL the engine process `incarnation` (its pid) of `rank`, hung: it no longer
+        answers (`reap` sees it go). A verdict about an earlier process of the rank is stale."""
         proc = self.procs.get(rank)
-        if proc is not None and proc.is_alive():
-            proc.kill()
+        if proc is None or not proc.is_alive():
+            return
+        if proc.pid != incarnation:
+            logger.info("engine dp%d: the silent process %d has been replaced by %d; ignoring",
+                        rank, incarnation, proc.pid)
+            return
+        logger.error("engine dp%d is hung (pid %d): killing it", rank, incarnation)
+        proc.kill()
 
     def stop_all(self) -> None:
         """Ask every live engine to stop (SIGTERM) without waiting: `reap` sees them go."""

@@ -44,16 +44,18 @@ class LockstepGroup:
     def watch(self, ctx: zmq.Context, coordinator_publish: str) -> None:
         self.verdicts = subscriber(ctx, coordinator_publish)
 
-    def hung_ranks(self) -> Iterator[int]:
-        """This node's ranks the coordinator declared silent since the last call."""
+    def hung_ranks(self) -> Iterator[tuple[int, int]]:
+        """(rank, incarnation) of this node's engines the coordinator declared silent since the
+        last call. The verdict names the process that went silent: after a group restart the
+        coordinator still times out the stopped incarnation, and that must never kill the new
+        one while it loads."""
         while self.verdicts is not None:
             try:
                 msg = p.decode(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator)
             except zmq.Again:
                 return
             if isinstance(msg, p.EngineDead) and msg.rank in self.local_ranks:
-                logger.error("engine dp%d is hung (%s): killing it", msg.rank, msg.reason)
-                yield msg.rank
+                yield msg.rank, msg.incarnation
 
     def on_death(self, rank: int) -> bool:
         """An engine died. True if that breaks the group now (the launcher must stop the

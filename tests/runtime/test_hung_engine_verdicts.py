@@ -1,0 +1,48 @@
+"""A hung-engine verdict names the process that went silent: the launcher kills that process,
+never a newer incarnation of the same rank that is still loading (the group-restart race)."""
+
+import multiprocessing
+import time
+
+import zmq
+
+from parashift.runtime.local_engines import LocalEngines
+from parashift.runtime.lockstep_group import LockstepGroup
+from parashift.wire import protocol as p
+
+
+def test_the_group_reads_each_verdicts_rank_and_incarnation():
+    ctx = zmq.Context()
+    try:
+        publish = ctx.socket(zmq.PUB)
+        port = publish.bind_to_random_port("tcp://127.0.0.1")
+        group = LockstepGroup(2, [0, 1])
+        group.watch(ctx, f"tcp://127.0.0.1:{port}")
+        verdicts: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 10
+        while not verdicts and time.monotonic() < deadline:  # until the subscription is up
+            publish.send(p.encode(p.EngineDead(1, "no heartbeat for 2 s", 4242)))
+            publish.send(p.encode(p.EngineDead(7, "another node's rank", 99)))
+            time.sleep(0.05)
+            verdicts = list(group.hung_ranks())
+        assert verdicts and set(verdicts) == {(1, 4242)}
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_verdict_about_an_earlier_process_of_the_rank_kills_nothing():
+    engines = LocalEngines({}, "ipc:///nowhere", "info", 10.0)
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    proc.start()
+    try:
+        engines.procs[0] = proc
+        engines.kill(0, proc.pid + 1)  # the incarnation that was stopped before this one
+        time.sleep(0.2)
+        assert proc.is_alive()
+        engines.kill(0, proc.pid)
+        proc.join(10)
+        assert proc.exitcode == -9
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
