@@ -16,7 +16,7 @@ import typer
 
 from parashift import env
 from parashift.config import EngineArgs
-from parashift.defaults import DTYPE_CHOICES
+from parashift.defaults import ATTENTION_BACKENDS, DTYPE_CHOICES
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -74,6 +74,10 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "device": Annotated[Literal["cpu", "cuda"] | None, typer.Option(
         help="where the model runs (default: cuda when a GPU is visible, else cpu)")],
     "num_threads": Annotated[int | None, typer.Option("--threads", help="CPU threads for torch")],
+    "attention_backend": Annotated[Literal[ATTENTION_BACKENDS], typer.Option(
+        "--attention-backend", help="auto: Triton kernels on CUDA, torch on CPU")],
+    "enforce_eager": Annotated[bool, typer.Option(
+        "--enforce-eager", help="CUDA: decode without CUDA graphs")],
     "strategy": Annotated[str | None, typer.Option(
         help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")],
     "data_parallel_size": Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],

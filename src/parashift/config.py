@@ -46,6 +46,8 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None
     num_threads: int | None = None
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
     data_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
@@ -158,6 +160,8 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     num_threads: int | None = None  # CPU only; None = torch's default
+    attention_backend: str = "torch"  # resolved: never "auto"
+    enforce_eager: bool = False  # CUDA only: decode without CUDA graphs
 
     @property
     def torch_device(self) -> torch.device:

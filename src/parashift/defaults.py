@@ -31,3 +31,6 @@ def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None, device: str) ->
 def default_max_num_batched_tokens(max_num_seqs: int) -> int:
     """The per-step token budget without --max-num-batched-tokens."""
     return max(2048, max_num_seqs)
+
+# --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -12,6 +12,7 @@ import typer
 
 from parashift.bench.backends import backends
 from parashift.bench.dp_scaling import dp_scaling
+from parashift.bench.kernels import kernels
 from parashift.bench.moe import moe
 from parashift.bench.options import Plot, SaveJson, Seed
 from parashift.bench.pipeline import pipeline
@@ -107,3 +108,4 @@ bench_app.command()(moe)
 bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)
 bench_app.command()(soak)
+bench_app.command()(kernels)

@@ -3,8 +3,11 @@ from --strategy and vLLM's explicit size flags, the model, dtype and limits."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
+from parashift import env
 from parashift.config import (
     CacheConfig,
     DeviceConfig,
@@ -15,7 +18,7 @@ from parashift.config import (
     SchedulerConfig,
     resolve_dtype,
 )
-from parashift.defaults import default_max_num_batched_tokens
+from parashift.defaults import ATTENTION_BACKENDS, default_max_num_batched_tokens
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.pipeline import parse_partition
@@ -56,9 +59,9 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     hf_config = load_hf_config(path)
     get_model_class(architecture_of(hf_config))
     spec.validate(hf_config)
-    device = DeviceConfig(args.device) if args.device else DeviceConfig()
-    if args.num_threads is not None:
-        device = DeviceConfig(device.device, args.num_threads)
+    device_name = args.device or DeviceConfig().device
+    device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
+        args.attention_backend, device_name, args.block_size), args.enforce_eager)
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
         hf_config, "torch_dtype", None)
     if isinstance(checkpoint_dtype, str):
@@ -73,3 +76,26 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
     return EngineConfig(model, cache, scheduler, parallel, device)
+
+
+def resolve_attention_backend(name: str, device: str, block_size: int) -> str:
+    """`auto` -> triton on CUDA (when Triton is installed), torch elsewhere; an explicit choice
+    is checked against the device and the block size."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {name!r} is unknown; known: "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.startswith("cuda") and has_triton and block_size >= 16 \
+            else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("--attention-backend triton: Triton is not installed "
+                             "(pip install triton)")
+        if not device.startswith("cuda") and not env.triton_interpret():
+            raise ValueError("--attention-backend triton needs a CUDA device (or "
+                             "TRITON_INTERPRET=1, Triton's CPU interpreter, for tests)")
+        if block_size < 16:
+            raise ValueError(f"--attention-backend triton needs --block-size 16 or more, "
+                             f"not {block_size}")
+    return name

@@ -2,9 +2,10 @@
 hold a reusable prefix, and which can be handed out next. The tensors live in the workers.
 
 Prefix caching: a full block is identified by the chained hash of (parent block's hash, its
-token ids). Blocks whose reference count drops to zero stay in the hash table until they are
-reused, so a later request with the same prefix picks them up; the free queue is ordered so
-the least recently freed block is evicted first."""
+token ids), from engine/block_hash.py (the API servers' router computes the same). Blocks
+whose reference count drops to zero stay in the hash table until they are reused, so a later
+request with the same prefix picks them up; the free queue is ordered so the least recently
+freed block is evicted first."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from parashift.engine.block_hash import hash_block
 from parashift.engine.request import Request
 
 
@@ -115,8 +117,8 @@ class KVCacheManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request, in whole blocks. At least one token is

@@ -14,6 +14,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from parashift.distributed.communicator import GroupCommunicator
+from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed
 from parashift.types.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -58,6 +59,15 @@ class ModelRunner:
         # MoE over several engines: every step starts with the group's token-count exchange.
         dispatcher = getattr(model, "dispatcher", None)
         self.dispatcher = dispatcher if dispatcher is not None and dispatcher.is_active else None
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode steps, once captured
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """After the KV cache is bound. Only a whole model on one device (no pipeline or
+        expert-parallel collectives inside the captured forward)."""
+        assert self.pp.world_size == 1 and self.dispatcher is None
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size,
+                                   self.device)
+        self.graphs.capture()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, kv in zip(self.model.attention_layers, kv_caches, strict=True):
@@ -133,9 +143,10 @@ class ModelRunner:
         q_lens = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         input_ids, positions, step = self._prepare_inputs(states, q_lens, starts)
-        metadata = self.backend.build_metadata(step)
-
-        hidden = self._forward_stage(input_ids, positions, metadata)
+        if self.graphs is not None and self.graphs.can_run(step):
+            hidden = self.graphs.run(input_ids, positions, step)
+        else:
+            hidden = self._forward_stage(input_ids, positions, self.backend.build_metadata(step))
         # Rows that complete their prompt sample; partial prefill chunks only fill the cache.
         seq_lens = starts + q_lens
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]

@@ -33,7 +33,7 @@ class Worker:
             torch.set_num_threads(config.device.num_threads)
         torch.manual_seed(config.model.seed)
         mc = config.model
-        self.backend = get_attention_backend("torch")
+        self.backend = get_attention_backend(config.device.attention_backend)
         rss_before = _reset_peak_rss()
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
@@ -115,9 +115,9 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        self.initialize_cache(-(-tokens // self.config.cache.block_size))
+        self._allocate_cache(-(-tokens // self.config.cache.block_size))
         self.runner.profile_run(tokens)
-        self.initialize_cache(0)
+        self._allocate_cache(0)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
@@ -125,6 +125,12 @@ class Worker:
         return int(total * self.config.cache.gpu_memory_utilization) - peak
 
     def initialize_cache(self, num_blocks: int) -> None:
+        self._allocate_cache(num_blocks)
+        if num_blocks and self.uses_cuda_graphs:
+            self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs,
+                                              self.config.model.max_model_len)
+
+    def _allocate_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers
         shape = (num_blocks, self.config.cache.block_size, layers[0].num_kv_heads,
                  layers[0].head_dim)
@@ -133,6 +139,15 @@ class Worker:
         kv = [(torch.zeros(shape, dtype=dtype, device=self.device),
                torch.zeros(shape, dtype=dtype, device=self.device)) for _ in layers]
         self.runner.bind_kv_cache(kv)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode from CUDA graphs: on CUDA with the Triton backend, unless --enforce-eager;
+        for now a whole model on one device (tp1, pp1, no expert parallel over engines)."""
+        shard, device = self.parallel.shard, self.config.device
+        return (self.device.type == "cuda" and device.attention_backend == "triton"
+                and not device.enforce_eager and shard.tp_size == 1
+                and self.runner.pp.world_size == 1 and self.runner.dispatcher is None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

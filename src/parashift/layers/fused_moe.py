@@ -1,5 +1,6 @@
 """The routed experts of an MoE layer: top-k routing, tokens grouped by expert, one GEMM pair
-per expert that has tokens (plain torch; the Triton fused kernel comes with the GPU path).
+per expert that has tokens in torch, or on CUDA the Triton fused kernel (two grouped GEMMs
+over the slots sorted and aligned by expert, with no host sync).
 
 Sharding, from the rank's shard plan:
 - without expert parallel every rank holds every expert, its intermediate columns split over
@@ -17,6 +18,7 @@ from torch import nn
 from parashift.distributed.expert_dispatch import ExpertDispatcher
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.layers.activation import silu_and_mul
+from parashift.layers.kernel_dispatch import on_kernels
 from parashift.layers.weights import WeightSource
 
 # checkpoint projection -> (our parameter, block of it): gate and up share w13
@@ -97,6 +99,13 @@ class FusedMoE(nn.Module):
                  ) -> torch.Tensor:
         """The local experts' weighted outputs for `tokens` ([rows, hidden]); rows routed
         only to other ranks' experts stay zero."""
+        if on_kernels(tokens):
+            from parashift.kernels.fused_moe import fused_moe
+
+            local = ids - self.first_expert
+            elsewhere = (ids < 0) | (local >= self.num_local_experts) | (local < 0)
+            return fused_moe(tokens, self.w13, self.w2, weights,
+                             local.masked_fill(elsewhere, self.num_local_experts))
         out = torch.zeros_like(tokens)
         local = ids.flatten() - self.first_expert  # [rows * top_k]
         held = (local >= 0) & (local < self.num_local_experts)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parashift.layers.kernel_dispatch import on_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like the reference implementations. With `residual` it
@@ -21,6 +23,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if on_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and (
+                residual is None or residual.stride(-1) == 1):
+            from parashift.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)  # one pass, add fused
         if residual is None:
             return self._norm(x)
         x = x + residual

