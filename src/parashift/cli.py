@@ -124,6 +124,16 @@ def run(
         "--ray-address", help="Ray cluster (default: RAY_ADDRESS, else a local one)")] = None,
     ray_placement: Annotated[Literal["pack", "spread"], typer.Option(
         "--ray-placement", help="a rank's workers on one node, or spread")] = "pack",
+    routing: Annotated[Literal["prefix", "load", "round-robin"], typer.Option(
+        help="how an API server picks a dp rank: where the prompt's prefix is cached, the "
+             "least loaded, or in turn")] = "prefix",
+    routing_balance_threshold: Annotated[int, typer.Option(
+        "--routing-balance-threshold", help="prefix routing follows the cache unless that "
+        "rank's load score (4 per waiting request, 1 per running) exceeds the least "
+        "loaded's by more than this")] = 4,
+    routing_min_match: Annotated[float, typer.Option(
+        "--routing-min-match", help="prefix routing follows the cache when at least this "
+        "share of the prompt's full blocks is there")] = 0.5,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     setup_logging()
@@ -136,6 +146,12 @@ def run(
 
     if request_timeout is not None and request_timeout <= 0:
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
+    from parashift.serve.prefix_router import RoutingConfig
+
+    try:
+        routing_config = RoutingConfig(routing, routing_balance_threshold, routing_min_match)
+    except ValueError as e:
+        fail(str(e))
     args = ServeArgs(
         engine_args, host=host, port=port, api_server_count=api_server_count,
         served_model_name=served_model_name, api_key=api_key,
@@ -146,7 +162,8 @@ def run(
         data_parallel_address=data_parallel_address,
         data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
-        backend=backend, ray_address=ray_address, ray_placement=ray_placement)
+        backend=backend, ray_address=ray_address, ray_placement=ray_placement,
+        routing=routing_config)
     try:
         code = run_server(args)
     except ValueError as e:

@@ -78,6 +78,8 @@ _ENGINE_FLAGS: dict[str, Any] = {
         "--attention-backend", help="auto: Triton kernels on CUDA, torch on CPU")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
+    "while_asleep": Annotated[Literal["reject", "wait"], typer.Option(
+        "--while-asleep", help="a request to a sleeping server: 503, or wait for /wake_up")],
     "strategy": Annotated[str | None, typer.Option(
         help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")],
     "data_parallel_size": Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],

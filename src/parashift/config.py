@@ -48,6 +48,7 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # no CUDA graphs for decode
+    while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
     data_parallel_size: int | None = None
     tensor_parallel_size: int | None = None

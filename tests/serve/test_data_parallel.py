@@ -212,3 +212,56 @@ def test_dp4_matches_dp1_shares_64_concurrent_requests_and_pins(dp4, expected):
         before = routed(dp4, rank)
         assert complete(dp4, PROMPTS[rank], rank)["choices"][0]["text"] == expected[rank]
         assert routed(dp4, rank) - before == 1
+
+
+def multi_turn_chat(llm: LLM) -> tuple[list[list[list[int]]], list[list[str]], list[int]]:
+    """4 conversations sharing a 96-token system prompt, 6 turns, each turn's 4 requests at
+    once: each turn appends the last reply and 8 new user tokens. Returns every turn's
+    prompts and reply texts, and [cached, prompt] tokens, from one engine (dp1)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    system = [(13 * j) % 240 + 5 for j in range(96)]
+    history = [list(system) for _ in range(4)]
+    turns, texts, counts = [], [], [0, 0]
+    for turn in range(6):
+        for i, conversation in enumerate(history):
+            conversation.extend((11 * i + 3 * turn + j) % 240 + 5 for j in range(8))
+        prompts = [list(c) for c in history]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        for conversation, r in zip(history, results, strict=True):
+            conversation.extend(r.outputs[0].token_ids)
+        turns.append(prompts)
+        texts.append([r.outputs[0].text for r in results])
+        counts[0] += sum(r.metrics.num_cached_tokens for r in results)
+        counts[1] += sum(len(p) for p in prompts)
+    return turns, texts, counts
+
+
+def test_prefix_routing_keeps_a_multi_turn_chat_in_the_cache(server, tiny_llama):
+    """The chat above replayed on dp2, turn by turn: its prefix hit rate (from
+    usage.prompt_tokens_details.cached_tokens, matched by the engines' own counters) is at
+    least 0.9x dp1's, and the replies are dp1's."""
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+    turns, want, dp1 = multi_turn_chat(llm)
+    llm.shutdown()
+
+    def engine_hits() -> float:
+        return sum(server.metric("parashift_prefix_cache_hit_tokens", f'engine="dp{r}"') or 0
+                   for r in (0, 1))
+
+    def ask(prompt):
+        status, raw = server.request("POST", "/v1/completions", {
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert status == 200, raw
+        return json.loads(raw)
+
+    hits_before = engine_hits()
+    dp2 = [0, 0]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for prompts, texts in zip(turns, want, strict=True):
+            replies = list(pool.map(ask, prompts))
+            assert [r["choices"][0]["text"] for r in replies] == texts
+            dp2[0] += sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+            dp2[1] += sum(r["usage"]["prompt_tokens"] for r in replies)
+    assert dp2[1] == dp1[1]
+    assert dp2[0] == engine_hits() - hits_before
+    assert dp2[0] / dp2[1] >= 0.9 * dp1[0] / dp1[1], (dp2, dp1)

@@ -16,6 +16,7 @@ from parashift.bench.kernels import kernels
 from parashift.bench.moe import moe
 from parashift.bench.options import Plot, SaveJson, Seed
 from parashift.bench.pipeline import pipeline
+from parashift.bench.routing import routing
 from parashift.bench.serve_cli import serve, sweep
 from parashift.bench.serving_vs_offline import serving_vs_offline
 from parashift.bench.soak_cli import soak
@@ -109,3 +110,4 @@ bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)
 bench_app.command()(soak)
 bench_app.command()(kernels)
+bench_app.command()(routing)

@@ -59,6 +59,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     hf_config = load_hf_config(path)
     get_model_class(architecture_of(hf_config))
     spec.validate(hf_config)
+    if args.while_asleep not in ("reject", "wait"):
+        raise ValueError(f"--while-asleep {args.while_asleep!r}: use reject or wait")
     device_name = args.device or DeviceConfig().device
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
         args.attention_backend, device_name, args.block_size), args.enforce_eager)

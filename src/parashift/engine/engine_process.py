@@ -19,6 +19,7 @@ from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.request import Request
 from parashift.engine.scheduler import QueueFullError
+from parashift.engine.sleep_state import ASLEEP_MESSAGE, SleepState
 from parashift.engine.wave import WaveState
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
 from parashift.strategies.spec import StrategySpec
@@ -60,6 +61,8 @@ class EngineProcess:
         self._last_load: tuple[int, ...] | None = None
         self.lockstep = False  # expert parallel over engines: every step in waves
         self.wave = WaveState()
+        self.sleep: SleepState | None = None  # with the core
+        self.hold_while_asleep = False  # --while-asleep wait (else: refuse with a 503)
         self.waves_in: zmq.Socket | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -83,6 +86,8 @@ class EngineProcess:
         if self.lockstep:  # the coordinator's start-wave calls
             self.waves_in = subscriber(self.ctx, init.coordinator_publish_address)
         self.core = EngineCore(config, placement=self.placement)
+        self.hold_while_asleep = init.engine_args.while_asleep == "wait"
+        self.sleep = SleepState(self.rank, self.core, self._answer)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
@@ -104,7 +109,7 @@ class EngineProcess:
             self._heartbeat.start()
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
-                              self.incarnation)
+                              self.incarnation, cfg.cache.block_size)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
@@ -132,7 +137,8 @@ class EngineProcess:
             poller.register(self.waves_in, zmq.POLLIN)
         core = self.core
         while not self.stopping:
-            busy = core.has_unfinished_requests() or self.wave.running
+            asleep = self.sleep.level > 0
+            busy = not asleep and (core.has_unfinished_requests() or self.wave.running)
             for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
                 if sock is self.waves_in:
                     self._drain_waves()
@@ -148,7 +154,10 @@ class EngineProcess:
                         logger.error("dropped a malformed message: %s", e)
                         continue
                     self._handle(msg)
-            if self.lockstep:
+            self.sleep.settle(core.has_unfinished_requests() or self.wave.running)
+            if self.sleep.level:  # asleep: no step, no wave; held requests wait for the wake
+                core.executor.check_health()
+            elif self.lockstep:
                 self._step_in_wave()
             elif core.has_unfinished_requests():
                 self._publish(core.step())
@@ -194,6 +203,10 @@ class EngineProcess:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):
+            if self.sleep.closed and not self.hold_while_asleep:
+                self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
+                    self.rank, msg.request_id, ASLEEP_MESSAGE, 503)))
+                return
             self.client_of[msg.request_id] = msg.client_index
             try:
                 self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
@@ -218,12 +231,21 @@ class EngineProcess:
 
     def _utility(self, call: p.UtilityCall) -> None:
         result, error = None, None
+        try:
+            if self.sleep.on_call(call):
+                return
+        except ValueError as e:
+            self._answer(call, None, str(e))
+            return
         if call.method == "reset_prefix_cache":
             result = self.core.reset_prefix_cache()
         elif call.method == "stats":
             result = self.core.stats()
         else:
             error = f"unknown utility method {call.method!r}"
+        self._answer(call, result, error)
+
+    def _answer(self, call: p.UtilityCall, result: Any, error: str | None = None) -> None:
         self.outputs[call.client_index].send(p.encode(
             p.UtilityResult(self.rank, call.call_id, result, error)))
 

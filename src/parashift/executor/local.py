@@ -46,6 +46,12 @@ class LocalExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def sleep(self, level: int) -> list[int]:
+        return [self.worker.sleep(level)]
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
     def check_health(self) -> None:
         pass  # the worker is this process
 

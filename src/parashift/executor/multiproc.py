@@ -112,6 +112,13 @@ class MultiprocExecutor:
         self.submit(scheduler_output)
         return self.wait()
 
+    def sleep(self, level: int) -> list[int]:
+        """Bytes each worker released."""
+        return self.collective_rpc("sleep", level)
+
+    def wake_up(self) -> None:
+        self.collective_rpc("wake_up")
+
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step; its output comes from `wait`, in submission order."""
         self._broadcast(p.ExecuteModel(scheduler_output))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import logging
 import time
 
@@ -32,17 +34,51 @@ class Worker:
         if self.device.type == "cpu" and config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         torch.manual_seed(config.model.seed)
-        mc = config.model
         self.backend = get_attention_backend(config.device.attention_backend)
+        self.num_blocks = 0
+        self.sleep_level = 0  # 1: the KV cache is freed; 2: the weights too
         rss_before = _reset_peak_rss()
-        self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
-                                mc.max_model_len, self.parallel)
+        self._load_model()
         # Peak resident memory the load added: a tp shard must read only its slice.
         self.load_peak_rss = _peak_rss() - rss_before
+
+    def _load_model(self) -> None:
+        mc = self.config.model
+        self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
+                                mc.max_model_len, self.parallel)
         for note in prepare_gemm_weights(self.model, self.device):  # after: it may time GEMMs
             logger.info(note)
-        self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, self.device,
-                                  self.parallel.group("pp"))
+        self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
+                                  self.device, self.parallel.group("pp"))
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (level 1) and the weights too (level 2); the engine has no request
+        left. Returns the bytes released (resident memory on CPU, device memory on GPU)."""
+        before = self.memory_bytes()
+        self._allocate_cache(0)
+        self.runner.graphs = None  # captured on the freed cache
+        if level >= 2:
+            del self.model, self.runner  # every reference to the weights
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            _trim_heap()
+        self.sleep_level = max(self.sleep_level, level)
+        return before - self.memory_bytes()
+
+    def wake_up(self) -> None:
+        """Reload the weights (from the converted checkpoint) if they were freed, and give
+        back the KV cache, empty."""
+        if self.sleep_level >= 2:
+            self._load_model()
+        self.sleep_level = 0
+        self.initialize_cache(self.num_blocks)
+
+    def memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _status_kib("VmRSS")
 
     @property
     def is_output_rank(self) -> bool:
@@ -125,6 +161,7 @@ class Worker:
         return int(total * self.config.cache.gpu_memory_utilization) - peak
 
     def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self._allocate_cache(num_blocks)
         if num_blocks and self.uses_cuda_graphs:
             self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs,
@@ -151,6 +188,15 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps tensors below its growing mmap
+    threshold on the heap, where freeing them does not lower the RSS)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _reset_peak_rss() -> int:

@@ -131,7 +131,8 @@ class Launcher:
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
                 eos, mc.vocab_size, self.args.api_key,
                 self.args.log_level, coordinator_pub, self.args.request_timeout,
-                self.endpoints.handed(self.endpoints.requests[i], self.endpoints.outputs[i]))
+                routing=self.args.routing, bound=self.endpoints.handed(
+                    self.endpoints.requests[i], self.endpoints.outputs[i]))
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()

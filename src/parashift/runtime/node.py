@@ -3,9 +3,10 @@ this node's ranks go is the device mesh's to say (engine/placement.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parashift.config import EngineArgs
+from parashift.serve.prefix_router import RoutingConfig
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ServeArgs:
     backend: str = "mp"  # "ray": engines (and their workers) as actors on a Ray cluster
     ray_address: str | None = None
     ray_placement: str = "pack"
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # which rank a request gets
 
     def check_backend(self) -> None:
         if self.backend not in ("mp", "ray"):

@@ -30,6 +30,8 @@ from parashift.serve.openai_protocol import (
     sampling_params,
 )
 from parashift.serve.openapi import openapi_document
+from parashift.serve.prefix_router import RoutingConfig
+from parashift.serve.sleep_routes import SleepRoutes
 from parashift.wire.process_util import (
     die_with_parent,
     exit_now,
@@ -55,6 +57,7 @@ class ApiServerArgs:
     log_level: str = "INFO"
     coordinator_address: str | None = None  # the DP coordinator's PUB (dp > 1)
     request_timeout: float | None = None  # seconds a generation may take; None: no limit
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
 
 
@@ -70,7 +73,8 @@ class ApiServer:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.broker = Broker(args.index, args.request_address, args.output_address,
-                             args.num_engines, args.coordinator_address, args.bound)
+                             args.num_engines, args.coordinator_address, args.bound,
+                             args.routing)
         self.metrics = Metrics()
         self.broker.on_outputs = self.metrics.on_engine_outputs
         self.broker.on_load = self.metrics.on_load_vector
@@ -86,6 +90,7 @@ class ApiServer:
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/openapi.json", self.openapi)
+        SleepRoutes(self.broker, self.metrics).add_to(app)
         return app
 
     @web.middleware

@@ -14,6 +14,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from parashift.engine.block_hash import block_hashes
+from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
@@ -33,7 +35,8 @@ class RequestFailedError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
-        self.type = "rate_limit_error" if status == 429 else "invalid_request_error"
+        self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
+            status, "invalid_request_error")
 
 
 class EngineUnavailableError(RuntimeError):
@@ -43,7 +46,8 @@ class EngineUnavailableError(RuntimeError):
 class Broker:
     def __init__(self, client_index: int, request_address: str, output_address: str,
                  num_engines: int, coordinator_address: str | None = None,
-                 bound: dict[str, socket.socket] | None = None):
+                 bound: dict[str, socket.socket] | None = None,
+                 routing: RoutingConfig | None = None):
         """`bound`: listening sockets the launcher bound at our tcp addresses."""
         self.client_index = client_index
         self.num_engines = num_engines
@@ -79,7 +83,8 @@ class Broker:
         self.shutdown_timeout = 0.0
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._rotation = itertools.count()
+        self.router = Router(routing or RoutingConfig(), num_engines)
+        self.block_size = 16  # the engines' (every EngineReady says it)
         self._tasks: list[asyncio.Task] = []
         self.on_outputs = None  # optional hook(rank, EngineOutputs) for metrics
 
@@ -109,17 +114,23 @@ class Broker:
     def alive_engines(self) -> list[int]:
         return [r for r in sorted(self.ready) if r not in self.dead]
 
-    def pick_engine(self, pinned: int | None = None, exclude: int | None = None) -> int:
+    def pick_engine(self, pinned: int | None = None, exclude: int | None = None,
+                    prompts: list[list[int]] | tuple = ()) -> int:
+        """A pinned rank, or the router's choice for the request's first prompt; the blocks of
+        all its prompts are then recorded as living there."""
         alive = [r for r in self.alive_engines() if r != exclude]
+        prefix = self.router.config.policy == "prefix"
+        hashes = [block_hashes(prompt, self.block_size) for prompt in prompts] if prefix else []
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")
             rank = pinned
         elif not alive:
             raise EngineUnavailableError(self.health()[1])
-        else:  # lowest load score; ties rotate so that equal engines share the load
-            turn = next(self._rotation)
-            rank = min(alive, key=lambda r: (self._score(r), (r - turn) % self.num_engines))
+        else:
+            rank = self.router.choose(alive, hashes[0] if hashes else [], self._score)
+        for prompt_hashes in hashes:
+            self.router.record(rank, prompt_hashes)
         self.sent_since_update[rank] = self.sent_since_update.get(rank, 0) + 1
         return rank
 
@@ -182,13 +193,13 @@ class Broker:
             self.in_flight[rank] -= 1
         return rank
 
-    async def utility(self, method: str, rank: int) -> Any:
+    async def utility(self, method: str, rank: int, arg: int = 0) -> Any:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
             self._send.send_multipart([str(rank).encode(), p.encode(
-                p.UtilityCall(call_id, method, self.client_index))], flags=zmq.NOBLOCK)
+                p.UtilityCall(call_id, method, self.client_index, arg))], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._calls.pop(call_id)
             raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
@@ -233,6 +244,8 @@ class Broker:
             msg = p.decode(frame, p.Control)
             if isinstance(msg, p.EngineReady):
                 self.ready[msg.rank] = msg
+                self.block_size = msg.block_size
+                self.router.add_rank(msg.rank, msg.num_blocks)
                 if self.dead.pop(msg.rank, None) is not None:
                     logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
                 else:

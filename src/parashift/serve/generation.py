@@ -57,13 +57,14 @@ class Generation:
         self._attempt = 0  # items of pumps of an earlier attempt are stale
         self._shown = False  # a delta with tokens went out to the client
         self._track()
-        self.engine = broker.pick_engine(rank)
+        self.engine = broker.pick_engine(rank, prompts=prompts)
         try:
             try:
                 self._send_all()
             except EngineUnavailableError:  # it died before the broker heard: the next rank
                 self.abort_unfinished()
-                self.engine, self._attempt = broker.pick_engine(exclude=self.engine), 1
+                self.engine = broker.pick_engine(exclude=self.engine, prompts=prompts)
+                self._attempt = 1
                 self._send_all()
                 self._count("resent")
         except BaseException:
@@ -75,6 +76,10 @@ class Generation:
         self.tracker = RequestTracker(self.tokenizer)
         self.choices = self.tracker.samples  # sample id -> Sample (one per choice)
         self._samples: dict[str, tuple[list[int], SamplingParams]] = {}
+        # prompt index -> its tokens the prefix cache served, from each sample's first output
+        # (a preempted sample's re-admission would count its own blocks)
+        self._cached: dict[int, int] = {}
+        self._seen: set[str] = set()
         for prompt_index, (prompt, sp) in enumerate(zip(self.prompts, self.params,
                                                         strict=True)):
             # n == 1 still gets its own id: every choice of the request is told apart.
@@ -105,7 +110,7 @@ class Generation:
         deadline = time.monotonic() + FAILOVER_WAIT_S
         while True:
             try:
-                self.engine = self.broker.pick_engine(exclude=dead)
+                self.engine = self.broker.pick_engine(exclude=dead, prompts=self.prompts)
                 break
             except EngineUnavailableError:
                 if time.monotonic() > deadline:
@@ -133,6 +138,10 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self._cached.values())
 
     @property
     def num_output_tokens(self) -> int:
@@ -169,6 +178,10 @@ class Generation:
     def _apply(self, out: EngineCoreOutput) -> SampleDelta | None:
         if out.new_token_ids and self.timing.first_token is None:
             self.timing.first_token = time.monotonic()
+        if out.request_id not in self._seen and out.request_id in self.choices:
+            self._seen.add(out.request_id)
+            prompt = self.choices[out.request_id].prompt_index
+            self._cached[prompt] = max(self._cached.get(prompt, 0), out.num_cached_tokens)
         delta = self.tracker.apply(out)
         if delta is not None and delta.abort:
             self.broker.abort([out.request_id])

@@ -46,6 +46,13 @@ class Metrics:
         self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
                                      "Prompt tokens served by the prefix cache / queried",
                                      ["engine"], registry=r)
+        # The engine's own totals since it started: what usage.prompt_tokens_details reports.
+        self.prefix_queried = Gauge("parashift_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up in the prefix cache (since the "
+                                    "engine started)", ["engine"], registry=r)
+        self.prefix_hits = Gauge("parashift_prefix_cache_hit_tokens",
+                                 "Prompt tokens the prefix cache served (since the engine "
+                                 "started)", ["engine"], registry=r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
         self.preemptions = Gauge("parashift_num_preemptions",
@@ -64,6 +71,11 @@ class Metrics:
             "parashift_request_failovers", "Requests whose engine died: re-sent to a live rank "
             "before their first token (resent), or ended with the error (failed)",
             ["outcome"], registry=r)
+        self.sleep_level = Gauge("parashift_engine_sleep_level", "0 awake; 1 KV cache freed; "
+                                 "2 weights freed too", ["engine"], registry=r)
+        self.sleep_released = Gauge("parashift_engine_sleep_released_bytes", "Memory the "
+                                    "engine's last sleep released (RSS on CPU, device memory "
+                                    "on GPU)", ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 
@@ -74,6 +86,8 @@ class Metrics:
         self.kv_usage.labels(engine).set(s.kv_cache_usage)
         self.preemptions.labels(engine).set(s.num_preemptions)
         self._lockstep(engine, s)
+        self.prefix_queried.labels(engine).set(s.prefix_cache_queried_tokens)
+        self.prefix_hits.labels(engine).set(s.prefix_cache_hit_tokens)
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)

@@ -64,6 +64,17 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/reset_prefix_cache": {"post": {"summary": "Empty every engine's prefix cache",
                                              "responses": {"200": _response("per rank",
                                                                             _OBJECT)}}},
+            "/sleep": {"post": {
+                "summary": "Every engine drains, then frees its KV cache (level 1) or its "
+                           "weights too (level 2)",
+                "parameters": [{"name": "level", "in": "query", "schema": {
+                    "type": "integer", "enum": [1, 2], "default": 1}}],
+                "responses": {"200": _response("per rank: level and bytes released",
+                                               _OBJECT), **_errors(400, 503)}}},
+            "/wake_up": {"post": {"summary": "Every engine reloads what it freed",
+                                  "responses": {"200": _response("per rank", _OBJECT)}}},
+            "/is_sleeping": {"get": {"summary": "Whether every engine sleeps, and each level",
+                                     "responses": {"200": _response("per rank", _OBJECT)}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": _response("OpenAPI 3.1", _OBJECT)}}},
         },

@@ -32,10 +32,12 @@ class Formatter:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt, completion = self.gen.num_prompt_tokens, self.gen.num_output_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                # OpenAI's field for the prompt tokens the prefix cache served
+                "prompt_tokens_details": {"cached_tokens": self.gen.num_cached_tokens}}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,

@@ -102,8 +102,9 @@ class AbortRequests(_Msg):
 
 class UtilityCall(_Msg):
     call_id: int
-    method: str  # "reset_prefix_cache" | "stats"
+    method: str  # "reset_prefix_cache" | "stats" | "sleep" | "wake_up" | "is_sleeping"
     client_index: int
+    arg: int = 0  # the sleep level
 
 
 # --- engine -> API server --------------------------------------------------------------------
@@ -112,6 +113,7 @@ class EngineReady(_Msg):
     max_model_len: int
     num_blocks: int
     incarnation: int = 0
+    block_size: int = 16  # the API servers' prefix routing hashes blocks of this size
 
 
 class EngineOutputs(_Msg):

@@ -1,0 +1,139 @@
+"""`parashift bench routing`: the dp routing policies side by side, served (dp2, one core per
+engine). Two workloads per policy, on the same server:
+
+- chat: C conversations that share a long system prompt, each one turn after another (the
+  next user message follows the reply), the conversations at once: the prefix cache's case;
+- random: prompts with no shared prefix, all at once: the case where the cache cannot help
+  and only the balance counts.
+
+Per policy and workload: total tokens/s, the prefix-cache hit rate (usage.prompt_tokens_
+details.cached_tokens over prompt tokens) and how the requests split between the ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import urllib.request
+from typing import Annotated, Any
+
+import aiohttp
+import typer
+
+from parashift.bench.options import SaveJson
+from parashift.cli_options import ModelArg, fail, setup_logging
+
+POLICIES = ("prefix", "load", "round-robin")
+RUN_ARGS = ["--strategy", "dp2", "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
+SYSTEM = ("You are a careful assistant for a library. Answer in one short paragraph, cite the "
+          "shelf a book sits on, and never invent a title. ") * 12
+
+
+async def _chat(session: aiohttp.ClientSession, url: str, index: int, turns: int,
+                max_tokens: int) -> list[dict[str, int]]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    usages = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Visitor {index}, question {turn}: where "
+                                                    f"are the books on topic {index * 7 + turn}?"})
+        async with session.post(url + "/v1/chat/completions", json={
+                "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}) as r:
+            body = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"chat turn failed ({r.status}): {body}")
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"][
+            "content"]})
+        usages.append(body["usage"])
+    return usages
+
+
+async def _chats(url: str, conversations: int, turns: int, max_tokens: int):
+    async with aiohttp.ClientSession() as session:
+        start = time.perf_counter()
+        usages = await asyncio.gather(*(_chat(session, url, i, turns, max_tokens)
+                                        for i in range(conversations)))
+        return time.perf_counter() - start, [u for conv in usages for u in conv]
+
+
+def _routed(url: str) -> dict[int, float]:
+    """Requests each rank got (the API server's counter)."""
+    import re
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {int(rank): float(v) for rank, v in re.findall(
+        r'^parashift_engine_requests_total{engine="dp(\d+)"} (\S+)$', text, re.MULTILINE)}
+
+
+def measure(model: str | None, policy: str, conversations: int, turns: int, max_tokens: int,
+            random_requests_: list, repeat: int) -> dict[str, Any]:
+    from parashift.bench.server import reset_prefix_cache, running_server, send_all, warm_up
+
+    row: dict[str, Any] = {"policy": policy, "chat": [], "random": []}
+    with running_server(model, [*RUN_ARGS, "--routing", policy]) as server:
+        warm_up(server.url, 49152)
+        for _ in range(repeat):
+            reset_prefix_cache(server.url)
+            before = _routed(server.url)
+            seconds, usages = asyncio.run(_chats(server.url, conversations, turns, max_tokens))
+            after = _routed(server.url)
+            prompt = sum(u["prompt_tokens"] for u in usages)
+            cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+            tokens = prompt + sum(u["completion_tokens"] for u in usages)
+            row["chat"].append({"seconds": seconds, "total_tokens_per_s": tokens / seconds,
+                                "hit_rate": cached / prompt,
+                                "requests_per_rank": {r: after[r] - before.get(r, 0)
+                                                      for r in after}})
+            reset_prefix_cache(server.url)
+            before = _routed(server.url)
+            seconds, records = send_all(server.url, random_requests_)
+            after = _routed(server.url)
+            tokens = sum(r.prompt_len + r.generated for r in records)
+            row["random"].append({"seconds": seconds, "total_tokens_per_s": tokens / seconds,
+                                  "requests_per_rank": {r: after[r] - before.get(r, 0)
+                                                        for r in after}})
+            typer.echo(f"  {policy}: chat {row['chat'][-1]['total_tokens_per_s']:.1f} tok/s, "
+                       f"hit rate {row['chat'][-1]['hit_rate']:.2f}; random "
+                       f"{row['random'][-1]['total_tokens_per_s']:.1f} tok/s")
+    return row
+
+
+def routing(
+    model: ModelArg = None,
+    conversations: Annotated[int, typer.Option(help="chats at once")] = 8,
+    turns: Annotated[int, typer.Option(help="turns per chat")] = 5,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="reply tokens")] = 24,
+    num_random: Annotated[int, typer.Option("--num-random", help="random prompts")] = 32,
+    repeat: Annotated[int, typer.Option(help="runs per policy; min and median kept")] = 3,
+    policies: Annotated[str, typer.Option(help="comma-separated")] = ",".join(POLICIES),
+    seed: int = 0,
+    save_json: SaveJson = None,
+) -> None:
+    """The routing policies on a multi-turn chat and on prompts with no shared prefix."""
+    setup_logging()
+    from parashift.bench.datasets import random_requests
+
+    chosen = [p.strip() for p in policies.split(",")]
+    if any(p not in POLICIES for p in chosen):
+        fail(f"--policies: use some of {', '.join(POLICIES)}")
+    randoms = random_requests(num_random, (32, 256), (32, 128), 49152, seed)
+    rows = [measure(model, p, conversations, turns, max_tokens, randoms, repeat)
+            for p in chosen]
+    typer.echo(f"\n{'policy':<13}{'chat tok/s min/median':>24}{'hit rate':>10}"
+               f"{'random tok/s min/median':>26}  requests per rank (chat | random)")
+    for row in rows:
+        chat = [r["total_tokens_per_s"] for r in row["chat"]]
+        rand = [r["total_tokens_per_s"] for r in row["random"]]
+        hit = statistics.median(r["hit_rate"] for r in row["chat"])
+        split = (row["chat"][-1]["requests_per_rank"], row["random"][-1]["requests_per_rank"])
+        typer.echo(f"{row['policy']:<13}{min(chat):>12.1f} / {statistics.median(chat):<9.1f}"
+                   f"{hit:>10.2f}{min(rand):>14.1f} / {statistics.median(rand):<9.1f}  "
+                   f"{split[0]} | {split[1]}")
+    if save_json:
+        from parashift.bench.report import save_json as write
+
+        write(save_json, "bench routing", {
+            "conversations": conversations, "turns": turns, "max_tokens": max_tokens,
+            "num_random": num_random, "repeat": repeat, "run_args": RUN_ARGS, "seed": seed},
+            {"policies": rows})

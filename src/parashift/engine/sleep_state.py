@@ -1,0 +1,73 @@
+"""Sleep and wake of one engine process (POST /sleep, /wake_up on the API server, which calls
+every engine): level 1 frees the KV cache, level 2 the weights too.
+
+A sleep call is answered once the engine has drained: no request left and, in a lockstep
+group, no wave running, so no rank sleeps mid-wave. From the call on, a new request is
+refused with a 503 (`--while-asleep reject`, the default) or held until the wake
+(`--while-asleep wait`; a sleeping engine never steps, so it cannot start a wave either)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from parashift.wire import protocol as p
+
+logger = logging.getLogger(__name__)
+
+ASLEEP_MESSAGE = "the engines are asleep: POST /wake_up first"
+
+
+class SleepState:
+    def __init__(self, rank: int, core: Any, answer: Callable[[p.UtilityCall, Any], None]):
+        """`core`: the EngineCore; `answer(call, result)` replies to a utility call."""
+        self.rank, self.core, self.answer = rank, core, answer
+        self.level = 0  # 0: awake
+        self.pending: list[p.UtilityCall] = []  # sleep calls waiting for the drain
+
+    @property
+    def closed(self) -> bool:
+        """Asleep, or going to sleep: new requests are refused or held."""
+        return self.level > 0 or bool(self.pending)
+
+    def on_call(self, call: p.UtilityCall) -> bool:
+        """Handles "sleep", "wake_up" and "is_sleeping"; False for any other method."""
+        if call.method == "sleep":
+            if call.arg not in (1, 2):
+                raise ValueError(f"sleep level {call.arg}: use 1 (KV cache) or 2 (and weights)")
+            self.pending.append(call)  # answered by settle()
+        elif call.method == "wake_up":
+            self._answer_pending(0)  # a wake before the drain ended: nothing was released
+            if self.level:
+                self.core.wake_up()
+                logger.info("engine dp%d is awake", self.rank)
+            self.level = 0
+            self.answer(call, {"level": 0})
+        elif call.method == "is_sleeping":
+            self.answer(call, {"level": self.level})
+        else:
+            return False
+        return True
+
+    def settle(self, busy: bool) -> None:
+        """Sleep now if a call waits and the engine is drained (`busy`: requests or a wave
+        still running). Requests held while asleep have not started: they do not count."""
+        if not self.pending:
+            return
+        level = max(call.arg for call in self.pending)
+        if level <= self.level:  # asleep that deep already
+            self._answer_pending(0)
+            return
+        if busy and not self.level:
+            return
+        released = self.core.sleep(level)
+        self.level = level
+        logger.info("engine dp%d sleeps at level %d: %.1f MiB released", self.rank, level,
+                    released / 2**20)
+        self._answer_pending(released)
+
+    def _answer_pending(self, released: int) -> None:
+        for call in self.pending:
+            self.answer(call, {"level": self.level, "released_bytes": released})
+        self.pending.clear()

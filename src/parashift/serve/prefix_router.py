@@ -1,0 +1,95 @@
+"""Which rank a new request goes to (`--routing`), inside each API server's broker:
+
+- `prefix` (default): where its prompt's leading blocks were last sent, so that the engine's
+  prefix cache serves them. Each API server keeps, per rank, an approximate LRU index of the
+  block hashes (engine/block_hash.py, the engine's own) it routed there, as many as that
+  rank's KV cache holds. A rank is chosen for its match when at least `min_match` of the
+  prompt's full blocks are there and its load is within `balance_threshold` of the least
+  loaded rank; otherwise the load rule decides (and the request's blocks then live there).
+- `load`: the lowest load score (the coordinator's view plus what this server sent since).
+- `round-robin`: each rank in turn.
+
+Each API server keeps its own index (no traffic between them): with --api-server-count N a
+conversation whose turns reach different API servers is routed by each one's view."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+ROUTING_POLICIES = ("prefix", "load", "round-robin")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    policy: str = "prefix"
+    balance_threshold: int = 4  # load-score units: 4 per waiting request, 1 per running one
+    min_match: float = 0.5  # of the prompt's full blocks
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"--routing {self.policy!r}: use one of "
+                             f"{', '.join(ROUTING_POLICIES)}")
+        if self.balance_threshold < 0:
+            raise ValueError("--routing-balance-threshold must be >= 0")
+        if not 0.0 <= self.min_match <= 1.0:
+            raise ValueError("--routing-min-match must be within 0..1")
+
+
+class RankPrefixIndex:
+    """The block hashes last routed to one rank, least recently routed evicted first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def matched(self, hashes: Sequence[int]) -> int:
+        """How many of the leading blocks are here (a chain: the first miss ends it)."""
+        count = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            count += 1
+        return count
+
+    def record(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+class Router:
+    def __init__(self, config: RoutingConfig, num_engines: int):
+        self.config = config
+        self.num_engines = num_engines
+        self.indexes: dict[int, RankPrefixIndex] = {}
+        self._turn = itertools.count()
+
+    def add_rank(self, rank: int, capacity_blocks: int) -> None:
+        """A rank became ready (again: a restarted rank's cache starts empty)."""
+        self.indexes[rank] = RankPrefixIndex(max(1, capacity_blocks))
+
+    def choose(self, alive: list[int], hashes: Sequence[int],
+               load: Callable[[int], int]) -> int:
+        turn = next(self._turn)
+        if self.config.policy == "round-robin":
+            return alive[turn % len(alive)]
+        # lowest load score; ties rotate so that equal ranks share the load
+        by_load = min(alive, key=lambda r: (load(r), (r - turn) % self.num_engines))
+        if self.config.policy == "load" or not hashes:
+            return by_load
+        matched = {r: self.indexes[r].matched(hashes) if r in self.indexes else 0
+                   for r in alive}
+        best = max(alive, key=lambda r: (matched[r], -load(r)))
+        if (matched[best] >= self.config.min_match * len(hashes) and matched[best] > 0
+                and load(best) - load(by_load) <= self.config.balance_threshold):
+            return best
+        return by_load
+
+    def record(self, rank: int, hashes: Sequence[int]) -> None:
+        if self.config.policy == "prefix" and rank in self.indexes:
+            self.indexes[rank].record(hashes)

@@ -1,0 +1,117 @@
+"""Prefix-aware routing, torch-free: the router's block hashes are the engine's (and do not
+depend on PYTHONHASHSEED), the per-rank index is bounded and LRU, the balance guard and the
+match threshold, and a pinned rank wins."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parashift.engine.block_hash import block_hashes
+from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.request import Request
+from parashift.serve.prefix_router import RankPrefixIndex, Router, RoutingConfig
+from parashift.types.sampling_params import SamplingParams
+
+TOKENS = [(31 * i) % 49000 for i in range(100)]
+
+
+def test_the_routers_hashes_are_the_engines():
+    manager = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=True)
+    request = Request("r", TOKENS, SamplingParams(max_tokens=4), None)
+    manager.get_computed_blocks(request)
+    assert request.block_hashes == block_hashes(TOKENS, 16)
+    assert len(request.block_hashes) == 6  # full blocks only
+    longer = TOKENS + [5] * 40
+    assert block_hashes(longer, 16, known=request.block_hashes[:3]) == block_hashes(longer, 16)
+
+
+def test_hashes_do_not_depend_on_the_process_or_its_hash_seed():
+    code = ("from parashift.engine.block_hash import block_hashes; "
+            f"print(block_hashes({TOKENS!r}, 16))")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={"PYTHONHASHSEED": seed}, check=True).stdout
+               for seed in ("0", "1", "12345")}
+    assert outputs == {f"{block_hashes(TOKENS, 16)}\n"}
+
+
+def test_the_index_is_bounded_and_evicts_the_least_recently_routed():
+    index = RankPrefixIndex(capacity=4)
+    index.record([1, 2, 3])
+    index.record([9, 8])  # over capacity: 1 goes
+    assert list(index.blocks) == [2, 3, 9, 8]
+    index.record([2])  # routed again: now the most recent
+    index.record([7])
+    assert list(index.blocks) == [9, 8, 2, 7] and len(index.blocks) == 4
+    assert index.matched([9, 8, 5, 2]) == 2  # a chain: the first miss ends the match
+
+
+def router(**config) -> Router:
+    r = Router(RoutingConfig(**config), num_engines=2)
+    r.add_rank(0, 100)
+    r.add_rank(1, 100)
+    return r
+
+
+def test_a_prompt_follows_its_prefix_unless_that_rank_is_too_loaded():
+    r = router(balance_threshold=4)
+    prompt = block_hashes(TOKENS, 16)
+    r.record(1, prompt)
+    loads = {0: 0, 1: 4}
+    assert r.choose([0, 1], prompt, loads.get) == 1  # 4 over the least loaded: still the cache
+    loads[1] = 5
+    assert r.choose([0, 1], prompt, loads.get) == 0  # past the guard: the load rule
+    assert r.choose([0, 1], block_hashes([3] * 64, 16), {0: 2, 1: 0}.get) == 1  # no match: load
+
+
+def test_a_weak_match_is_routed_by_load():
+    r = router(min_match=0.5)
+    prompt = block_hashes(TOKENS, 16)  # 6 blocks
+    r.record(1, prompt[:2])
+    assert r.choose([0, 1], prompt, {0: 0, 1: 1}.get) == 0  # 2 of 6 blocks: not enough
+    r.record(1, prompt[:3])
+    assert r.choose([0, 1], prompt, {0: 0, 1: 1}.get) == 1  # 3 of 6
+
+
+def test_load_and_round_robin_ignore_the_cache():
+    prompt = block_hashes(TOKENS, 16)
+    load = router(policy="load")
+    load.record(1, prompt)  # the load policy keeps no index
+    assert not load.indexes[1].blocks
+    assert load.choose([0, 1], prompt, {0: 0, 1: 3}.get) == 0
+    turns = router(policy="round-robin")
+    assert [turns.choose([0, 1], prompt, {0: 0, 1: 0}.get) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_a_restarted_rank_starts_with_an_empty_index():
+    r = router()
+    prompt = block_hashes(TOKENS, 16)
+    r.record(1, prompt)
+    r.add_rank(1, 100)
+    assert r.indexes[1].matched(prompt) == 0
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"policy": "cache"}, "--routing 'cache'"),
+    ({"balance_threshold": -1}, "--routing-balance-threshold"),
+    ({"min_match": 1.5}, "--routing-min-match")])
+def test_bad_settings_name_their_flag(config, message):
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig(**config)
+
+
+def test_the_pin_wins_and_its_blocks_are_recorded_there(tmp_path):
+    from parashift.serve.broker import Broker
+    from parashift.wire import protocol as p
+
+    broker = Broker(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
+    try:
+        for rank in (0, 1):
+            broker.ready[rank] = p.EngineReady(rank, 256, 100, 0, 16)
+            broker.router.add_rank(rank, 100)
+        assert broker.pick_engine(prompts=[TOKENS]) == 0
+        assert broker.pick_engine(prompts=[TOKENS]) == 0  # its prefix lives there now
+        assert broker.pick_engine(pinned=1, prompts=[TOKENS]) == 1
+        assert broker.router.indexes[1].matched(block_hashes(TOKENS, 16)) == 6
+    finally:
+        broker.ctx.destroy(linger=0)

@@ -1,0 +1,94 @@
+"""Coordinated sleep and wake on dp2: /sleep reaches both engines; level 2 releases the KV
+cache and the weights (the engines' RSS drops by about that much) and /wake_up brings them
+back with the same greedy outputs; requests while asleep get the documented 503, or wait for
+the wake with --while-asleep wait."""
+
+import concurrent.futures
+import json
+import time
+
+import psutil
+import pytest
+
+from .conftest import running_server
+
+KV = 64 << 20
+ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+        "--strategy", "dp2")
+PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(9 + i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tiny_model_factory) -> str:
+    """~50 MB of float32 weights: big enough to see in RSS."""
+    return tiny_model_factory("llama", hidden_size=512, intermediate_size=1024,
+                              num_hidden_layers=4, num_attention_heads=8,
+                              num_key_value_heads=4)
+
+
+def engine_rss(server) -> dict[str, int]:
+    out = {}
+    for proc in server.current_tree():
+        try:
+            name = proc.name()
+            if name.startswith("parashift-engine-dp"):
+                out[name.removeprefix("parashift-engine-")] = proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return out
+
+
+def greedy(server) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        status, raw = server.request("POST", "/v1/completions", {
+            "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert status == 200, raw
+        texts.append(json.loads(raw)["choices"][0]["text"])
+    return texts
+
+
+def test_sleep_level_2_releases_kv_and_weights_and_wake_restores_them(wide_llama):
+    with running_server(wide_llama, *ARGS) as s:
+        before_texts, before = greedy(s), engine_rss(s)
+        status, body = s.request("POST", "/sleep?level=2", timeout=60)
+        assert status == 200, body
+        engines = json.loads(body)["engines"]
+        assert set(engines) == {"dp0", "dp1"}
+        assert all(e["level"] == 2 and e["released_bytes"] > KV for e in engines.values())
+        assert s.get_json("/is_sleeping") == (200, {"is_sleeping": True,
+                                                    "levels": {"dp0": 2, "dp1": 2}})
+        asleep = engine_rss(s)
+        for rank in ("dp0", "dp1"):  # the KV cache and ~50 MB of weights each
+            assert before[rank] - asleep[rank] > KV + (30 << 20), (before, asleep)
+        assert s.metric("parashift_engine_sleep_level", 'engine="dp1"') == 2
+        assert (s.metric("parashift_engine_sleep_released_bytes", 'engine="dp0"')
+                == engines["dp0"]["released_bytes"])
+        status, raw = s.request("POST", "/v1/completions", {"prompt": [1, 2, 3],
+                                                            "max_tokens": 2})
+        error = json.loads(raw)["error"]
+        assert status == 503 and "asleep" in error["message"], raw
+        assert error["type"] == "service_unavailable_error"
+        status, body = s.request("POST", "/sleep?level=3")
+        assert status == 400 and json.loads(body)["error"]["param"] == "level"
+
+        status, body = s.request("POST", "/wake_up", timeout=60)
+        assert status == 200, body
+        assert s.get_json("/is_sleeping")[1]["is_sleeping"] is False
+        awake = engine_rss(s)
+        for rank in ("dp0", "dp1"):
+            assert awake[rank] - asleep[rank] > KV + (30 << 20), (asleep, awake)
+        assert greedy(s) == before_texts
+
+
+def test_with_while_asleep_wait_a_request_waits_for_the_wake(tiny_llama):
+    with running_server(tiny_llama, *ARGS, "--while-asleep", "wait") as s:
+        want = greedy(s)
+        status, body = s.request("POST", "/sleep?level=1", timeout=60)
+        assert status == 200 and json.loads(body)["engines"]["dp0"]["released_bytes"] > 0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(greedy, s)
+            time.sleep(1.5)
+            assert not held.done()  # held, not refused
+            assert s.request("POST", "/wake_up", timeout=60)[0] == 200
+            assert held.result(timeout=60) == want
