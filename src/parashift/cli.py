@@ -27,6 +27,26 @@ def _root() -> None:
     plan (dry-run a topology)."""
 
 
+Objective = Annotated[Literal["throughput", "latency"], typer.Option(
+    help="what --strategy auto ranks by (as plan --auto)")]
+
+
+def resolve_auto_strategy(engine_args: EngineArgs, objective: str,
+                          one_engine: bool = False) -> None:
+    """--strategy auto: plan --auto's winner on this machine's devices, printed with the
+    runners-up, replaces it (`one_engine`: among the layouts of a single engine)."""
+    if engine_args.strategy != "auto":
+        return
+    from parashift.plan.this_machine import choose_strategy, describe
+
+    try:
+        spec, plans, _ = choose_strategy(engine_args, objective, one_engine)
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(describe(plans, spec), err=True)
+    engine_args.strategy = str(spec)
+
+
 @app.command()
 @engine_options
 def generate(
@@ -44,11 +64,13 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
+    objective: Objective = "throughput",
 ) -> None:
     """Offline generation: same engine, no HTTP. Streams the text of a single prompt."""
     setup_logging()
     if not prompt:
         fail("give at least one --prompt")
+    resolve_auto_strategy(engine_args, objective, one_engine=True)
     from parashift import LLM, SamplingParams
 
     try:
@@ -134,9 +156,11 @@ def run(
     routing_min_match: Annotated[float, typer.Option(
         "--routing-min-match", help="prefix routing follows the cache when at least this "
         "share of the prompt's full blocks is there")] = 0.5,
+    objective: Objective = "throughput",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     setup_logging()
+    resolve_auto_strategy(engine_args, objective)
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
     engine_args.seed = seed
