@@ -265,3 +265,20 @@ def test_prefix_routing_keeps_a_multi_turn_chat_in_the_cache(server, tiny_llama)
     assert dp2[1] == dp1[1]
     assert dp2[0] == engine_hits() - hits_before
     assert dp2[0] / dp2[1] >= 0.9 * dp1[0] / dp1[1], (dp2, dp1)
+
+
+def test_a_stream_reports_the_cached_tokens_in_its_usage_chunk(server):
+    """The same 70-token prompt twice, unpinned: prefix routing sends the second where the
+    first one's blocks are, and the final usage chunk says 64 of its tokens were cached."""
+    prompt = [(17 * j) % 240 + 5 for j in range(70)]
+    usages = []
+    for _ in range(2):
+        status, raw = server.request("POST", "/v1/completions", {
+            "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert status == 200, raw
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        usages.append(events[-1]["usage"])
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 64
