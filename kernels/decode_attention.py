@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import online_softmax_step
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -55,13 +57,9 @@ def _decode_split_kernel(
         k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_SIZE]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
     # Every block of the range holds a key the query sees, so a non-empty split has l_i > 0;
     # an empty one (a short context, or a padded row with seq_len 0) reports lse = -inf.
     has_keys = l_i > 0

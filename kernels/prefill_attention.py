@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import online_softmax_step
+
 
 @triton.jit
 def _prefill_kernel(
@@ -56,15 +58,9 @@ def _prefill_kernel(
             if sliding_window > 0:
                 seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row that has seen no key yet keeps -inf; subtract 0 there, not -inf
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -189,6 +189,29 @@ def test_a_request_that_arrives_as_a_wave_ends_is_served(dp2xep):
                         timeout=20)
 
 
+def test_sleep_waits_for_the_wave_then_the_whole_group_sleeps(dp2xep):
+    """A sleep call while a request runs on dp0 (dp1 in the wave with dummy steps) is answered
+    only once that request has all its tokens: no rank sleeps mid-wave. Both ranks sleep, a
+    request meanwhile gets the 503, and after the wake the group serves again."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, dp2xep, PROMPTS[0], 0, 120)
+        while dp2xep.metric("parashift_num_requests_running", 'engine="dp0"') != 1:
+            assert not running.done()
+            time.sleep(0.02)
+        status, body = dp2xep.request("POST", "/sleep?level=1", timeout=120)
+        slept = time.monotonic()
+        assert status == 200, body
+        assert running.done() and len(running.result()["logprobs"]["tokens"]) == 120
+    assert {e["level"] for e in json.loads(body)["engines"].values()} == {1}
+    assert dp2xep.get_json("/is_sleeping")[1]["levels"] == {"dp0": 1, "dp1": 1}
+    status, raw = dp2xep.request("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+    assert status == 503, raw
+    assert dp2xep.request("POST", "/wake_up", timeout=60)[0] == 200
+    assert time.monotonic() - slept < 60
+    for rank in (0, 1):
+        assert complete(dp2xep, PROMPTS[1], rank=rank, max_tokens=2)
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_back(
         tiny_model_factory, how):

@@ -57,7 +57,8 @@ async def _chats(url: str, conversations: int, turns: int, max_tokens: int):
 
 
 def _routed(url: str) -> dict[int, float]:
-    """Requests each rank got (the API server's counter)."""
+    """Requests each rank got, by the counter of the API server that answers (with several API
+    servers: that one's share)."""
     import re
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
@@ -67,11 +68,12 @@ def _routed(url: str) -> dict[int, float]:
 
 
 def measure(model: str | None, policy: str, conversations: int, turns: int, max_tokens: int,
-            random_requests_: list, repeat: int) -> dict[str, Any]:
+            random_requests_: list, repeat: int, api_servers: int) -> dict[str, Any]:
     from parashift.bench.server import reset_prefix_cache, running_server, send_all, warm_up
 
     row: dict[str, Any] = {"policy": policy, "chat": [], "random": []}
-    with running_server(model, [*RUN_ARGS, "--routing", policy]) as server:
+    args = [*RUN_ARGS, "--routing", policy, "--api-server-count", str(api_servers)]
+    with running_server(model, args) as server:
         warm_up(server.url, 49152)
         for _ in range(repeat):
             reset_prefix_cache(server.url)
@@ -107,6 +109,8 @@ def routing(
     num_random: Annotated[int, typer.Option("--num-random", help="random prompts")] = 32,
     repeat: Annotated[int, typer.Option(help="runs per policy; min and median kept")] = 3,
     policies: Annotated[str, typer.Option(help="comma-separated")] = ",".join(POLICIES),
+    api_server_count: Annotated[int, typer.Option(
+        "--api-server-count", help="API servers, each with its own prefix index")] = 1,
     seed: int = 0,
     save_json: SaveJson = None,
 ) -> None:
@@ -118,8 +122,8 @@ def routing(
     if any(p not in POLICIES for p in chosen):
         fail(f"--policies: use some of {', '.join(POLICIES)}")
     randoms = random_requests(num_random, (32, 256), (32, 128), 49152, seed)
-    rows = [measure(model, p, conversations, turns, max_tokens, randoms, repeat)
-            for p in chosen]
+    rows = [measure(model, p, conversations, turns, max_tokens, randoms, repeat,
+                    api_server_count) for p in chosen]
     typer.echo(f"\n{'policy':<13}{'chat tok/s min/median':>24}{'hit rate':>10}"
                f"{'random tok/s min/median':>26}  requests per rank (chat | random)")
     for row in rows:
@@ -135,5 +139,6 @@ def routing(
 
         write(save_json, "bench routing", {
             "conversations": conversations, "turns": turns, "max_tokens": max_tokens,
-            "num_random": num_random, "repeat": repeat, "run_args": RUN_ARGS, "seed": seed},
+            "num_random": num_random, "repeat": repeat, "run_args": RUN_ARGS, "seed": seed,
+            "api_server_count": api_server_count},
             {"policies": rows})

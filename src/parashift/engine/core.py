@@ -141,9 +141,8 @@ class EngineCore:
         return self.scheduler.kv_cache.pool.reset_prefix_cache()
 
     def sleep(self, level: int) -> int:
-        """Level 1 frees the KV cache, level 2 the weights too; only with no request running
-        (the engine process drains first; held ones have no block yet). Returns the bytes
-        the workers released."""
+        """Level 1 frees the KV cache, level 2 the weights too; only with no request left (the
+        engine process drains first). Returns the bytes the workers released."""
         self.reset_prefix_cache()  # the blocks' contents are about to go
         return sum(self.executor.sleep(level))
 

@@ -17,6 +17,7 @@ import zmq
 
 from parashift.engine.args import create_config
 from parashift.engine.core import EngineCore
+from parashift.engine.heartbeat import Heartbeat
 from parashift.engine.request import Request
 from parashift.engine.scheduler import QueueFullError
 from parashift.engine.sleep_state import ASLEEP_MESSAGE, SleepState
@@ -35,7 +36,6 @@ from parashift.wire.process_util import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # blocking poll; wakes only to notice a shutdown signal (soon)
-HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineProcess:
@@ -64,8 +64,7 @@ class EngineProcess:
         self.sleep: SleepState | None = None  # with the core
         self.hold_while_asleep = False  # --while-asleep wait (else: refuse with a 503)
         self.waves_in: zmq.Socket | None = None
-        self._heartbeat_stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
 
     def _send_handshake(self, msg: p._Msg) -> None:
         self.handshake.send(p.encode(msg))
@@ -104,9 +103,8 @@ class EngineProcess:
             self.load_out = self.ctx.socket(zmq.PUSH)
             self.load_out.setsockopt(zmq.LINGER, 0)
             self.load_out.connect(init.coordinator_address)
-            self._heartbeat = threading.Thread(target=self._heartbeats, name="heartbeat",
-                                               args=(init.coordinator_address,), daemon=True)
-            self._heartbeat.start()
+            self._heartbeat = Heartbeat(self.ctx, init.coordinator_address, self.rank,
+                                        self.incarnation)
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
                               self.incarnation, cfg.cache.block_size)
@@ -114,20 +112,6 @@ class EngineProcess:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
                                      cfg.model.max_model_len, self.core.weight_bytes))
-
-    def _heartbeats(self, address: str) -> None:
-        """From a thread with its own socket, so that a long step never looks like death."""
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        beat = p.encode(p.Heartbeat(self.rank, self.incarnation))
-        while not self._heartbeat_stop.is_set():
-            try:
-                sock.send(beat, zmq.NOBLOCK)
-            except zmq.ZMQError:  # not connected yet, or the context is closing
-                pass
-            self._heartbeat_stop.wait(HEARTBEAT_INTERVAL_S)
-        sock.close()
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -208,6 +192,9 @@ class EngineProcess:
                     self.rank, msg.request_id, ASLEEP_MESSAGE, 503)))
                 return
             self.client_of[msg.request_id] = msg.client_index
+            if self.sleep.closed:  # --while-asleep wait
+                self.sleep.held[msg.request_id] = msg
+                return
             try:
                 self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
                                               msg.eos_token_id, msg.arrival_time))
@@ -218,6 +205,8 @@ class EngineProcess:
                 self.client_of.pop(msg.request_id, None)
         elif isinstance(msg, p.AbortRequests):
             self.core.abort_requests(msg.request_ids)
+            for req_id in msg.request_ids:
+                self.sleep.held.pop(req_id, None)
             by_client: dict[int, list[EngineCoreOutput]] = {}
             for req_id in msg.request_ids:
                 client = self.client_of.pop(req_id, None)
@@ -233,6 +222,8 @@ class EngineProcess:
         result, error = None, None
         try:
             if self.sleep.on_call(call):
+                for held in self.sleep.release() if not self.sleep.closed else []:
+                    self._handle(held)  # awake: admitted now
                 return
         except ValueError as e:
             self._answer(call, None, str(e))
@@ -284,9 +275,8 @@ class EngineProcess:
         """`linger_ms`: how long a last message (a death report) may wait for its peer."""
         if self.core is not None:
             self.core.shutdown()  # its tensor-parallel workers, if any
-        self._heartbeat_stop.set()
-        if self._heartbeat is not None:  # it closes its own socket (sockets are per thread)
-            self._heartbeat.join(2 * HEARTBEAT_INTERVAL_S)
+        if self._heartbeat is not None:  # it closes its own socket
+            self._heartbeat.stop()
         self.ctx.destroy(linger=linger_ms)
 
 

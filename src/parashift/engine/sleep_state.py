@@ -3,8 +3,9 @@ every engine): level 1 frees the KV cache, level 2 the weights too.
 
 A sleep call is answered once the engine has drained: no request left and, in a lockstep
 group, no wave running, so no rank sleeps mid-wave. From the call on, a new request is
-refused with a 503 (`--while-asleep reject`, the default) or held until the wake
-(`--while-asleep wait`; a sleeping engine never steps, so it cannot start a wave either)."""
+refused with a 503 (`--while-asleep reject`, the default) or held, outside the scheduler, and
+admitted at the wake (`--while-asleep wait`). A sleeping engine never steps, so it cannot
+start a wave either."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class SleepState:
         self.rank, self.core, self.answer = rank, core, answer
         self.level = 0  # 0: awake
         self.pending: list[p.UtilityCall] = []  # sleep calls waiting for the drain
+        self.held: dict[str, p.AddRequest] = {}  # --while-asleep wait: admitted at the wake
 
     @property
     def closed(self) -> bool:
@@ -50,16 +52,21 @@ class SleepState:
             return False
         return True
 
+    def release(self) -> list[p.AddRequest]:
+        """The requests held while asleep, in arrival order, after a wake."""
+        held, self.held = list(self.held.values()), {}
+        return held
+
     def settle(self, busy: bool) -> None:
         """Sleep now if a call waits and the engine is drained (`busy`: requests or a wave
-        still running). Requests held while asleep have not started: they do not count."""
+        still running; held requests are not in the engine yet)."""
         if not self.pending:
             return
         level = max(call.arg for call in self.pending)
         if level <= self.level:  # asleep that deep already
             self._answer_pending(0)
             return
-        if busy and not self.level:
+        if busy:
             return
         released = self.core.sleep(level)
         self.level = level

@@ -3,9 +3,10 @@
 - `prefix` (default): where its prompt's leading blocks were last sent, so that the engine's
   prefix cache serves them. Each API server keeps, per rank, an approximate LRU index of the
   block hashes (engine/block_hash.py, the engine's own) it routed there, as many as that
-  rank's KV cache holds. A rank is chosen for its match when at least `min_match` of the
-  prompt's full blocks are there and its load is within `balance_threshold` of the least
-  loaded rank; otherwise the load rule decides (and the request's blocks then live there).
+  rank's KV cache holds. The rank with the best score (matched blocks minus its load score)
+  wins when at least `min_match` of the prompt's full blocks are there and its load is within
+  `balance_threshold` of the least loaded rank's (the balance guard); otherwise the load rule
+  decides (and the request's blocks then live there).
 - `load`: the lowest load score (the coordinator's view plus what this server sent since).
 - `round-robin`: each rank in turn.
 
@@ -84,7 +85,8 @@ class Router:
             return by_load
         matched = {r: self.indexes[r].matched(hashes) if r in self.indexes else 0
                    for r in alive}
-        best = max(alive, key=lambda r: (matched[r], -load(r)))
+        # the best score: blocks the rank's cache would serve, minus its load score
+        best = max(alive, key=lambda r: (matched[r] - load(r), matched[r]))
         if (matched[best] >= self.config.min_match * len(hashes) and matched[best] > 0
                 and load(best) - load(by_load) <= self.config.balance_threshold):
             return best
