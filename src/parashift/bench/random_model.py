@@ -10,13 +10,14 @@ import tempfile
 
 
 def random_llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                 vocab: int, root: str | None = None) -> str:
-    """The folder of that model under `root` (the temp dir), made once per shape."""
+                 vocab: int, root: str | None = None, tokenizer: str | None = None) -> str:
+    """The folder of that model under `root` (the temp dir), made once per shape;
+    `tokenizer`: a folder to take the tokenizer from (default: the embedded SmolLM2's)."""
     from transformers import LlamaConfig
 
     name = f"parashift-bench-llama-h{hidden}-i{intermediate}-l{layers}-a{heads}-kv{kv_heads}" \
            f"-v{vocab}"
-    return _saved(name, root, vocab, lambda: LlamaConfig(
+    return _saved(name, root, vocab, tokenizer, lambda: LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=2048, tie_word_embeddings=False))
@@ -29,14 +30,15 @@ def random_mixtral(hidden: int, intermediate: int, layers: int, heads: int, kv_h
 
     name = f"parashift-bench-mixtral-h{hidden}-i{intermediate}-l{layers}-a{heads}-kv{kv_heads}" \
            f"-e{experts}-k{top_k}-v{vocab}"
-    return _saved(name, root, vocab, lambda: MixtralConfig(
+    return _saved(name, root, vocab, None, lambda: MixtralConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=2048,
         tie_word_embeddings=False))
 
 
-def _saved(name: str, root: str | None, vocab: int, make_config) -> str:
+def _saved(name: str, root: str | None, vocab: int, tokenizer_dir: str | None,
+           make_config) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,7 +47,7 @@ def _saved(name: str, root: str | None, vocab: int, make_config) -> str:
     folder = os.path.join(root or tempfile.gettempdir(), name)
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):  # written last
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_model_path(None))
     if vocab > len(tokenizer):
         raise ValueError(f"--vocab {vocab} is above the {len(tokenizer)} entries of the "
                          "tokenizer it is saved with")
