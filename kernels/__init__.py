@@ -1,1 +1,2 @@
-"""Triton kernels and their torch references (filled in by the kernels issue)."""
+"""Triton kernels of the GPU path, each with its torch reference beside it (run on CPU under
+Triton's interpreter in the tests). Leaves: they import nothing else of parashift."""

@@ -23,7 +23,7 @@ def _decode_split_kernel(
     scale, q_stride_b, q_stride_h, block_table_stride, cache_block_stride, cache_token_stride,
     sliding_window, num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -55,11 +55,11 @@ def _decode_split_kernel(
                 + kv_head * HEAD_DIM + d[None, :])
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_SIZE]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_SIZE]
         s = tl.where(valid[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     # Every block of the range holds a key the query sees, so a non-empty split has l_i > 0;
     # an empty one (a short context, or a padded row with seq_len 0) reports lse = -inf.
     has_keys = l_i > 0
@@ -89,6 +89,11 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, out_stride_b, out_stride
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 models get fp32 products (the GPU default would be TF32's 10-bit mantissa)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
@@ -123,7 +128,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         query.stride(0), query.stride(1), block_tables.stride(0), key_cache.stride(0),
         key_cache.stride(1), sliding_window or 0, num_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits)
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(query.dtype))
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))

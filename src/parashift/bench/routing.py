@@ -22,8 +22,8 @@ import typer
 
 from parashift.bench.options import SaveJson
 from parashift.cli_options import ModelArg, fail, setup_logging
+from parashift.serve.prefix_router import ROUTING_POLICIES as POLICIES
 
-POLICIES = ("prefix", "load", "round-robin")
 RUN_ARGS = ["--strategy", "dp2", "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
 SYSTEM = ("You are a careful assistant for a library. Answer in one short paragraph, cite the "
           "shelf a book sits on, and never invent a title. ") * 12

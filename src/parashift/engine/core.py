@@ -143,7 +143,9 @@ class EngineCore:
     def sleep(self, level: int) -> int:
         """Level 1 frees the KV cache, level 2 the weights too; only with no request left (the
         engine process drains first). Returns the bytes the workers released."""
-        self.reset_prefix_cache()  # the blocks' contents are about to go
+        # The blocks' contents are about to go: no hash may outlive them. Drained, every
+        # block is free, so the reset cannot be refused.
+        assert self.reset_prefix_cache(), "sleep with KV blocks in use"
         return sum(self.executor.sleep(level))
 
     def wake_up(self) -> None:

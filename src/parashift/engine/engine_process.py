@@ -138,6 +138,8 @@ class EngineProcess:
                         logger.error("dropped a malformed message: %s", e)
                         continue
                     self._handle(msg)
+            if self.sleep.level and self.wave.running:  # a lockstep peer needs this rank
+                self.sleep.wake_for_wave()
             self.sleep.settle(core.has_unfinished_requests() or self.wave.running)
             if self.sleep.level:  # asleep: no step, no wave; held requests wait for the wake
                 core.executor.check_health()
@@ -176,6 +178,7 @@ class EngineProcess:
         if self.load_out is None:
             return
         stats = self.core.stats()
+        stats.num_waiting += len(self.sleep.held)  # held while asleep: a backlog all the same
         # Lockstep: the counters and seconds go along when a wave ends (not every dummy step).
         load = (stats.num_waiting, stats.num_running, stats.num_waves)
         if load != self._last_load:

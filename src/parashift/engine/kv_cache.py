@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from parashift.engine.block_hash import hash_block
+from parashift.engine.block_hash import block_hashes
 from parashift.engine.request import Request
 
 
@@ -114,11 +114,10 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        while (len(hashes) + 1) * bs <= num_tokens:
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     tokens[i * bs : (i + 1) * bs]))
+        hashes = request.block_hashes
+        if (len(hashes) + 1) * self.block_size <= num_tokens:  # a block was filled
+            hashes[:] = block_hashes(request.all_token_ids[:num_tokens], self.block_size,
+                                     known=hashes)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request, in whole blocks. At least one token is

@@ -4,8 +4,12 @@ every engine): level 1 frees the KV cache, level 2 the weights too.
 A sleep call is answered once the engine has drained: no request left and, in a lockstep
 group, no wave running, so no rank sleeps mid-wave. From the call on, a new request is
 refused with a 503 (`--while-asleep reject`, the default) or held, outside the scheduler, and
-admitted at the wake (`--while-asleep wait`). A sleeping engine never steps, so it cannot
-start a wave either."""
+admitted at the wake (`--while-asleep wait`). A sleeping engine never starts a wave.
+
+In a lockstep group a peer can still start one: it took a request just before its own sleep
+call arrived, or it woke first. The group's collectives need every rank, so a sleeping rank
+pulled into a wave wakes for it (`wake_for_wave`) and sleeps again, at the same level, once
+the wave is over: a rare reload, never a hung group."""
 
 from __future__ import annotations
 
@@ -26,12 +30,19 @@ class SleepState:
         self.rank, self.core, self.answer = rank, core, answer
         self.level = 0  # 0: awake
         self.pending: list[p.UtilityCall] = []  # sleep calls waiting for the drain
+        self.resleep = 0  # woken for a peer's wave: the level to go back to after it
         self.held: dict[str, p.AddRequest] = {}  # --while-asleep wait: admitted at the wake
 
     @property
     def closed(self) -> bool:
         """Asleep, or going to sleep: new requests are refused or held."""
-        return self.level > 0 or bool(self.pending)
+        return self.level > 0 or bool(self.pending) or self.resleep > 0
+
+    def wake_for_wave(self) -> None:
+        """A lockstep peer started a wave while this rank sleeps: serve it, then sleep again."""
+        logger.info("engine dp%d wakes for a wave of its expert-parallel group", self.rank)
+        self.core.wake_up()
+        self.resleep, self.level = self.level, 0
 
     def on_call(self, call: p.UtilityCall) -> bool:
         """Handles "sleep", "wake_up" and "is_sleeping"; False for any other method."""
@@ -41,6 +52,7 @@ class SleepState:
             self.pending.append(call)  # answered by settle()
         elif call.method == "wake_up":
             self._answer_pending(0)  # a wake before the drain ended: nothing was released
+            self.resleep = 0
             if self.level:
                 self.core.wake_up()
                 logger.info("engine dp%d is awake", self.rank)
@@ -60,16 +72,16 @@ class SleepState:
     def settle(self, busy: bool) -> None:
         """Sleep now if a call waits and the engine is drained (`busy`: requests or a wave
         still running; held requests are not in the engine yet)."""
-        if not self.pending:
+        if not self.pending and not self.resleep:
             return
-        level = max(call.arg for call in self.pending)
+        level = max([call.arg for call in self.pending] + [self.resleep])
         if level <= self.level:  # asleep that deep already
             self._answer_pending(0)
             return
         if busy:
             return
         released = self.core.sleep(level)
-        self.level = level
+        self.level, self.resleep = level, 0
         logger.info("engine dp%d sleeps at level %d: %.1f MiB released", self.rank, level,
                     released / 2**20)
         self._answer_pending(released)

@@ -57,8 +57,8 @@ class Worker:
         before = self.memory_bytes()
         self._allocate_cache(0)
         self.runner.graphs = None  # captured on the freed cache
-        if level >= 2:
-            del self.model, self.runner  # every reference to the weights
+        if level >= 2:  # every reference to the weights
+            self.model = self.runner = None  # type: ignore[assignment]
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -103,7 +103,8 @@ class Worker:
 
     def stop(self) -> None:
         """Before the process exits: the last activations sent must reach the next stage."""
-        self.runner.pp.wait_sends()
+        if self.runner is not None:  # None: asleep at level 2, nothing in flight
+            self.runner.pp.wait_sends()
 
     def take_stage_stats(self) -> dict[str, float]:
         """Compute and pipeline-wait seconds since the last call (then reset)."""

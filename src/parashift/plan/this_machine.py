@@ -6,6 +6,7 @@ those flags."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 from parashift.config import EngineArgs
 from parashift.defaults import DTYPE_BYTES, resolve_dtype_name
@@ -14,8 +15,21 @@ from parashift.plan.estimate import Plan, PlanSettings
 from parashift.plan.hardware import DEVICES, INTER_NODE
 from parashift.strategies.spec import StrategySpec
 
-_GPU_NAMES = {"H200": "h200-141g", "H100": "h100-80g", "B200": "b200-180g", "L40S": "l40s-48g",
-              "A100-SXM4-80GB": "a100-80g", "A100 80GB": "a100-80g", "A100": "a100-40g"}
+# Substrings of the GPU's name, most specific first (GH200 is no H200: no profile).
+_GPU_NAMES = {"GH200": None, "H200": "h200-141g", "H100": "h100-80g", "B200": "b200-180g",
+              "L40S": "l40s-48g", "A100-SXM4-80GB": "a100-80g", "A100 80GB": "a100-80g",
+              "A100": "a100-40g"}
+
+
+def _gpu_name() -> str:
+    """From nvidia-smi, not torch: asking torch would open a CUDA context in the launcher,
+    on GPU 0, for the whole run."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout else ""
 
 
 def this_machine() -> tuple[str, int]:
@@ -23,7 +37,7 @@ def this_machine() -> tuple[str, int]:
     import torch
 
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
+        name = _gpu_name()
         device = next((v for k, v in _GPU_NAMES.items() if k in name), None)
         if device is None:
             raise ValueError(f"--strategy auto: no plan profile for the GPU {name!r}; give "

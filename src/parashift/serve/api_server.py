@@ -157,8 +157,11 @@ class ApiServer:
         return _json(openapi_document(version("parashift")))
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        results = {f"dp{r}": await self.broker.utility("reset_prefix_cache", r)
-                   for r in self.broker.alive_engines()}
+        results = {}
+        for rank in self.broker.alive_engines():
+            results[f"dp{rank}"] = await self.broker.utility("reset_prefix_cache", rank)
+            if results[f"dp{rank}"]:
+                self.broker.router.forget(rank)  # routing follows the cache
         return _json({"reset": results})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

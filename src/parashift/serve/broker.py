@@ -119,7 +119,7 @@ class Broker:
         """A pinned rank, or the router's choice for the request's first prompt; the blocks of
         all its prompts are then recorded as living there."""
         alive = [r for r in self.alive_engines() if r != exclude]
-        prefix = self.router.config.policy == "prefix"
+        prefix = self.router.config.policy == "prefix" and self.num_engines > 1
         hashes = [block_hashes(prompt, self.block_size) for prompt in prompts] if prefix else []
         if pinned is not None:
             if pinned not in alive:

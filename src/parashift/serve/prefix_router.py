@@ -74,6 +74,11 @@ class Router:
         """A rank became ready (again: a restarted rank's cache starts empty)."""
         self.indexes[rank] = RankPrefixIndex(max(1, capacity_blocks))
 
+    def forget(self, rank: int) -> None:
+        """The rank's prefix cache was emptied (reset, sleep, wake)."""
+        if rank in self.indexes:
+            self.indexes[rank].blocks.clear()
+
     def choose(self, alive: list[int], hashes: Sequence[int],
                load: Callable[[int], int]) -> int:
         turn = next(self._turn)
@@ -85,12 +90,14 @@ class Router:
             return by_load
         matched = {r: self.indexes[r].matched(hashes) if r in self.indexes else 0
                    for r in alive}
-        # the best score: blocks the rank's cache would serve, minus its load score
-        best = max(alive, key=lambda r: (matched[r] - load(r), matched[r]))
-        if (matched[best] >= self.config.min_match * len(hashes) and matched[best] > 0
-                and load(best) - load(by_load) <= self.config.balance_threshold):
-            return best
-        return by_load
+        # ranks whose cache holds enough of the prompt, within the balance guard; of those,
+        # the best score: the blocks its cache would serve minus its load score
+        enough = max(1.0, self.config.min_match * len(hashes))
+        eligible = [r for r in alive if matched[r] >= enough
+                    and load(r) - load(by_load) <= self.config.balance_threshold]
+        if not eligible:
+            return by_load
+        return max(eligible, key=lambda r: (matched[r] - load(r), matched[r]))
 
     def record(self, rank: int, hashes: Sequence[int]) -> None:
         if self.config.policy == "prefix" and rank in self.indexes:

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from parashift.serve.broker import Broker
+from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
 
@@ -30,18 +30,26 @@ class SleepRoutes:
         app.router.add_get("/is_sleeping", self.is_sleeping)
 
     async def _call_all(self, method: str, arg: int = 0) -> dict[int, Any]:
+        """Every live engine's answer, by rank. A rank that died or cannot be reached makes
+        it a 503 naming it; an engine's refusal a 400."""
         ranks = self.broker.alive_engines()
         if not ranks:
             raise OpenAIError(503, "no engine is up", "service_unavailable_error")
-        try:
-            results = await asyncio.gather(*(self.broker.utility(method, r, arg) for r in ranks))
-        except RuntimeError as e:  # an engine refused the call
-            raise OpenAIError(400, str(e)) from None
-        for rank, result in zip(ranks, results, strict=True):
+        results = await asyncio.gather(*(self.broker.utility(method, r, arg) for r in ranks),
+                                       return_exceptions=True)
+        answers = dict(zip(ranks, results, strict=True))
+        for rank, result in answers.items():
+            if isinstance(result, EngineDeadError | EngineUnavailableError):
+                raise OpenAIError(503, f"engine dp{rank}: {result}", "service_unavailable_error")
+            if isinstance(result, BaseException):
+                raise OpenAIError(400, f"engine dp{rank}: {result}")
+        for rank, result in answers.items():
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])
             if "released_bytes" in result:
                 self.metrics.sleep_released.labels(f"dp{rank}").set(result["released_bytes"])
-        return dict(zip(ranks, results, strict=True))
+            if method != "is_sleeping":  # the rank's prefix cache is empty now
+                self.broker.router.forget(rank)
+        return answers
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = request.query.get("level", "1")
@@ -49,7 +57,9 @@ class SleepRoutes:
             raise OpenAIError(400, f"level={level!r}: use 1 (free the KV cache) or 2 (the "
                               "weights too)", param="level")
         results = await self._call_all("sleep", int(level))
-        return _json({"sleeping": True, "level": int(level),
+        # each rank's own level: a /wake_up during the drain leaves a rank awake
+        return _json({"sleeping": all(v["level"] for v in results.values()),
+                      "level": int(level),
                       "engines": {f"dp{r}": v for r, v in results.items()}})
 
     async def wake_up(self, request: web.Request) -> web.Response:
