@@ -37,15 +37,16 @@ class Worker:
         self.backend = get_attention_backend(config.device.attention_backend)
         self.num_blocks = 0
         self.sleep_level = 0  # 1: the KV cache is freed; 2: the weights too
-        rss_before = _reset_peak_rss()
         self._load_model()
-        # Peak resident memory the load added: a tp shard must read only its slice.
-        self.load_peak_rss = _peak_rss() - rss_before
 
     def _load_model(self) -> None:
         mc = self.config.model
+        rss_before = _reset_peak_rss()
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
+        # Peak resident memory the load added (a tp shard must read only its slice), before
+        # the GEMM paths are timed and prepared.
+        self.load_peak_rss = _peak_rss() - rss_before
         for note in prepare_gemm_weights(self.model, self.device):  # after: it may time GEMMs
             logger.info(note)
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
