@@ -3,8 +3,6 @@ from --strategy and vLLM's explicit size flags, the model, dtype and limits."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from parashift import env
@@ -19,6 +17,7 @@ from parashift.config import (
     resolve_dtype,
 )
 from parashift.defaults import ATTENTION_BACKENDS, default_max_num_batched_tokens
+from parashift.layers.kernel_dispatch import has_triton
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.pipeline import parse_partition
@@ -86,12 +85,11 @@ def resolve_attention_backend(name: str, device: str, block_size: int) -> str:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {name!r} is unknown; known: "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.startswith("cuda") and has_triton and block_size >= 16 \
+        return "triton" if device.startswith("cuda") and has_triton() and block_size >= 16 \
             else "torch"
     if name == "triton":
-        if not has_triton:
+        if not has_triton():
             raise ValueError("--attention-backend triton: Triton is not installed "
                              "(pip install triton)")
         if not device.startswith("cuda") and not env.triton_interpret():

@@ -11,9 +11,9 @@ import torch
 
 
 @functools.cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def on_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda and _has_triton()
+    return x.is_cuda and has_triton()

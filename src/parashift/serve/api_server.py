@@ -18,6 +18,7 @@ from aiohttp import web
 from parashift.engine.request import check_prompt_tokens
 from parashift.serve import responses, sse
 from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_routes import EngineRoutes
 from parashift.serve.generation import Generation
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
@@ -31,7 +32,6 @@ from parashift.serve.openai_protocol import (
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
-from parashift.serve.sleep_routes import SleepRoutes
 from parashift.wire.process_util import (
     die_with_parent,
     exit_now,
@@ -88,9 +88,8 @@ class ApiServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/openapi.json", self.openapi)
-        SleepRoutes(self.broker, self.metrics).add_to(app)
+        EngineRoutes(self.broker, self.metrics).add_to(app)
         return app
 
     @web.middleware
@@ -155,14 +154,6 @@ class ApiServer:
         from importlib.metadata import version
 
         return _json(openapi_document(version("parashift")))
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        results = {}
-        for rank in self.broker.alive_engines():
-            results[f"dp{rank}"] = await self.broker.utility("reset_prefix_cache", rank)
-            if results[f"dp{rank}"]:
-                self.broker.router.forget(rank)  # routing follows the cache
-        return _json({"reset": results})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), CompletionRequest)

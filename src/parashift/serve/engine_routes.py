@@ -1,7 +1,7 @@
-"""POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping: each call reaches every live engine
-(all dp ranks together). /sleep answers once every engine has drained and slept; the memory
-each released is in the answer and in /metrics. While asleep, requests get a 503 (or wait,
-with --while-asleep wait)."""
+"""The routes that act on every live engine at once (all dp ranks together):
+POST /reset_prefix_cache, and POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping. /sleep
+answers once every engine has drained and slept; the memory each released is in the answer
+and in /metrics. While asleep, requests get a 503 (or wait, with --while-asleep wait)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ def _json(data: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), content_type="application/json")
 
 
-class SleepRoutes:
+class EngineRoutes:
     def __init__(self, broker: Broker, metrics: Metrics):
         self.broker, self.metrics = broker, metrics
 
     def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_post("/sleep", self.sleep)
         app.router.add_post("/wake_up", self.wake_up)
         app.router.add_get("/is_sleeping", self.is_sleeping)
@@ -50,6 +51,14 @@ class SleepRoutes:
             if method != "is_sleeping":  # the rank's prefix cache is empty now
                 self.broker.router.forget(rank)
         return answers
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        results = {}
+        for rank in self.broker.alive_engines():
+            results[f"dp{rank}"] = await self.broker.utility("reset_prefix_cache", rank)
+            if results[f"dp{rank}"]:
+                self.broker.router.forget(rank)  # routing follows the cache
+        return _json({"reset": results})
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = request.query.get("level", "1")
