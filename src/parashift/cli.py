@@ -10,7 +10,12 @@ import typer
 from parashift import env
 from parashift.bench.cli import bench_app
 from parashift.cli_options import engine_options, fail, setup_logging
-from parashift.plan.cli import plan
+from parashift.defaults import (
+    DEFAULT_ROUTING,
+    DEFAULT_ROUTING_BALANCE_THRESHOLD,
+    DEFAULT_ROUTING_MIN_MATCH,
+)
+from parashift.plan.cli import Objective, plan
 
 if TYPE_CHECKING:
     from parashift.config import EngineArgs
@@ -25,10 +30,6 @@ app.command(name="plan")(plan)
 def _root() -> None:
     """Subcommands: run (OpenAI-compatible server), generate (offline), bench (measure),
     plan (dry-run a topology)."""
-
-
-Objective = Annotated[Literal["throughput", "latency"], typer.Option(
-    help="what --strategy auto ranks by (as plan --auto)")]
 
 
 def resolve_auto_strategy(engine_args: EngineArgs, objective: str,
@@ -148,14 +149,14 @@ def run(
         "--ray-placement", help="a rank's workers on one node, or spread")] = "pack",
     routing: Annotated[Literal["prefix", "load", "round-robin"], typer.Option(
         help="how an API server picks a dp rank: where the prompt's prefix is cached, the "
-             "least loaded, or in turn")] = "prefix",
+             "least loaded, or in turn")] = DEFAULT_ROUTING,
     routing_balance_threshold: Annotated[int, typer.Option(
         "--routing-balance-threshold", help="prefix routing follows the cache unless that "
         "rank's load score (4 per waiting request, 1 per running) exceeds the least "
-        "loaded's by more than this")] = 4,
+        "loaded's by more than this")] = DEFAULT_ROUTING_BALANCE_THRESHOLD,
     routing_min_match: Annotated[float, typer.Option(
         "--routing-min-match", help="prefix routing follows the cache when at least this "
-        "share of the prompt's full blocks is there")] = 0.5,
+        "share of the prompt's full blocks is there")] = DEFAULT_ROUTING_MIN_MATCH,
     objective: Objective = "throughput",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""

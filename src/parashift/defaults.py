@@ -32,5 +32,11 @@ def default_max_num_batched_tokens(max_num_seqs: int) -> int:
     """The per-step token budget without --max-num-batched-tokens."""
     return max(2048, max_num_seqs)
 
+# --routing and its prefix policy's thresholds (serve/prefix_router.py; measured with
+# `parashift bench routing`, docs/BENCHMARKS.md)
+DEFAULT_ROUTING = "prefix"
+DEFAULT_ROUTING_BALANCE_THRESHOLD = 4  # load-score units: 4 per waiting request, 1 per running
+DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks
+
 # --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

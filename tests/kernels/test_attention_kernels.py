@@ -108,6 +108,23 @@ def test_paged_prefill_attention_with_cached_prefixes(dtype, block_size, group, 
     assert (got.cpu().float() - want.float()).abs().max() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_prefill_attention_over_several_query_tiles(window):
+    """More new tokens than one tile of 64 queries, after a cached prefix: the second tile's
+    keys start where its own window does, and end at its last query."""
+    rng = random.Random(11)
+    seq_lens, q_lens = [100, 3], [80, 3]
+    key_cache, value_cache, table = paged_cache(rng, seq_lens, 16, 1, torch.float32)
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), 2, HEAD_DIM, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention(query, key_cache, value_cache, table, starts.to(DEVICE),
+                                  lens, max(q_lens), 0.125, window)
+    want = paged_prefill_attention_reference(query.cpu(), key_cache.cpu(), value_cache.cpu(),
+                                             table.cpu(), starts, lens.cpu(), 0.125, window)
+    assert (got.cpu() - want).abs().max() < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_cache_write_through_slot_mapping(dtype):
     num_tokens, num_kv_heads = 13, 3

@@ -56,3 +56,21 @@ def test_a_replay_on_padded_buffers_equals_the_eager_step(tiny_llama, num_prompt
     assert generate(llm, prompts) == want
     assert replays and set(replays) == {num_prompts}  # every decode step, no prefill step
     assert torch.all(graphs.slot_mapping[num_prompts:] == -1)
+
+
+def test_a_batch_past_the_largest_graph_runs_eagerly(tiny_llama):
+    """Graphs captured up to 4 sequences, a decode batch of 5: no replay, the eager step's
+    tokens (the scheduler's --max-num-seqs can exceed what was captured)."""
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(5)]
+    llm = LLM(tiny_llama, dtype="float32", attention_backend="triton", max_num_seqs=8,
+              max_model_len=64, kv_cache_memory=4 * 2**20)
+    want = generate(llm, prompts)
+    runner = llm.engine.executor.worker.runner
+    graphs = DecodeGraphs(runner.model, 4, 64, runner.block_size, runner.device)
+    graphs.graphs = {n: EagerReplay(graphs, n) for n in graphs.sizes}
+    replays = []
+    run = graphs.run
+    graphs.run = lambda ids, pos, step: replays.append(len(ids)) or run(ids, pos, step)
+    runner.graphs = graphs
+    assert generate(llm, prompts) == want
+    assert replays == []

@@ -6,7 +6,7 @@ one's cached prefix. The backend is chosen by the registry: auto is torch on CPU
 import pytest
 
 from parashift.config import EngineArgs
-from parashift.engine.args import create_config
+from parashift.engine.args import create_config, resolve_attention_backend
 from parashift.engine.llm import LLM
 from parashift.types.sampling_params import SamplingParams
 
@@ -44,6 +44,14 @@ def test_the_registry_picks_torch_on_cpu_and_refuses_triton_without_a_gpu(
     assert backend(attention_backend="triton") == "triton"  # the interpreter is on here
     with pytest.raises(ValueError, match="needs --block-size 16 or more, not 8"):
         backend(attention_backend="triton", block_size=8)
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
         backend(attention_backend="triton")
+
+
+def test_auto_is_triton_on_cuda_with_blocks_of_16_or_more():
+    assert resolve_attention_backend("auto", "cuda:1", 16) == "triton"
+    assert resolve_attention_backend("auto", "cuda", 8) == "torch"  # tl.dot needs 16 rows
+    assert resolve_attention_backend("auto", "cpu", 16) == "torch"
+    with pytest.raises(ValueError, match="--attention-backend 'flash' is unknown; known:"):
+        resolve_attention_backend("flash", "cpu", 16)

@@ -1,10 +1,12 @@
-"""Coordinated sleep and wake on dp2: /sleep reaches both engines; level 2 releases the KV
-cache and the weights (the engines' RSS drops by about that much) and /wake_up brings them
-back with the same greedy outputs; requests while asleep get the documented 503, or wait for
-the wake with --while-asleep wait."""
+"""Coordinated sleep and wake on dp2 behind two API servers: /sleep reaches both engines;
+level 2 releases the KV cache and the weights (the engines' RSS drops by about that much) and
+/wake_up brings them back with the same greedy outputs; both API servers' /metrics show it (the
+one not called hears it through the coordinator); requests while asleep get the documented
+503, or wait for the wake with --while-asleep wait."""
 
 import concurrent.futures
 import json
+import re
 import time
 
 import psutil
@@ -38,6 +40,28 @@ def engine_rss(server) -> dict[str, int]:
     return out
 
 
+def sleep_by_api_server(server, level: int, deadline_s: float = 15.0
+                        ) -> dict[str, dict[str, float]]:
+    """Each API server's sleep gauges (a scrape lands on either one): {index: {"level dp0":
+    ..., "released dp0": ..., ...}}, once both servers show `level` for both ranks."""
+    seen: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        status, raw = server.request("GET", "/metrics")
+        text = raw.decode()
+        index = re.search(r'^parashift_api_server\{index="(\d)"\} 1', text, re.MULTILINE)
+        gauges = {f"{kind} {rank}": float(value) for kind, rank, value in re.findall(
+            r'^parashift_engine_sleep_(level|released)(?:_bytes)?\{engine="(dp\d)"\} (\S+)$',
+            text, re.MULTILINE)}
+        if status == 200 and index:
+            seen[index.group(1)] = gauges
+        if len(seen) == 2 and all(g.get(f"level dp{r}") == level for g in seen.values()
+                                  for r in (0, 1)):
+            break
+        time.sleep(0.05)
+    return seen
+
+
 def greedy(server) -> list[str]:
     texts = []
     for prompt in PROMPTS:
@@ -49,7 +73,7 @@ def greedy(server) -> list[str]:
 
 
 def test_sleep_level_2_releases_kv_and_weights_and_wake_restores_them(wide_llama):
-    with running_server(wide_llama, *ARGS) as s:
+    with running_server(wide_llama, *ARGS, "--api-server-count", "2") as s:
         before_texts, before = greedy(s), engine_rss(s)
         status, body = s.request("POST", "/sleep?level=2", timeout=60)
         assert status == 200, body
@@ -61,9 +85,10 @@ def test_sleep_level_2_releases_kv_and_weights_and_wake_restores_them(wide_llama
         asleep = engine_rss(s)
         for rank in ("dp0", "dp1"):  # the KV cache and ~50 MB of weights each
             assert before[rank] - asleep[rank] > KV + (30 << 20), (before, asleep)
-        assert s.metric("parashift_engine_sleep_level", 'engine="dp1"') == 2
-        assert (s.metric("parashift_engine_sleep_released_bytes", 'engine="dp0"')
-                == engines["dp0"]["released_bytes"])
+        want = {"level dp0": 2, "level dp1": 2,
+                "released dp0": engines["dp0"]["released_bytes"],
+                "released dp1": engines["dp1"]["released_bytes"]}
+        assert sleep_by_api_server(s, 2) == {"0": want, "1": want}
         status, raw = s.request("POST", "/v1/completions", {"prompt": [1, 2, 3],
                                                             "max_tokens": 2})
         error = json.loads(raw)["error"]
@@ -78,6 +103,8 @@ def test_sleep_level_2_releases_kv_and_weights_and_wake_restores_them(wide_llama
         awake = engine_rss(s)
         for rank in ("dp0", "dp1"):
             assert awake[rank] - asleep[rank] > KV + (30 << 20), (asleep, awake)
+        awake_gauges = {"level dp0": 0, "level dp1": 0, "released dp0": 0, "released dp1": 0}
+        assert sleep_by_api_server(s, 0) == {"0": awake_gauges, "1": awake_gauges}
         assert greedy(s) == before_texts
 
 

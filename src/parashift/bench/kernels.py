@@ -101,12 +101,15 @@ def cases(batch: int, context: int) -> list[KernelCase]:
         2 * pq.numel() * 2 + 2 * num_seqs * (new + cached) * kv_heads * head_dim * 2, 2e-2))
     tokens = 8192
     k_new = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=dev)
+    v_new = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=dev)
     slots = torch.randperm(shape[0] * block, device=dev)[:tokens]
     kc, vc = key_cache.clone(), value_cache.clone()
     out.append(KernelCase(
         "KV-cache write", f"{tokens} tokens x {kv_heads} x {head_dim}",
-        lambda: kw.write_kv_cache(k_new, k_new, key_cache, value_cache, slots) or key_cache,
-        lambda: kw.write_kv_cache_reference(k_new, k_new, kc, vc, slots) or kc,
+        lambda: kw.write_kv_cache(k_new, v_new, key_cache, value_cache, slots)
+        or torch.stack([key_cache, value_cache]),
+        lambda: kw.write_kv_cache_reference(k_new, v_new, kc, vc, slots)
+        or torch.stack([kc, vc]),
         4 * k_new.numel() * 2, 0.0))
     hidden = 4096
     x, res = torch.randn(tokens, hidden, dtype=dt, device=dev), torch.randn(
@@ -117,13 +120,16 @@ def cases(batch: int, context: int) -> list[KernelCase]:
         lambda: rn.rms_norm(x, w, 1e-6, res)[0],
         lambda: rn.rms_norm_reference(x, w, 1e-6, res)[0], 4 * x.numel() * 2, 5e-2))
     rq = torch.randn(tokens, heads + kv_heads, head_dim, dtype=dt, device=dev)
-    cos = torch.randn(4096, head_dim // 2, device=dev)
-    sin = torch.randn(4096, head_dim // 2, device=dev)
+    before = rq.clone()  # in place: the check is the first call's, from these values
+    angles = torch.rand(4096, head_dim // 2, device=dev) * 6.3
+    cos, sin = angles.cos(), angles.sin()
     pos = torch.randint(0, 4096, (tokens,), device=dev)
     out.append(KernelCase(
         "rotary (neox)", f"{tokens} tokens x {heads + kv_heads} heads x {head_dim}",
         lambda: ro.apply_rotary(rq[:, :heads], rq[:, heads:], cos, sin, pos) or rq,
-        lambda: rq, 2 * rq.numel() * 2, float("inf")))  # in place: timed, checked in tests
+        lambda: torch.cat(ro.apply_rotary_reference(before[:, :heads], before[:, heads:],
+                                                    cos, sin, pos), dim=1),
+        2 * rq.numel() * 2, 3e-2))
     experts, h, inter, moe_tokens = 8, 4096, 14336, 256
     mx = torch.randn(moe_tokens, h, dtype=dt, device=dev)
     w13 = torch.randn(experts, 2 * inter, h, dtype=dt, device=dev) / h**0.5

@@ -107,7 +107,7 @@ class EngineProcess:
                                         self.incarnation)
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
-                              self.incarnation, cfg.cache.block_size)
+                              self.incarnation, cfg.cache.block_size, self.lockstep)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
@@ -180,13 +180,15 @@ class EngineProcess:
         stats = self.core.stats()
         stats.num_waiting += len(self.sleep.held)  # held while asleep: a backlog all the same
         # Lockstep: the counters and seconds go along when a wave ends (not every dummy step).
-        load = (stats.num_waiting, stats.num_running, stats.num_waves)
+        load = (stats.num_waiting, stats.num_running, stats.num_waves,
+                stats.num_prefix_cache_resets, self.sleep.level, self.sleep.released)
         if load != self._last_load:
             self._last_load = load
             self.load_out.send(p.encode(p.EngineLoad(
                 self.rank, stats.num_waiting, stats.num_running, stats.kv_cache_usage,
                 stats.num_dummy_steps, stats.num_waves, stats.step_seconds,
-                stats.dispatch_seconds)))
+                stats.dispatch_seconds, stats.num_prefix_cache_resets, self.sleep.level,
+                self.sleep.released)))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

@@ -38,6 +38,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, KVCacheBlock] = {}
+        self.num_resets = 0  # times every cached prefix was forgotten (the routers follow)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +89,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.num_resets += 1
         return True
 
 

@@ -214,4 +214,4 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.waiting), len(self.running), self.kv_cache.usage,
                               self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens,
-                              self.num_preemptions)
+                              self.num_preemptions, self.kv_cache.pool.num_resets)

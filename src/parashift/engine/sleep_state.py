@@ -29,6 +29,7 @@ class SleepState:
         """`core`: the EngineCore; `answer(call, result)` replies to a utility call."""
         self.rank, self.core, self.answer = rank, core, answer
         self.level = 0  # 0: awake
+        self.released = 0  # bytes the current sleep released (0 awake)
         self.pending: list[p.UtilityCall] = []  # sleep calls waiting for the drain
         self.resleep = 0  # woken for a peer's wave: the level to go back to after it
         self.held: dict[str, p.AddRequest] = {}  # --while-asleep wait: admitted at the wake
@@ -42,7 +43,7 @@ class SleepState:
         """A lockstep peer started a wave while this rank sleeps: serve it, then sleep again."""
         logger.info("engine dp%d wakes for a wave of its expert-parallel group", self.rank)
         self.core.wake_up()
-        self.resleep, self.level = self.level, 0
+        self.resleep, self.level, self.released = self.level, 0, 0
 
     def on_call(self, call: p.UtilityCall) -> bool:
         """Handles "sleep", "wake_up" and "is_sleeping"; False for any other method."""
@@ -51,12 +52,12 @@ class SleepState:
                 raise ValueError(f"sleep level {call.arg}: use 1 (KV cache) or 2 (and weights)")
             self.pending.append(call)  # answered by settle()
         elif call.method == "wake_up":
-            self._answer_pending(0)  # a wake before the drain ended: nothing was released
+            self._answer_pending()  # a wake before the drain ended: nothing was released
             self.resleep = 0
             if self.level:
                 self.core.wake_up()
                 logger.info("engine dp%d is awake", self.rank)
-            self.level = 0
+            self.level = self.released = 0
             self.answer(call, {"level": 0})
         elif call.method == "is_sleeping":
             self.answer(call, {"level": self.level})
@@ -76,17 +77,18 @@ class SleepState:
             return
         level = max([call.arg for call in self.pending] + [self.resleep])
         if level <= self.level:  # asleep that deep already
-            self._answer_pending(0)
+            self._answer_pending()
             return
         if busy:
             return
         released = self.core.sleep(level)
         self.level, self.resleep = level, 0
+        self.released += released  # level 1, then 2: both releases
         logger.info("engine dp%d sleeps at level %d: %.1f MiB released", self.rank, level,
                     released / 2**20)
-        self._answer_pending(released)
+        self._answer_pending()
 
-    def _answer_pending(self, released: int) -> None:
+    def _answer_pending(self) -> None:
         for call in self.pending:
-            self.answer(call, {"level": self.level, "released_bytes": released})
+            self.answer(call, {"level": self.level, "released_bytes": self.released})
         self.pending.clear()

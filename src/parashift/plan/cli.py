@@ -53,6 +53,10 @@ def load_shape(model: str | None):
         raise ValueError(f"MODEL {model}: {config_path} lacks a field ({e})") from None
 
 
+Objective = Annotated[Literal["throughput", "latency"], typer.Option(
+    help="what --auto (plan) or --strategy auto (run, generate) ranks by")]
+
+
 def plan(
     model: Annotated[str | None, typer.Argument(
         help="preset (e.g. Llama-3.1-70B), HF folder, config.json or .gguf; default: SmolLM2")
@@ -85,9 +89,7 @@ def plan(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = DEFAULT_MAX_NUM_SEQS,
     block_size: Annotated[int, typer.Option("--block-size")] = DEFAULT_BLOCK_SIZE,
     auto: Annotated[bool, typer.Option(help="rank every strategy for these devices")] = False,
-    objective: Annotated[Literal["throughput", "latency"], typer.Option(
-        help="what --auto ranks by")
-                         ] = "throughput",
+    objective: Objective = "throughput",
     slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON document")] = False,
     backend: Annotated[str, typer.Option(help="ray: where each rank would go on the cluster")

@@ -272,7 +272,9 @@ class Launcher:
         if self.coordinator is not None:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
-        self.engines.stop()
+        # A start-up that failed has nothing to drain, and an engine hung in its load ignores
+        # SIGTERM: a short grace, then the kill.
+        self.engines.stop(10.0 if len(self.ready) == self.num_engines else 2.0)
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=500 if self.nodes else 0)

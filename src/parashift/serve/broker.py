@@ -151,10 +151,20 @@ class Broker:
                 continue
             if isinstance(vector, p.StartWave):  # for the engines
                 continue
-            self.load = {load.rank: load for load in vector.loads}
-            self.sent_since_update.clear()
-            if self.on_load is not None:
-                self.on_load(vector)
+            self.take_load(vector)
+
+    def take_load(self, vector: p.LoadVector) -> None:
+        """Every rank's load, from the coordinator. A rank whose prefix cache was emptied
+        since the last vector (reset or sleep, called through any API server) loses its
+        blocks in this server's router too."""
+        for load in vector.loads:
+            last = self.load.get(load.rank)
+            if last is not None and last.num_prefix_cache_resets != load.num_prefix_cache_resets:
+                self.router.forget(load.rank)
+        self.load = {load.rank: load for load in vector.loads}
+        self.sent_since_update.clear()
+        if self.on_load is not None:
+            self.on_load(vector)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -243,13 +253,7 @@ class Broker:
             identity, frame = await self.requests.recv_multipart()
             msg = p.decode(frame, p.Control)
             if isinstance(msg, p.EngineReady):
-                self.ready[msg.rank] = msg
-                self.block_size = msg.block_size
-                self.router.add_rank(msg.rank, msg.num_blocks)
-                if self.dead.pop(msg.rank, None) is not None:
-                    logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
-                else:
-                    logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
+                self.on_ready(msg)
                 if len(self.ready) == self.num_engines and not self._told_launcher:
                     self._told_launcher = True
                     await self._tell_launcher_ready()
@@ -258,6 +262,16 @@ class Broker:
             elif isinstance(msg, p.Shutdown):
                 self.shutdown_timeout = msg.timeout_s
                 self.shutdown_requested.set()
+
+    def on_ready(self, msg: p.EngineReady) -> None:
+        """An engine (first start or restarted incarnation) can take requests."""
+        self.ready[msg.rank] = msg
+        self.block_size = msg.block_size
+        self.router.add_rank(msg.rank, msg.num_blocks)
+        if self.dead.pop(msg.rank, None) is not None:
+            logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
+        else:
+            logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
 
     async def _tell_launcher_ready(self) -> None:
         # The launcher's connection may still be completing its handshake: retry briefly.
@@ -276,6 +290,18 @@ class Broker:
         ready = self.ready.get(rank)
         if incarnation and ready is not None and ready.incarnation != incarnation:
             return  # news about an earlier incarnation; the rank has been restarted since
+        self._mark_dead(rank, reason)
+        if ready is not None and ready.lockstep:
+            # Its lockstep peers cannot step without it and are about to die too: mark them
+            # now, in this same call, so that no failover lands on one of them before its own
+            # death is heard (it would then fail a second time). They come back with the
+            # restarted group's EngineReady.
+            for peer, peer_ready in self.ready.items():
+                if peer_ready.lockstep and peer not in self.dead:
+                    self._mark_dead(peer, f"stopped with its expert-parallel group "
+                                          f"(dp{rank} is down)")
+
+    def _mark_dead(self, rank: int, reason: str) -> None:
         logger.error("engine dp%d is down: %s", rank, reason)
         self.dead[rank] = reason
         error = EngineDeadError(f"engine dp{rank} died: {reason}")

@@ -45,9 +45,9 @@ class EngineRoutes:
             if isinstance(result, BaseException):
                 raise OpenAIError(400, f"engine dp{rank}: {result}")
         for rank, result in answers.items():
+            # At once in this API server; the others hear it through the coordinator.
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])
-            if "released_bytes" in result:
-                self.metrics.sleep_released.labels(f"dp{rank}").set(result["released_bytes"])
+            self.metrics.sleep_released.labels(f"dp{rank}").set(result.get("released_bytes", 0))
             if method != "is_sleeping":  # the rank's prefix cache is empty now
                 self.broker.router.forget(rank)
         return answers
@@ -57,7 +57,7 @@ class EngineRoutes:
         for rank in self.broker.alive_engines():
             results[f"dp{rank}"] = await self.broker.utility("reset_prefix_cache", rank)
             if results[f"dp{rank}"]:
-                self.broker.router.forget(rank)  # routing follows the cache
+                self.broker.router.forget(rank)  # at once here; the others via the coordinator
         return _json({"reset": results})
 
     async def sleep(self, request: web.Request) -> web.Response:

@@ -74,8 +74,8 @@ class Metrics:
         self.sleep_level = Gauge("parashift_engine_sleep_level", "0 awake; 1 KV cache freed; "
                                  "2 weights freed too", ["engine"], registry=r)
         self.sleep_released = Gauge("parashift_engine_sleep_released_bytes", "Memory the "
-                                    "engine's last sleep released (RSS on CPU, device memory "
-                                    "on GPU)", ["engine"], registry=r)
+                                    "engine's current sleep released (RSS on CPU, device "
+                                    "memory on GPU; 0 awake)", ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
 
@@ -102,6 +102,8 @@ class Metrics:
             self.running.labels(engine).set(load.num_running)
             self.waiting.labels(engine).set(load.num_waiting)
             self.kv_usage.labels(engine).set(load.kv_cache_usage)
+            self.sleep_level.labels(engine).set(load.sleep_level)
+            self.sleep_released.labels(engine).set(load.sleep_released_bytes)
             self._lockstep(engine, load)
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,

@@ -20,14 +20,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from parashift.defaults import (
+    DEFAULT_ROUTING,
+    DEFAULT_ROUTING_BALANCE_THRESHOLD,
+    DEFAULT_ROUTING_MIN_MATCH,
+)
+
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "prefix"
-    balance_threshold: int = 4  # load-score units: 4 per waiting request, 1 per running one
-    min_match: float = 0.5  # of the prompt's full blocks
+    policy: str = DEFAULT_ROUTING
+    balance_threshold: int = DEFAULT_ROUTING_BALANCE_THRESHOLD
+    min_match: float = DEFAULT_ROUTING_MIN_MATCH
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:

@@ -85,6 +85,7 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0  # since the engine started
+    num_prefix_cache_resets: int = 0  # since the engine started: the cache emptied this often
     # Lockstep, since the engine started: steps run with nothing to schedule, waves ended,
     # and the seconds of all steps and of their expert dispatch / combine within them.
     num_dummy_steps: int = 0

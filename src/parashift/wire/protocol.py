@@ -114,6 +114,7 @@ class EngineReady(_Msg):
     num_blocks: int
     incarnation: int = 0
     block_size: int = 16  # the API servers' prefix routing hashes blocks of this size
+    lockstep: bool = False  # expert parallel over engines: this rank dies with any peer
 
 
 class EngineOutputs(_Msg):
@@ -166,6 +167,11 @@ class EngineLoad(_Msg):
     num_waves: int = 0
     step_seconds: float = 0.0
     dispatch_seconds: float = 0.0
+    # Every API server hears these through the coordinator, not only the one that was called:
+    # its router forgets the rank's blocks when the count moves; its /metrics show the sleep.
+    num_prefix_cache_resets: int = 0
+    sleep_level: int = 0
+    sleep_released_bytes: int = 0
 
 
 class Heartbeat(_Msg):
