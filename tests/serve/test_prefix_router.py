@@ -73,6 +73,25 @@ def test_a_weak_match_is_routed_by_load():
     assert r.choose([0, 1], prompt, {0: 0, 1: 1}.get) == 1  # 3 of 6
 
 
+def test_prompts_that_share_nothing_are_routed_exactly_as_load_routes_them():
+    """The no-shared-prefix workload: the prefix policy makes the load policy's every choice
+    (same loads, same tie rotation), so it cannot lose there but for noise."""
+    import random
+
+    rng = random.Random(0)
+    prefix, load = router(), router(policy="load")
+    loads = {0: 0, 1: 0}
+    for _ in range(200):
+        prompt = block_hashes([rng.randrange(100, 49000) for _ in range(rng.randrange(16, 300))],
+                              16)
+        choice = prefix.choose([0, 1], prompt, loads.get)
+        prefix.record(choice, prompt)
+        assert load.choose([0, 1], prompt, loads.get) == choice
+        loads[choice] += rng.choice([1, 4])  # running or waiting
+        done = rng.randrange(2)  # requests there finished
+        loads[done] = max(0, loads[done] - rng.randrange(5))
+
+
 def test_load_and_round_robin_ignore_the_cache():
     prompt = block_hashes(TOKENS, 16)
     load = router(policy="load")
