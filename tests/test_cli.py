@@ -24,7 +24,7 @@ def run_both(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
 
 def test_generate_streams_one_prompt_and_runs_pipeline_stages(tiny_llama):
     args = ("generate", tiny_llama, "--prompt", "hello", "--max-tokens", "6", "--ignore-eos",
-            "--dtype", "float32")
+            "--dtype", "float32", "--kv-cache-memory", "32MiB")
     pp1, pp2 = run_both(args, (*args, "--strategy", "pp2", "--pp-layer-partition", "1,1"))
     assert pp1.returncode == 0, pp1.stderr
     assert pp1.stdout.strip()
@@ -36,7 +36,7 @@ def test_generate_streams_one_prompt_and_runs_pipeline_stages(tiny_llama):
 def test_generate_runs_an_moe_model_with_experts_over_tp_ranks(tiny_model_factory):
     model = tiny_model_factory("mixtral")
     args = ("generate", model, "--prompt", "hello", "--max-tokens", "6", "--ignore-eos",
-            "--dtype", "float32")
+            "--dtype", "float32", "--kv-cache-memory", "32MiB")
     whole, split = run_both(args, (*args, "--strategy", "tp2xep"))
     assert split.returncode == 0, split.stderr
     assert split.stdout == whole.stdout and "2 workers ready" in split.stderr
@@ -44,7 +44,7 @@ def test_generate_runs_an_moe_model_with_experts_over_tp_ranks(tiny_model_factor
 
 def test_generate_batch_prints_every_prompt(tiny_llama):
     result = run_cli("generate", tiny_llama, "-p", "a", "-p", "b", "--max-tokens", "3",
-                     "--ignore-eos", "--chat")
+                     "--ignore-eos", "--chat", "--kv-cache-memory", "32MiB")
     assert result.returncode == 0, result.stderr
     assert "[0] 'a' (length)" in result.stdout and "[1] 'b' (length)" in result.stdout
 

@@ -98,6 +98,8 @@ def generate(
                                    on_output=show if streaming else None)
     except ValueError as e:
         fail(str(e))
+    finally:
+        llm.shutdown()  # the workers, now
     if streaming:
         sys.stdout.write("\n")
         return

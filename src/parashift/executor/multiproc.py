@@ -90,7 +90,7 @@ class MultiprocExecutor:
             self.procs.append(proc)
 
     def _cleanup_call(self) -> tuple:
-        return _kill_workers, self.procs, self.ctx, self.dir, self.shm_path
+        return _kill_workers, self.procs, self.commands, self.ctx, self.dir, self.shm_path
 
     def _alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -180,21 +180,30 @@ class MultiprocExecutor:
         return out
 
 
-def _kill_workers(procs: list[multiprocessing.Process], ctx: zmq.Context, folder: str,
-                  shm_file: str | None) -> None:
-    for proc in procs:  # after a "stop" call they are on their way out
-        proc.join(5)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+def _kill_workers(procs: list[multiprocessing.Process], commands: list[zmq.Socket],
+                  ctx: zmq.Context, folder: str, shm_file: str | None) -> None:
+    # Unreferenced without shutdown(), the workers still wait for a command: tell them to
+    # stop (after a "stop" call they are on their way out already, and never read this).
+    stop = p.encode(p.WorkerCall("stop", []))
+    for sock in commands:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send(stop, zmq.NOBLOCK)
+    _join_within(procs, 5.0)
+    for escalate in (multiprocessing.Process.terminate, multiprocessing.Process.kill):
+        alive = [proc for proc in procs if proc.is_alive()]
+        for proc in alive:
+            escalate(proc)
+        _join_within(alive, 5.0)
     ctx.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)
     if shm_file is not None:  # one per tp group, if a worker died before its rank 0 removed it
         for path in glob.glob(f"{glob.escape(shm_file)}-*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _join_within(procs: list[multiprocessing.Process], seconds: float) -> None:
+    """One deadline for all of them, not one each."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
