@@ -97,8 +97,8 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
         serial = itertools.count()  # a distinct prompt for every request of every run
         for workload in workloads:
             prompt_len, output_len = WORKLOADS[workload]
-            predicted = (plan_bubbles(config.model.path, strategy, concurrencies, prompt_len)
-                         if pipelined else {})
+            predicted = (plan_bubbles(config.model.path, strategy, concurrencies, prompt_len,
+                                      output_len) if pipelined else {})
             for c in concurrencies:
                 # Two waves by default: a run of one wave would be mostly ramp-up and drain.
                 n = num_requests or max(8, 2 * c)
@@ -123,14 +123,15 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
     return rows
 
 
-def plan_bubbles(model: str, strategy: str, concurrencies: list[int], prompt_len: int
-                 ) -> dict[str, dict[str, float]]:
+def plan_bubbles(model: str, strategy: str, concurrencies: list[int], prompt_len: int,
+                 output_len: int) -> dict[str, dict[str, float]]:
     """What `parashift plan --json` predicts for this layout: {"decode" | "prefill":
     {concurrency: bubble}} (bench sits beside plan, so it asks the command)."""
     done = subprocess.run(
         [sys.executable, "-m", "parashift.cli", "plan", model, "--strategy", strategy,
          "--device", "cpu", "--json", "--concurrency", ",".join(map(str, concurrencies)),
-         "--prompt-len", str(prompt_len), "--max-model-len", str(MAX_MODEL_LEN),
+         "--prompt-len", str(prompt_len), "--output-len", str(output_len),
+         "--max-model-len", str(MAX_MODEL_LEN),
          "--kv-cache-memory", str(KV_CACHE_MEMORY)], capture_output=True, text=True, timeout=300)
     if done.returncode not in (0, 1) or not done.stdout.strip():  # 1: printed, "does not fit"
         raise ValueError(f"parashift plan failed: {done.stderr.strip()[-500:]}")

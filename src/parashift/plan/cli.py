@@ -78,7 +78,9 @@ def plan(
     concurrency: Annotated[str, typer.Option(
         help="running requests to estimate the pipeline bubble at, e.g. 1,4,32")] = "1,4,32",
     prompt_len: Annotated[int, typer.Option(
-        "--prompt-len", help="the prompt of the prefill bubble estimate")] = 512,
+        "--prompt-len", help="the prompt of the prefill bubble estimate's requests")] = 512,
+    output_len: Annotated[int, typer.Option(
+        "--output-len", help="their output tokens (1: prefill only)")] = 1,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     dtype: Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(
         help="auto: the engine's choice for this checkpoint and device")] = "auto",
@@ -116,6 +118,8 @@ def plan(
         fail("--nodes must be >= 1")
     if prompt_len < 1:
         fail("--prompt-len must be >= 1")
+    if output_len < 1:
+        fail("--output-len must be >= 1")
     levels = tuple(parse_counts(concurrency, "--concurrency"))
     if not 0 < gpu_memory_utilization <= 1:
         fail("--gpu-memory-utilization must be in (0, 1]")
@@ -142,7 +146,7 @@ def plan(
             block_size, max_num_seqs,
             # CPU: this machine's cores, as `parashift run` would place the ranks on them
             cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))),
-            concurrency=levels, prompt_len=prompt_len)
+            concurrency=levels, prompt_len=prompt_len, output_len=output_len)
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()

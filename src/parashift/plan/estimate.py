@@ -46,7 +46,8 @@ class PlanSettings:
     max_num_batched_tokens: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # CPU: the cores of a node (default 0..n-1)
     concurrency: tuple[int, ...] = (1, 4, 32)  # running requests the bubble is estimated at
-    prompt_len: int = 512  # the prefill bubble's prompt
+    prompt_len: int = 512  # the prefill bubble's requests: this prompt,
+    output_len: int = 1  # and these output tokens
 
     @property
     def devices_per_node(self) -> int:
@@ -194,8 +195,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes)
-    plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.concurrency) if len(costs) > 1
-                   else {})
+    plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency)
+                   if len(costs) > 1 else {})
     if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):
         warnings.append(f"{len(stages)} pipeline stages: with "
                         f"{plan.estimate['decode_batch']:.0f} sequences per replica "

@@ -116,8 +116,11 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                       f"({e['tpot_single_ms']:.2f} ms for one sequence alone); prefill "
                       f"{e['prefill_tokens_per_s']:,.0f} tok/s")
     if plan.bubble:
+        names = {"decode": "decode", "prefill": f"prefill ({s.prompt_len} in, "
+                 f"{s.output_len} out)"}
         console.print("pipeline bubble (idle share of a stage) at " + "; ".join(
-            f"{workload}: " + ", ".join(f"{v:.0%} with {c} running" for c, v in levels.items())
+            f"{names[workload]}: " + ", ".join(f"{v:.0%} with {c} running"
+                                               for c, v in levels.items())
             for workload, levels in plan.bubble.items()))
     for error in plan.errors:
         console.print(f"[red]error:[/] {error}")
