@@ -37,22 +37,31 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
                                   use_tqdm=False)]
 
 
+def eager_graphs(llm: LLM, max_num_seqs: int, max_model_len: int
+                 ) -> tuple[DecodeGraphs, list[int]]:
+    """Graphs up to `max_num_seqs` that replay eagerly, put in the runner's hands, and the
+    batch size of every replay."""
+    runner = llm.engine.executor.worker.runner
+    graphs = DecodeGraphs(runner.model, max_num_seqs, max_model_len, runner.block_size,
+                          runner.device)
+    graphs.graphs = {n: EagerReplay(graphs, n) for n in graphs.sizes}
+    replays: list[int] = []
+    run = graphs.run
+    graphs.run = lambda ids, pos, step: replays.append(len(ids)) or run(ids, pos, step)
+    runner.graphs = graphs
+    return graphs, replays
+
+
 @pytest.mark.parametrize("num_prompts", [3, 5])  # padded to 4, and to 8 of max_num_seqs 8
 def test_a_replay_on_padded_buffers_equals_the_eager_step(tiny_llama, num_prompts):
     prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(num_prompts)]
     llm = LLM(tiny_llama, dtype="float32", attention_backend="triton", max_num_seqs=8,
               max_model_len=128, kv_cache_memory=8 * 2**20)
     want = generate(llm, prompts)
-    runner = llm.engine.executor.worker.runner
-    graphs = DecodeGraphs(runner.model, 8, 128, runner.block_size, runner.device)
-    graphs.graphs = {n: EagerReplay(graphs, n) for n in graphs.sizes}
+    graphs, replays = eager_graphs(llm, 8, 128)
     # stale contents in the static buffers must not leak into a smaller batch
     graphs.block_table.fill_(3)
     graphs.seq_lens.fill_(50)
-    replays = []
-    run = graphs.run
-    graphs.run = lambda ids, pos, step: replays.append(len(ids)) or run(ids, pos, step)
-    runner.graphs = graphs
     assert generate(llm, prompts) == want
     assert replays and set(replays) == {num_prompts}  # every decode step, no prefill step
     assert torch.all(graphs.slot_mapping[num_prompts:] == -1)
@@ -65,12 +74,6 @@ def test_a_batch_past_the_largest_graph_runs_eagerly(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", attention_backend="triton", max_num_seqs=8,
               max_model_len=64, kv_cache_memory=4 * 2**20)
     want = generate(llm, prompts)
-    runner = llm.engine.executor.worker.runner
-    graphs = DecodeGraphs(runner.model, 4, 64, runner.block_size, runner.device)
-    graphs.graphs = {n: EagerReplay(graphs, n) for n in graphs.sizes}
-    replays = []
-    run = graphs.run
-    graphs.run = lambda ids, pos, step: replays.append(len(ids)) or run(ids, pos, step)
-    runner.graphs = graphs
+    _, replays = eager_graphs(llm, 4, 64)
     assert generate(llm, prompts) == want
     assert replays == []
