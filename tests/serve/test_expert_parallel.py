@@ -124,24 +124,24 @@ def test_dp2xtp2xep_matches_one_engine_with_every_expert(tiny_model_factory):
         assert_matches(s, reference(model), [0, 1])
 
 
-def test_dp4xep_one_request_runs_one_wave_with_one_dummy_step_after(mixtral):
+def test_one_request_runs_one_wave_with_one_dummy_step_after(dp2xep):
     """The serving rank runs one dummy step (the wave's last, where no rank had work); the
-    others run one per step of the wave. Then they block: no more steps, almost no CPU."""
-    with running_server(mixtral, *ARGS, "--strategy", "dp4xep") as s:
-        before = settled_dummy_steps(s, 4)
-        prompt = PROMPTS[0]  # one prefill step, then a decode step per further token
-        assert len(complete(s, prompt, rank=2)["logprobs"]["tokens"]) == MAX_TOKENS
-        after = settled_dummy_steps(s, 4)
-        added = [a - b for a, b in zip(after, before, strict=True)]
-        assert added == [MAX_TOKENS + 1, MAX_TOKENS + 1, 1, MAX_TOKENS + 1], added
-        engines = [s.engine_process(r) for r in range(4)]
-        cpu = [e.cpu_times() for e in engines]
-        time.sleep(5)
-        for engine, start in zip(engines, cpu, strict=True):
-            end = engine.cpu_times()
-            used = (end.user + end.system) - (start.user + start.system)
-            assert used / 5 < 0.02, (engine.name(), used)
-        assert dummy_steps(s, 4) == after
+    other runs one per step of the wave. Then they block: no more steps, almost no CPU."""
+    s = dp2xep
+    before = settled_dummy_steps(s, 2)
+    prompt = PROMPTS[0]  # one prefill step, then a decode step per further token
+    assert len(complete(s, prompt, rank=1)["logprobs"]["tokens"]) == MAX_TOKENS
+    after = settled_dummy_steps(s, 2)
+    added = [a - b for a, b in zip(after, before, strict=True)]
+    assert added == [MAX_TOKENS + 1, 1], added
+    engines = [s.engine_process(r) for r in range(2)]
+    cpu = [e.cpu_times() for e in engines]
+    time.sleep(5)
+    for engine, start in zip(engines, cpu, strict=True):
+        end = engine.cpu_times()
+        used = (end.user + end.system) - (start.user + start.system)
+        assert used / 5 < 0.02, (engine.name(), used)
+    assert dummy_steps(s, 2) == after
 
 
 def test_random_arrivals_aborts_and_preemption_all_end_and_the_waves_stop(dp2xep):

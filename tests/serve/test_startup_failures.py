@@ -6,6 +6,7 @@ once (one fixture), each test reads its own."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import psutil
 import pytest
@@ -155,6 +157,11 @@ def test_engine_that_crashes_during_load(launches):
 
 
 def test_worker_that_hangs_during_load(launches):
+    """The launcher gives up --startup-timeout after it started (its own log's clock: seven
+    launches importing torch at once on two cores take long to get there), and its stop of
+    the hung engine is short."""
     out = failed(launches, "hang")
     assert "--startup-timeout" in out and "dp0" in out, out
-    assert launches["results"]["hang"].seconds < HANG_TIMEOUT + 30
+    stamps = [datetime.strptime(line[:8], "%H:%M:%S") for line in out.splitlines()
+              if re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert (stamps[-1] - stamps[0]).seconds <= HANG_TIMEOUT + 10, out

@@ -74,6 +74,7 @@ class Launcher:
         self.nodes: set[bytes] = set()  # identities of headless launchers
         self.ready: dict[int, p.Ready] = {}
         self.stopping = False
+        self.serving = False  # start() completed
         self.listener: socket.socket | None = None
 
     @property
@@ -147,6 +148,7 @@ class Launcher:
         self.engines.start()
         self._wait_engines_ready()
         self._wait_api_servers_ready()
+        self.serving = True
 
     def _wait_engines_ready(self) -> None:
         deadline = time.monotonic() + self.args.startup_timeout
@@ -266,15 +268,17 @@ class Launcher:
                                               zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        join_all(self.api_procs, timeout + 5)
+        # A start-up that failed has nothing to drain, and a child stuck in its own start (an
+        # engine hung in its load ignores SIGTERM) would only be waited for: a short grace,
+        # then the kill.
+        grace = None if self.serving else 2.0
+        join_all(self.api_procs, grace or timeout + 5)
         # The coordinator goes before the engines: with no API server left it has nobody to
         # tell, and one engine exiting seconds before another must not be declared dead.
         if self.coordinator is not None:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
-        # A start-up that failed has nothing to drain, and an engine hung in its load ignores
-        # SIGTERM: a short grace, then the kill.
-        self.engines.stop(10.0 if len(self.ready) == self.num_engines else 2.0)
+        self.engines.stop(grace or 10.0)
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=500 if self.nodes else 0)
