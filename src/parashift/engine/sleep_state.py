@@ -58,9 +58,9 @@ class SleepState:
                 self.core.wake_up()
                 logger.info("engine dp%d is awake", self.rank)
             self.level = self.released = 0
-            self.answer(call, {"level": 0})
+            self.answer(call, self.state())
         elif call.method == "is_sleeping":
-            self.answer(call, {"level": self.level})
+            self.answer(call, self.state())
         else:
             return False
         return True
@@ -88,7 +88,11 @@ class SleepState:
                     released / 2**20)
         self._answer_pending()
 
+    def state(self) -> dict[str, int]:
+        """What every sleep, wake and is_sleeping call answers."""
+        return {"level": self.level, "released_bytes": self.released}
+
     def _answer_pending(self) -> None:
         for call in self.pending:
-            self.answer(call, {"level": self.level, "released_bytes": self.released})
+            self.answer(call, self.state())
         self.pending.clear()

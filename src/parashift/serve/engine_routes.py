@@ -47,7 +47,7 @@ class EngineRoutes:
         for rank, result in answers.items():
             # At once in this API server; the others hear it through the coordinator.
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])
-            self.metrics.sleep_released.labels(f"dp{rank}").set(result.get("released_bytes", 0))
+            self.metrics.sleep_released.labels(f"dp{rank}").set(result["released_bytes"])
             if method != "is_sleeping":  # the rank's prefix cache is empty now
                 self.broker.router.forget(rank)
         return answers
