@@ -8,7 +8,8 @@ import time
 import pytest
 import zmq
 
-from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
+from parashift.serve.broker import Broker
+from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.wire import protocol as p
 
 

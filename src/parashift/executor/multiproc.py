@@ -30,7 +30,7 @@ from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.wire import protocol as p
-from parashift.wire.process_util import exit_after
+from parashift.wire.process_util import exit_after, join_within
 
 logger = logging.getLogger(__name__)
 
@@ -188,22 +188,15 @@ def _kill_workers(procs: list[multiprocessing.Process], commands: list[zmq.Socke
     for sock in commands:
         with contextlib.suppress(zmq.ZMQError):
             sock.send(stop, zmq.NOBLOCK)
-    _join_within(procs, 5.0)
+    join_within(procs, 5.0)
     for escalate in (multiprocessing.Process.terminate, multiprocessing.Process.kill):
         alive = [proc for proc in procs if proc.is_alive()]
         for proc in alive:
             escalate(proc)
-        _join_within(alive, 5.0)
+        join_within(alive, 5.0)
     ctx.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)
     if shm_file is not None:  # one per tp group, if a worker died before its rank 0 removed it
         for path in glob.glob(f"{glob.escape(shm_file)}-*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-
-
-def _join_within(procs: list[multiprocessing.Process], seconds: float) -> None:
-    """One deadline for all of them, not one each."""
-    deadline = time.monotonic() + seconds
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))

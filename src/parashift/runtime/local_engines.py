@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import time
 
 from parashift.engine.engine_process import run_engine
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
 from parashift.strategies.mesh import EnginePlacement
-from parashift.wire.process_util import exit_after
+from parashift.wire.process_util import exit_after, join_within
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +81,7 @@ class LocalEngines(RestartPolicy):
 
 
 def join_all(procs: list[multiprocessing.Process], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+    join_within(procs, timeout)
     for proc in procs:
         if proc.is_alive():
             logger.warning("%s did not stop in time; killing it", proc.name)

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from parashift.engine.request import check_prompt_tokens
 from parashift.serve import responses, sse
-from parashift.serve.broker import Broker, EngineDeadError, EngineUnavailableError
+from parashift.serve.broker import Broker
+from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.serve.engine_routes import EngineRoutes
 from parashift.serve.generation import Generation
 from parashift.serve.metrics import Metrics

@@ -15,6 +15,11 @@ import zmq
 import zmq.asyncio
 
 from parashift.engine.block_hash import block_hashes
+from parashift.serve.engine_errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
@@ -22,25 +27,6 @@ from parashift.wire import protocol as p
 from parashift.wire.process_util import bind, subscriber
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine serving a request died; the request cannot finish."""
-
-
-class RequestFailedError(ValueError):
-    """The engine refused one request (400: bad; 429: its waiting queue is full), apart from
-    any engine death."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-        self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
-            status, "invalid_request_error")
-
-
-class EngineUnavailableError(RuntimeError):
-    """No engine can take a request right now (still starting, or all dead)."""
 
 
 class Broker:

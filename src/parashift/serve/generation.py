@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.request_tracker import RequestTracker, SampleDelta
-from parashift.serve.broker import (
-    Broker,
+from parashift.serve.broker import Broker
+from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
     RequestFailedError,

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -87,3 +88,11 @@ def named_actor_class(base: type, process_name: str) -> type:
     Ray titles an actor's process after its class ("ray::ParashiftEngineDp1.run"), so that
     `ps` tells the ranks apart."""
     return type("".join(part.capitalize() for part in process_name.split("-")), (base,), {})
+
+
+def join_within(procs: list, seconds: float) -> None:
+    """Join processes (multiprocessing.Process) on one deadline for all of them, not one
+    each."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
