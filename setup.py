@@ -2,4 +2,6 @@
 # parashift.kernels, which pyproject's package discovery cannot express together with src/.
 from setuptools import find_packages, setup
 
-setup(packages=find_packages("src") + ["parashift.kernels"])
+setup(packages=find_packages("src") + ["parashift.kernels", "parashift.kernels.cpu"],
+      package_dir={"parashift.kernels.cpu": "kernels/cpu"},
+      package_data={"parashift.kernels.cpu": ["*.cpp"]})

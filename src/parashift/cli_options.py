@@ -75,7 +75,8 @@ _ENGINE_FLAGS: dict[str, Any] = {
         help="where the model runs (default: cuda when a GPU is visible, else cpu)")],
     "num_threads": Annotated[int | None, typer.Option("--threads", help="CPU threads for torch")],
     "attention_backend": Annotated[Literal[ATTENTION_BACKENDS], typer.Option(
-        "--attention-backend", help="auto: Triton kernels on CUDA, torch on CPU")],
+        "--attention-backend",
+        help="auto: Triton kernels on CUDA, the compiled CPU kernels (cpu) on CPU")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
     "while_asleep": Annotated[Literal["reject", "wait"], typer.Option(

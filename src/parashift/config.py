@@ -46,7 +46,7 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None
     num_threads: int | None = None
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA, cpu (compiled kernels) on CPU
     enforce_eager: bool = False  # no CUDA graphs for decode
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it

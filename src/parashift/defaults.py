@@ -39,4 +39,4 @@ DEFAULT_ROUTING_BALANCE_THRESHOLD = 4  # load-score units: 4 per waiting request
 DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks
 
 # --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")

@@ -24,3 +24,9 @@ def shm_all_reduce() -> bool:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton runs its kernels on CPU tensors (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cpu_kernels() -> bool:
+    """PARASHIFT_CPU_KERNELS=0: CPU layers run their torch ops instead of the kernels compiled
+    for this CPU (to compare, or to rule the kernels out)."""
+    return os.environ.get("PARASHIFT_CPU_KERNELS", "1") != "0"

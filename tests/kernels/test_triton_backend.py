@@ -34,13 +34,17 @@ def test_smollm2_through_the_triton_backend_equals_the_torch_backend(smollm2_pat
                 assert abs(w_step[token] - g_step[token]) < 1e-3
 
 
-def test_the_registry_picks_torch_on_cpu_and_refuses_triton_without_a_gpu(
+def test_the_registry_picks_cpu_kernels_on_cpu_and_refuses_triton_without_a_gpu(
         smollm2_path, monkeypatch):
     def backend(**kwargs):
         return create_config(EngineArgs(model=smollm2_path, device="cpu", **kwargs)
                              ).device.attention_backend
 
-    assert backend() == "torch"
+    assert backend() == "cpu"
+    assert backend(dtype="float16") == "torch"  # the CPU kernels are float32 and bfloat16
+    with pytest.raises(ValueError, match="--attention-backend cpu runs on --device cpu in "
+                                         "float32 or bfloat16, not on cpu in float16"):
+        backend(attention_backend="cpu", dtype="float16")
     assert backend(attention_backend="triton") == "triton"  # the interpreter is on here
     with pytest.raises(ValueError, match="needs --block-size 16 or more, not 8"):
         backend(attention_backend="triton", block_size=8)
@@ -52,6 +56,8 @@ def test_the_registry_picks_torch_on_cpu_and_refuses_triton_without_a_gpu(
 def test_auto_is_triton_on_cuda_with_blocks_of_16_or_more():
     assert resolve_attention_backend("auto", "cuda:1", 16) == "triton"
     assert resolve_attention_backend("auto", "cuda", 8) == "torch"  # tl.dot needs 16 rows
-    assert resolve_attention_backend("auto", "cpu", 16) == "torch"
+    assert resolve_attention_backend("auto", "cpu", 16) == "cpu"
+    with pytest.raises(ValueError, match="not on cuda in float32"):
+        resolve_attention_backend("cpu", "cuda", 16)
     with pytest.raises(ValueError, match="--attention-backend 'flash' is unknown; known:"):
         resolve_attention_backend("flash", "cpu", 16)

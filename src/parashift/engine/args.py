@@ -61,13 +61,13 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     if args.while_asleep not in ("reject", "wait"):
         raise ValueError(f"--while-asleep {args.while_asleep!r}: use reject or wait")
     device_name = args.device or DeviceConfig().device
-    device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
-        args.attention_backend, device_name, args.block_size), args.enforce_eager)
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
         hf_config, "torch_dtype", None)
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
-    dtype = resolve_dtype(args.dtype, checkpoint_dtype, device.device)
+    dtype = resolve_dtype(args.dtype, checkpoint_dtype, device_name)
+    device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
+        args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
                         args.seed)
@@ -79,15 +79,22 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     return EngineConfig(model, cache, scheduler, parallel, device)
 
 
-def resolve_attention_backend(name: str, device: str, block_size: int) -> str:
-    """`auto` -> triton on CUDA (when Triton is installed), torch elsewhere; an explicit choice
-    is checked against the device and the block size."""
+def resolve_attention_backend(name: str, device: str, block_size: int,
+                              dtype: torch.dtype = torch.float32) -> str:
+    """`auto` -> triton on CUDA (when Triton is installed), the compiled CPU kernels on CPU in
+    float32 and bfloat16, torch elsewhere; an explicit choice is checked against the device,
+    the dtype and the block size."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {name!r} is unknown; known: "
                          f"{', '.join(ATTENTION_BACKENDS)}")
+    cpu_dtype = dtype in (torch.float32, torch.bfloat16)
     if name == "auto":
-        return "triton" if device.startswith("cuda") and has_triton() and block_size >= 16 \
-            else "torch"
+        if device.startswith("cuda"):
+            return "triton" if has_triton() and block_size >= 16 else "torch"
+        return "cpu" if device == "cpu" and cpu_dtype else "torch"
+    if name == "cpu" and (device != "cpu" or not cpu_dtype):
+        raise ValueError(f"--attention-backend cpu runs on --device cpu in float32 or "
+                         f"bfloat16, not on {device} in {str(dtype).removeprefix('torch.')}")
     if name == "triton":
         if not has_triton():
             raise ValueError("--attention-backend triton: Triton is not installed "

@@ -1,13 +1,22 @@
-"""When a layer runs its Triton kernel from `parashift.kernels`: on CUDA tensors, with Triton
-installed. Elsewhere the layer's torch code runs (the kernel tests run the kernels on CPU
-under Triton's interpreter, against the same torch code as reference)."""
+"""When a layer runs a kernel from `parashift.kernels` instead of its own torch code:
+- Triton kernels on CUDA tensors, with Triton installed (the kernel tests run them on CPU under
+  Triton's interpreter, against the same torch code as reference);
+- the compiled CPU kernels (`kernels/cpu`) on float32 and bfloat16 CPU tensors, once they are
+  built for this CPU (PARASHIFT_CPU_KERNELS=0 turns them off; a failed build falls back to the
+  torch code with a warning)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import os
 
 import torch
+
+from parashift import env
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -17,3 +26,23 @@ def has_triton() -> bool:
 
 def on_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and has_triton()
+
+
+@functools.cache
+def cpu_ops():
+    """This CPU's compiled kernels, built on first use (a few seconds, then cached); None when
+    they are turned off or cannot be built here."""
+    if not env.cpu_kernels():
+        return None
+    from parashift.kernels.cpu.library import load
+
+    try:
+        return load(os.path.join(env.cache_dir(), "cpu-kernels"))
+    except (RuntimeError, OSError) as e:
+        logger.warning("CPU kernels unavailable, using torch ops instead: %s", e)
+        return None
+
+
+def on_cpu_kernels(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops() is not None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parashift.layers.kernel_dispatch import on_kernels
+from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels, on_kernels
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +28,10 @@ class RMSNorm(nn.Module):
             from parashift.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)  # one pass, add fused
+        if on_cpu_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and (
+                self.weight.dtype == x.dtype) and (
+                residual is None or (residual.dim() == 2 and residual.stride(-1) == 1)):
+            return cpu_ops().rms_norm(x, self.weight, self.eps, residual)  # the same, on CPU
         if residual is None:
             return self._norm(x)
         x = x + residual

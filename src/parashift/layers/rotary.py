@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parashift.layers.kernel_dispatch import on_kernels
+from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels, on_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -65,12 +65,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]. On CUDA the Triton kernel rotates x in place (x is
-    a fresh projection output, or a view of one) and returns it."""
+    """x: [num_tokens, num_heads, head_dim]. On CUDA the Triton kernel, on CPU the compiled
+    kernel, rotates x in place (x is a fresh projection output, or a view of one) and returns
+    it."""
     if on_kernels(x) and x.stride(-1) == 1:
         from parashift.kernels.rotary import apply_rotary as rotate_in_place
 
         rotate_in_place(x, None, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
         return x
+    if on_cpu_kernels(x) and x.stride(-1) == 1 and x.stride(1) == x.shape[2] and (
+            cos.dtype == x.dtype):
+        return cpu_ops().rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

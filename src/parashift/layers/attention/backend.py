@@ -51,6 +51,7 @@ class AttentionBackend(ABC):
 
 # Resolved names (config.resolve_attention_backend picks one for "auto"); imported lazily.
 _BACKENDS = {"torch": "parashift.layers.attention.torch_backend:TorchAttentionBackend",
+             "cpu": "parashift.layers.attention.cpu_backend:CpuAttentionBackend",
              "triton": "parashift.layers.attention.triton_backend:TritonAttentionBackend"}
 
 

@@ -9,6 +9,7 @@ attends to its own fresh K/V with `is_causal`, skipping the cache read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,12 +28,17 @@ class _Prefill:
 
 
 @dataclass
+class _Decodes:
+    block_ids: torch.Tensor  # [num_decodes * blocks_per_seq]
+    padded_len: int  # padded context length of the decode batch
+    mask: torch.Tensor | None  # [num_decodes, 1, 1, padded_len] bool, None: nothing masked
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     num_decodes: int
-    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks_per_seq]
-    decode_len: int  # padded context length of the decode batch
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_len] bool
+    decodes: Any  # what the backend's decode reads (here _Decodes); None without decodes
     prefills: list[_Prefill]
 
 
@@ -44,23 +50,28 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, step: AttentionStepInputs) -> TorchAttentionMetadata:
+        decodes = self.decode_metadata(step) if step.num_decodes else None
+        return TorchAttentionMetadata(step.slot_mapping, step.num_decodes, decodes,
+                                      self._prefill_metadata(step))
+
+    def decode_metadata(self, step: AttentionStepInputs) -> Any:
         bs, dev, nd = step.block_size, step.device, step.num_decodes
-        decode_block_ids = decode_mask = None
-        decode_len = 0
-        if nd:
-            seq_lens = step.seq_lens[:nd]
-            num_blocks = int(-(-seq_lens.max() // bs))
-            decode_len = num_blocks * bs
-            decode_block_ids = torch.from_numpy(
-                np.ascontiguousarray(step.block_table[:nd, :num_blocks]).reshape(-1)
-            ).to(dev)
-            key_pos = np.arange(decode_len)
-            lo = _window_start(seq_lens - 1, step.sliding_window)
-            valid = (key_pos[None, :] < seq_lens[:, None]) & (key_pos[None, :] >= lo[:, None])
-            if not valid.all():
-                decode_mask = torch.from_numpy(valid).to(dev).view(nd, 1, 1, decode_len)
+        seq_lens = step.seq_lens[:nd]
+        num_blocks = int(-(-seq_lens.max() // bs))
+        padded_len = num_blocks * bs
+        block_ids = torch.from_numpy(
+            np.ascontiguousarray(step.block_table[:nd, :num_blocks]).reshape(-1)).to(dev)
+        key_pos = np.arange(padded_len)
+        lo = _window_start(seq_lens - 1, step.sliding_window)
+        valid = (key_pos[None, :] < seq_lens[:, None]) & (key_pos[None, :] >= lo[:, None])
+        mask = None if valid.all() else torch.from_numpy(valid).to(dev).view(nd, 1, 1,
+                                                                             padded_len)
+        return _Decodes(block_ids, padded_len, mask)
+
+    def _prefill_metadata(self, step: AttentionStepInputs) -> list[_Prefill]:
+        bs, dev = step.block_size, step.device
         prefills = []
-        for i in range(nd, len(step.seq_lens)):
+        for i in range(step.num_decodes, len(step.seq_lens)):
             start, end = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
             seq_len, cached = int(step.seq_lens[i]), int(step.num_computed_tokens[i])
             block_ids = mask = None
@@ -74,30 +85,36 @@ class TorchAttentionBackend(AttentionBackend):
                 allowed = (k_pos <= q_pos) & (k_pos >= _window_start(q_pos, step.sliding_window))
                 mask = torch.from_numpy(allowed).to(dev)
             prefills.append(_Prefill(start, end, seq_len, block_ids, mask))
-        return TorchAttentionMetadata(
-            step.slot_mapping, nd, decode_block_ids, decode_len, decode_mask, prefills
-        )
+        return prefills
+
+    def write_kv(self, key, value, kv_cache, slot_mapping: torch.Tensor) -> None:
+        key_cache, value_cache = kv_cache
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def decode(self, out, query, kv_cache, decodes: _Decodes, scale: float) -> None:
+        """out [nd, heads, head_dim] <- the decode queries [nd, heads, head_dim] over the
+        cache. One SDPA call: the query heads that share a kv head are its rows."""
+        key_cache, value_cache = kv_cache
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        nd, num_heads, _ = query.shape
+        q = query.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        shape = (nd, decodes.padded_len, num_kv_heads, head_dim)
+        k = key_cache.index_select(0, decodes.block_ids).view(shape).transpose(1, 2)
+        v = value_cache.index_select(0, decodes.block_ids).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=decodes.mask, scale=scale)
+        out.copy_(o.reshape(nd, num_heads, head_dim))
 
     def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
         key_cache, value_cache = kv_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         num_tokens, num_heads, _ = query.shape
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(num_tokens, num_heads, head_dim)
-
         nd = metadata.num_decodes
         if nd:
-            group = num_heads // num_kv_heads
-            # [nd, kv_heads, group, head_dim]: query heads sharing a kv head are its rows
-            q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-            shape = (nd, metadata.decode_len, num_kv_heads, head_dim)
-            k = key_cache.index_select(0, metadata.decode_block_ids).view(shape).transpose(1, 2)
-            v = value_cache.index_select(0, metadata.decode_block_ids).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
-                                               scale=scale)
-            out[:nd] = o.reshape(nd, num_heads, head_dim)
-
+            self.decode(out[:nd], query[:nd], kv_cache, metadata.decodes, scale)
         for p in metadata.prefills:
             q = query[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
             if p.block_ids is None:

@@ -1,0 +1,160 @@
+"""Builds `ops.cpp` for the CPU at hand and calls it through ctypes.
+
+The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
+source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
+CPU builds its own copy. Processes starting together build it once, under a file lock. OpenMP
+comes from the runtime torch already loaded (the same soname), so the kernels share torch's
+threads instead of starting a second pool."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops.cpp")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+          # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
+          # flush-to-zero for the whole process (torch included).
+          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES
+
+
+def _arch_flag() -> str:
+    return "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def library_path(build_dir: str, compiler: str) -> str:
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS + [_arch_flag()]).encode(),
+                                     compiler.encode(), _cpu_identity().encode()]))
+    return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
+
+
+def build(build_dir: str) -> str:
+    """The path of this CPU's compiled library, built first if need be. Raises RuntimeError
+    (with the compiler's message) when no compiler is found or the build fails."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    os.makedirs(build_dir, exist_ok=True)
+    path = library_path(build_dir, compiler)
+    if os.path.exists(path):
+        return path
+    with open(os.path.join(build_dir, "cpu-ops.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            cmd = [compiler, *_FLAGS, _arch_flag(), SOURCE, "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")
+            os.replace(tmp, path)
+    return path
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuOps:
+    """Tensor-level entry points of the compiled kernels (float32 and bfloat16 CPU tensors)."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        i64, ptr = c_int64, c_void_p
+        signatures = {
+            "parashift_rms_norm": [c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, c_float,
+                                   c_int],
+            "parashift_rotary": [c_int, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
+            "parashift_silu_and_mul": [c_int, ptr, ptr, i64, i64, i64, c_int],
+            "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64],
+            "parashift_paged_decode_attention": [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
+                                                 i64, i64, i64, i64, i64, i64, c_float, c_int],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._lib = lib
+        self.path = path
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """x [rows, hidden] (rows may be strided) -> normed, or (normed, x + residual) with
+        `residual`; nothing is written in place."""
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        residual_out = None if residual is None else torch.empty_like(out)
+        self._lib.parashift_rms_norm(
+            _DTYPES[x.dtype], out.data_ptr(), _ptr(residual_out), x.data_ptr(), x.stride(0),
+            _ptr(residual), 0 if residual is None else residual.stride(0), weight.data_ptr(),
+            rows, hidden, eps, torch.get_num_threads())
+        return out if residual is None else (out, residual_out)
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [tokens, heads, head_dim] (heads contiguous, tokens strided) in place;
+        cos/sin [tokens, head_dim / 2] contiguous, x's dtype."""
+        tokens, heads, head_dim = x.shape
+        self._lib.parashift_rotary(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(),
+                                   sin.data_ptr(), tokens, heads, head_dim,
+                                   torch.get_num_threads())
+        return x
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, width = x.shape
+        out = torch.empty((tokens, width // 2), dtype=x.dtype)
+        self._lib.parashift_silu_and_mul(_DTYPES[x.dtype], out.data_ptr(), x.data_ptr(),
+                                         x.stride(0), tokens, width // 2,
+                                         torch.get_num_threads())
+        return out
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value [tokens, kv_heads, head_dim] (tokens strided) into their slots (int64;
+        -1 skips the token) of caches [blocks, block_size, kv_heads, head_dim]."""
+        tokens = key.shape[0]
+        self._lib.parashift_write_kv(
+            _DTYPES[key.dtype], key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(),
+            value.data_ptr(), key.stride(0), value.stride(0), slot_mapping.data_ptr(), tokens,
+            key.shape[1] * key.shape[2])
+
+    def paged_decode_attention(self, out: torch.Tensor, query: torch.Tensor,
+                               key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               window: int | None, scale: float) -> None:
+        """out [seqs, heads, head_dim] contiguous <- one query token per sequence, query
+        [seqs, heads, head_dim] (tokens strided), over the paged caches; block_tables
+        [seqs, width] and seq_lens [seqs] int32, contiguous."""
+        seqs, heads, head_dim = query.shape
+        _, block_size, kv_heads, _ = key_cache.shape
+        self._lib.parashift_paged_decode_attention(
+            _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), query.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), seqs, heads, kv_heads, head_dim,
+            block_size, window or 0, scale, torch.get_num_threads())
+
+
+def load(build_dir: str) -> CpuOps:
+    """Build (if need be) and load this CPU's kernels; RuntimeError if they cannot be built."""
+    return CpuOps(build(build_dir))

@@ -1,0 +1,304 @@
+// CPU kernels of the decode path, compiled on the machine that runs them (-march=native) and
+// called through ctypes with raw pointers: no torch headers, so a build takes seconds.
+// Threads come from the OpenMP runtime torch itself loaded (same soname, one pool).
+//
+// Element types: float32 (T = float) and bfloat16 (T = bf16, the raw 16 bits). Every
+// element-wise result is rounded to T where torch's own op would round it, so the kernels
+// give torch's bf16 numbers, not a more precise variant that parity tests would have to excuse.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16 from_f<bf16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // Round to nearest even, as torch does; a NaN stays a (quiet) NaN. Branch-free: it vectorizes.
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;
+  return bf16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+}
+
+// exp(x) for the vector lanes (libm's expf does not vectorize without -ffast-math): 2^n * e^r,
+// r in [-ln2/2, ln2/2], a degree-6 polynomial; within 2 ulp over float's range.
+inline float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  float n = __builtin_roundf(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+template <class T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+// Small ops run on one thread below this many elements: a fork/join costs more than the work.
+constexpr int64_t kParallelMin = 1 << 15;
+inline int threads_for(int64_t elements, int num_threads) {
+  return elements < kParallelMin ? 1 : num_threads;
+}
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), x = T(hidden + residual) when residual is given
+// (then also written to residual_out): RMSNorm's reference, in one pass over each row.
+template <class T>
+void rms_norm(T* out, T* residual_out, const T* x, int64_t x_stride, const T* residual,
+              int64_t residual_stride, const T* weight, int64_t rows, int64_t hidden, float eps,
+              int num_threads) {
+#pragma omp parallel num_threads(threads_for(rows * hidden, num_threads))
+  {
+  std::vector<float> row(hidden);
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* o = out + r * hidden;
+    if (residual != nullptr) {
+      const T* rr = residual + r * residual_stride;
+      T* ro = residual_out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        T sum = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+        ro[i] = sum;
+        row[i] = to_f(sum);
+      }
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) row[i] = to_f(xr[i]);
+    }
+    float squares = 0.f;
+    for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
+    float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+    for (int64_t i = 0; i < hidden; ++i)
+      o[i] = from_f<T>(to_f(weight[i]) * round_to<T>(row[i] * inv));
+  }
+  }
+}
+
+// Neox rotary in place on x [tokens, heads, head_dim] (token stride given, heads contiguous):
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), cos/sin [tokens, head_dim / 2] in T.
+template <class T>
+void rotary(T* x, int64_t token_stride, const T* cos, const T* sin, int64_t tokens,
+            int64_t heads, int64_t head_dim, int num_threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel num_threads(threads_for(tokens * heads * head_dim, num_threads))
+  {
+    std::vector<float> c(half), s(half), a(half), b(half);
+#pragma omp for
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < half; ++i) c[i] = to_f(cos[t * half + i]);
+      for (int64_t i = 0; i < half; ++i) s[i] = to_f(sin[t * half + i]);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + t * token_stride + h * head_dim;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) a[i] = to_f(x1[i]);
+        for (int64_t i = 0; i < half; ++i) b[i] = to_f(x2[i]);
+        for (int64_t i = 0; i < half; ++i)
+          x1[i] = from_f<T>(round_to<T>(a[i] * c[i]) - round_to<T>(b[i] * s[i]));
+        for (int64_t i = 0; i < half; ++i)
+          x2[i] = from_f<T>(round_to<T>(b[i] * c[i]) + round_to<T>(a[i] * s[i]));
+      }
+    }
+  }
+}
+
+// out [tokens, d] = T(silu(gate)) * up, x [tokens, 2d] = (gate | up) with a row stride.
+template <class T>
+void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t tokens, int64_t d,
+                  int num_threads) {
+#pragma omp parallel for num_threads(threads_for(tokens * d, num_threads))
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* gate = x + t * x_stride;
+    const T* up = gate + d;
+    T* o = out + t * d;
+    for (int64_t i = 0; i < d; ++i) {
+      float g = to_f(gate[i]);
+      o[i] = from_f<T>(round_to<T>(g / (1.f + fast_exp(-g))) * to_f(up[i]));
+    }
+  }
+}
+
+// The new tokens' K and V into their cache slots; a slot of -1 is skipped (padding).
+// key/value [tokens, kv_heads, head_dim] with a token stride; caches [slots, kv_heads, head_dim].
+template <class T>
+void write_kv(T* key_cache, T* value_cache, const T* key, const T* value, int64_t key_stride,
+              int64_t value_stride, const int64_t* slot_mapping, int64_t tokens,
+              int64_t row_elements) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    std::memcpy(key_cache + slot * row_elements, key + t * key_stride, row_elements * sizeof(T));
+    std::memcpy(value_cache + slot * row_elements, value + t * value_stride,
+                row_elements * sizeof(T));
+  }
+}
+
+// Decode attention straight from the paged cache: one query token per sequence, every
+// (sequence, kv head) a work item, the query heads that share a kv head handled together so
+// each cached key and value row is read once. Scores are exact softmax (two passes over the
+// context in float32), the output rounded to T once.
+// query [seqs, heads, head_dim] with a token stride; out [seqs, heads, head_dim] contiguous;
+// caches [blocks, block_size, kv_heads, head_dim]; block_tables [seqs, table_width] int32.
+template <class T>
+void paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
+                            const T* value_cache, const int32_t* block_tables,
+                            int64_t table_width, const int32_t* seq_lens, int64_t seqs,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, int num_threads) {
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * head_dim;  // elements per cache slot
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), row_f(head_dim), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < seqs * kv_heads; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t len = seq_lens[s];
+      const int64_t lo = window > 0 && len > window ? len - window : 0;
+      const int64_t n = len - lo;
+      const int32_t* table = block_tables + s * table_width;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qg = query + s * query_stride + (h * group + g) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) q[g * head_dim + i] = to_f(qg[i]) * scale;
+      }
+      scores.resize(group * n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = lo + j;
+        const T* k = key_cache + (static_cast<int64_t>(table[pos / block_size]) * block_size +
+                                  pos % block_size) * row + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) row_f[i] = to_f(k[i]);  // once for the group
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          float dot = 0.f;
+          for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * row_f[i];
+          scores[g * n + j] = dot;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> sums(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = fast_exp(sg[j] - top);
+          sum += sg[j];
+        }
+        sums[g] = sum;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = lo + j;
+        const T* v = value_cache + (static_cast<int64_t>(table[pos / block_size]) * block_size +
+                                    pos % block_size) * row + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) row_f[i] = to_f(v[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + j];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * row_f[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + s * heads * head_dim + (h * group + g) * head_dim;
+        const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] = from_f<T>(acc[g * head_dim + i] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// The C entry points: `dtype` 0 = float32, 1 = bfloat16.
+#define P(T, p) static_cast<T*>(p)
+
+extern "C" {
+
+int parashift_cpu_ops_version() { return 1; }
+
+void parashift_rms_norm(int dtype, void* out, void* residual_out, const void* x,
+                        int64_t x_stride, const void* residual, int64_t residual_stride,
+                        const void* weight, int64_t rows, int64_t hidden, float eps,
+                        int num_threads) {
+  if (dtype == 0)
+    rms_norm<float>(P(float, out), P(float, residual_out), P(const float, x), x_stride,
+                    P(const float, residual), residual_stride, P(const float, weight), rows,
+                    hidden, eps, num_threads);
+  else
+    rms_norm<bf16>(P(bf16, out), P(bf16, residual_out), P(const bf16, x), x_stride,
+                   P(const bf16, residual), residual_stride, P(const bf16, weight), rows, hidden,
+                   eps, num_threads);
+}
+
+void parashift_rotary(int dtype, void* x, int64_t token_stride, const void* cos, const void* sin,
+                      int64_t tokens, int64_t heads, int64_t head_dim, int num_threads) {
+  if (dtype == 0)
+    rotary<float>(P(float, x), token_stride, P(const float, cos), P(const float, sin), tokens,
+                  heads, head_dim, num_threads);
+  else
+    rotary<bf16>(P(bf16, x), token_stride, P(const bf16, cos), P(const bf16, sin), tokens, heads,
+                 head_dim, num_threads);
+}
+
+void parashift_silu_and_mul(int dtype, void* out, const void* x, int64_t x_stride,
+                            int64_t tokens, int64_t d, int num_threads) {
+  if (dtype == 0)
+    silu_and_mul<float>(P(float, out), P(const float, x), x_stride, tokens, d, num_threads);
+  else
+    silu_and_mul<bf16>(P(bf16, out), P(const bf16, x), x_stride, tokens, d, num_threads);
+}
+
+void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,
+                        const void* value, int64_t key_stride, int64_t value_stride,
+                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements) {
+  if (dtype == 0)
+    write_kv<float>(P(float, key_cache), P(float, value_cache), P(const float, key),
+                    P(const float, value), key_stride, value_stride, slot_mapping, tokens,
+                    row_elements);
+  else
+    write_kv<bf16>(P(bf16, key_cache), P(bf16, value_cache), P(const bf16, key),
+                   P(const bf16, value), key_stride, value_stride, slot_mapping, tokens,
+                   row_elements);
+}
+
+void parashift_paged_decode_attention(int dtype, void* out, const void* query,
+                                      int64_t query_stride, const void* key_cache,
+                                      const void* value_cache, const int32_t* block_tables,
+                                      int64_t table_width, const int32_t* seq_lens, int64_t seqs,
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      int64_t block_size, int64_t window, float scale,
+                                      int num_threads) {
+  if (dtype == 0)
+    paged_decode_attention<float>(P(float, out), P(const float, query), query_stride,
+                                  P(const float, key_cache), P(const float, value_cache),
+                                  block_tables, table_width, seq_lens, seqs, heads, kv_heads,
+                                  head_dim, block_size, window, scale, num_threads);
+  else
+    paged_decode_attention<bf16>(P(bf16, out), P(const bf16, query), query_stride,
+                                 P(const bf16, key_cache), P(const bf16, value_cache),
+                                 block_tables, table_width, seq_lens, seqs, heads, kv_heads,
+                                 head_dim, block_size, window, scale, num_threads);
+}
+
+}  // extern "C"
