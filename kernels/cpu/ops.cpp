@@ -154,12 +154,20 @@ void write_kv(T* key_cache, T* value_cache, const T* key, const T* value, int64_
   }
 }
 
-// Decode attention straight from the paged cache: one query token per sequence, every
-// (sequence, kv head) a work item, the query heads that share a kv head handled together so
-// each cached key and value row is read once. Scores are exact softmax (two passes over the
-// context in float32), the output rounded to T once.
+// Decode attention straight from the paged cache: one query token per sequence. A sequence is
+// a work item: its cached rows (every kv head side by side) are read once each, in order, a
+// block of block_size rows at a time, so the hardware prefetcher streams them; the next row of
+// a new block, elsewhere in memory, is prefetched ahead. Exact softmax (two passes over the
+// scores, in float32), the output rounded to T once.
 // query [seqs, heads, head_dim] with a token stride; out [seqs, heads, head_dim] contiguous;
 // caches [blocks, block_size, kv_heads, head_dim]; block_tables [seqs, table_width] int32.
+template <class T>
+inline void prefetch_row(const T* p, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(bytes + b);
+}
+
 template <class T>
 void paged_decode_attention(T* out, const T* query, int64_t query_stride, const T* key_cache,
                             const T* value_cache, const int32_t* block_tables,
@@ -168,61 +176,62 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
                             int64_t block_size, int64_t window, float scale, int num_threads) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // elements per cache slot
+  constexpr int64_t kAhead = 8;  // rows prefetched ahead
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row_f(head_dim), scores;
+    std::vector<float> q(heads * head_dim), acc(heads * head_dim), row_f(row), scores, sums(heads);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < seqs * kv_heads; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
+    for (int64_t s = 0; s < seqs; ++s) {
       const int64_t len = seq_lens[s];
       const int64_t lo = window > 0 && len > window ? len - window : 0;
       const int64_t n = len - lo;
       const int32_t* table = block_tables + s * table_width;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qg = query + s * query_stride + (h * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) q[g * head_dim + i] = to_f(qg[i]) * scale;
-      }
-      scores.resize(group * n);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = lo + j;
-        const T* k = key_cache + (static_cast<int64_t>(table[pos / block_size]) * block_size +
-                                  pos % block_size) * row + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) row_f[i] = to_f(k[i]);  // once for the group
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_dim;
+      auto slot = [&](int64_t pos) {
+        return (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) *
+               row;
+      };
+      for (int64_t i = 0; i < heads * head_dim; ++i)
+        q[i] = to_f(query[s * query_stride + i]) * scale;
+      scores.resize(heads * n);
+      for (int64_t j = 0; j < n; ++j) {  // scores[head][j] = q[head] . k[j][head's kv head]
+        if (j + kAhead < n) prefetch_row(key_cache + slot(lo + j + kAhead), row);
+        const T* k = key_cache + slot(lo + j);
+        for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(k[i]);
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const float* qh = q.data() + hq * head_dim;
+          const float* kh = row_f.data() + (hq / group) * head_dim;
           float dot = 0.f;
-          for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * row_f[i];
-          scores[g * n + j] = dot;
+          for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kh[i];
+          scores[hq * n + j] = dot;
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sums(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        float* sh = scores.data() + hq * n;
         float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
+        for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
         float sum = 0.f;
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = fast_exp(sg[j] - top);
-          sum += sg[j];
+          sh[j] = fast_exp(sh[j] - top);
+          sum += sh[j];
         }
-        sums[g] = sum;
+        sums[hq] = sum;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = lo + j;
-        const T* v = value_cache + (static_cast<int64_t>(table[pos / block_size]) * block_size +
-                                    pos % block_size) * row + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) row_f[i] = to_f(v[i]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + j];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * row_f[i];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {  // acc[head] += p[head][j] * v[j][head's kv head]
+        if (j + kAhead < n) prefetch_row(value_cache + slot(lo + j + kAhead), row);
+        const T* v = value_cache + slot(lo + j);
+        for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(v[i]);
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const float p = scores[hq * n + j];
+          const float* vh = row_f.data() + (hq / group) * head_dim;
+          float* a = acc.data() + hq * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vh[i];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out + s * heads * head_dim + (h * group + g) * head_dim;
-        const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
-        for (int64_t i = 0; i < head_dim; ++i) o[i] = from_f<T>(acc[g * head_dim + i] * inv);
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        T* o = out + (s * heads + hq) * head_dim;
+        const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] = from_f<T>(acc[hq * head_dim + i] * inv);
       }
     }
   }
