@@ -6,6 +6,7 @@
 // element-wise result is rounded to T where torch's own op would round it, so the kernels
 // give torch's bf16 numbers, not a more precise variant that parity tests would have to excuse.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -135,6 +136,53 @@ void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t tokens, int64_t 
     for (int64_t i = 0; i < d; ++i) {
       float g = to_f(gate[i]);
       o[i] = from_f<T>(round_to<T>(g / (1.f + fast_exp(-g))) * to_f(up[i]));
+    }
+  }
+}
+
+// A float's bits as an int32 that orders like the float (-0 equal to +0; a NaN past both
+// infinities): max reductions on it vectorize, where a float max with NaN semantics does not.
+inline int32_t order_key(float f) {
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return i >= 0 ? i : -(i & 0x7fffffff);
+}
+inline int32_t order_key(bf16 x) { return order_key(to_f(x)); }
+inline bool is_nan_key(int32_t key) { return key > 0x7f800000 || key < -0x7f800000; }
+
+// The index of each row's largest value (the first of equals; a NaN wins, as in torch): chunk
+// maxima in one vectorized pass, then a scan of the first chunk that holds the maximum.
+template <class T>
+void argmax_rows(int64_t* out, const T* x, int64_t rows, int64_t cols, int num_threads) {
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (cols + kChunk - 1) / kChunk;
+#pragma omp parallel num_threads(threads_for(rows * cols, num_threads))
+  {
+    std::vector<int32_t> chunk_max(chunks);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * cols;
+      int nans = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = std::min(cols, (c + 1) * kChunk);
+        int32_t top = INT32_MIN;
+        for (int64_t i = c * kChunk; i < end; ++i) {
+          const int32_t key = order_key(row[i]);
+          top = key > top ? key : top;
+          nans += is_nan_key(key);
+        }
+        chunk_max[c] = top;
+      }
+      int64_t best = 0;
+      if (nans) {
+        while (!is_nan_key(order_key(row[best]))) ++best;
+      } else {
+        int64_t c = 0;
+        for (int64_t k = 1; k < chunks; ++k)
+          if (chunk_max[k] > chunk_max[c]) c = k;
+        for (best = c * kChunk; order_key(row[best]) != chunk_max[c]; ++best) {}
+      }
+      out[r] = best;
     }
   }
 }
@@ -276,6 +324,14 @@ void parashift_silu_and_mul(int dtype, void* out, const void* x, int64_t x_strid
     silu_and_mul<float>(P(float, out), P(const float, x), x_stride, tokens, d, num_threads);
   else
     silu_and_mul<bf16>(P(bf16, out), P(const bf16, x), x_stride, tokens, d, num_threads);
+}
+
+void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
+                           int num_threads) {
+  if (dtype == 0)
+    argmax_rows<float>(out, P(const float, x), rows, cols, num_threads);
+  else
+    argmax_rows<bf16>(out, P(const bf16, x), rows, cols, num_threads);
 }
 
 void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,

@@ -4,7 +4,8 @@ One batch runs through the engine twice, step by step: once plain (the step time
 under torch.profiler. In the profile every op of a decode step is put in one bucket:
 attention (everything inside the attention layers: KV write, gather, SDPA), sampling
 (everything inside the sampler), GEMM (the matrix-multiply kernels elsewhere: linears and the
-LM head), other torch ops (norms, rotary, activations, embedding, copies); what the step's
+LM head), other ops (norms, rotary, activations, embedding, copies: torch's or the compiled
+CPU kernels'); what the step's
 wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
 dispatch). Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
 the batch's rows, back to back (weights streamed from memory as in a real step)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels
 from parashift.types.outputs import TokenLogprobs
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -74,9 +75,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """[num_rows, vocab] logits -> one token id per row (+ logprobs where asked)."""
+        wants_logprobs = any(n is not None for n in md.num_logprobs)
+        if (md.all_greedy and md.repetition_penalty is None and not wants_logprobs
+                and on_cpu_kernels(logits) and logits.is_contiguous()):
+            return cpu_ops().argmax(logits).tolist(), [None] * len(md.num_logprobs)
         logits = logits.float()
         raw_logprobs = None
-        if any(n is not None for n in md.num_logprobs):
+        if wants_logprobs:
             raw_logprobs = logits.log_softmax(dim=-1)
         if md.repetition_penalty is not None:
             logits = apply_penalties(logits, md)
