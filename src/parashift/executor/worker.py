@@ -168,6 +168,7 @@ class Worker:
         if num_blocks and self.uses_cuda_graphs:
             self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs,
                                               self.config.model.max_model_len)
+        gc.freeze()  # the model and its cache stay: no full collection rescans them
 
     def _allocate_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers
