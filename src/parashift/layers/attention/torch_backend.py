@@ -4,7 +4,10 @@ Decode requests are batched into one SDPA call: their blocks are gathered (block
 index_select, far cheaper than per-slot gathers) and padded positions masked out. Grouped-query
 attention is done without repeating K/V: the query heads that share a kv head become that kv
 head's "query rows". Prefill chunks run one SDPA call each; a chunk with no cached prefix
-attends to its own fresh K/V with `is_causal`, skipping the cache read."""
+attends to its own fresh K/V with `is_causal`, skipping the cache read.
+
+The CPU backend (cpu_backend.py) is this one with its own `decode_metadata`, `decode` and
+`write_kv`."""
 
 from __future__ import annotations
 
