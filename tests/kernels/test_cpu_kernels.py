@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from parashift.kernels.cpu import library
+
 from parashift.layers.attention.backend import AttentionStepInputs
 from parashift.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -185,3 +185,20 @@ def test_argmax_is_torchs_first_of_equals_with_nan_winning(ops, dtype):
     x[5, 300], x[5, 700] = float("nan"), float("nan")
     x[6, 5] = -float("nan")
     assert ops.argmax(x).tolist() == x.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_take_a_step_without_tokens(dtype):
+    """An expert-parallel dummy step runs the layers on zero tokens."""
+    from parashift.layers.activation import silu_and_mul
+    from parashift.layers.norm import RMSNorm
+    from parashift.layers.rotary import RotaryEmbedding, apply_rotary
+
+    x = torch.zeros(0, 3, 8, dtype=dtype)
+    cos, sin = RotaryEmbedding(8, 16, {"rope_theta": 1e4, "rope_type": "default"}).cos_sin(
+        torch.zeros(0, dtype=torch.long), dtype)
+    assert apply_rotary(x, cos, sin).shape == (0, 3, 8)
+    norm = RMSNorm(8, 1e-6, dtype)
+    hidden = torch.zeros(0, 8, dtype=dtype)
+    assert norm(hidden).shape == (0, 8) and norm(hidden, hidden)[1].shape == (0, 8)
+    assert silu_and_mul(torch.zeros(0, 16, dtype=dtype)).shape == (0, 8)

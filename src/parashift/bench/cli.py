@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from parashift.bench.backends import backends
+from parashift.bench.cpu_kernels import cpu_kernels
 from parashift.bench.dp_scaling import dp_scaling
 from parashift.bench.kernels import kernels
 from parashift.bench.moe import moe
@@ -110,4 +111,5 @@ bench_app.command()(serving_vs_offline)
 bench_app.command()(backends)
 bench_app.command()(soak)
 bench_app.command()(kernels)
+bench_app.command()(cpu_kernels)
 bench_app.command()(routing)

@@ -60,6 +60,7 @@ class Worker:
         self.runner.graphs = None  # captured on the freed cache
         if level >= 2:  # every reference to the weights
             self.model = self.runner = None  # type: ignore[assignment]
+        gc.unfreeze()  # the model's reference cycles were frozen at start-up: collect them
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -168,7 +169,7 @@ class Worker:
         if num_blocks and self.uses_cuda_graphs:
             self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs,
                                               self.config.model.max_model_len)
-        gc.freeze()  # the model and its cache stay: no full collection rescans them
+        gc.freeze()  # the model and its cache stay (until a sleep): no collection rescans them
 
     def _allocate_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers

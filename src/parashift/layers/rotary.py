@@ -71,10 +71,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if on_kernels(x) and x.stride(-1) == 1:
         from parashift.kernels.rotary import apply_rotary as rotate_in_place
 
-        rotate_in_place(x, None, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+        rotate_in_place(x, None, cos.view(cos.shape[0], cos.shape[-1]),
+                        sin.view(sin.shape[0], sin.shape[-1]))
         return x
     if on_cpu_kernels(x) and x.stride(-1) == 1 and x.stride(1) == x.shape[2] and (
             cos.dtype == x.dtype):
-        return cpu_ops().rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+        return cpu_ops().rotary_(x, cos.view(cos.shape[0], cos.shape[-1]),
+                                 sin.view(sin.shape[0], sin.shape[-1]))
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,29 @@
+"""`parashift bench cpu-kernels`: every compiled CPU kernel checked against the torch ops it
+replaces (the command fails on a mismatch), timed, and a JSON record; bad flags named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench.test_bench_commands import invoke
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
+    out = tmp_path / "cpu.json"
+    code, text = invoke("cpu-kernels", "--batch", "4", "--context", "40", "--reps", "2",
+                        "--dtype", dtype, "--save-json", str(out))
+    assert code == 0, text
+    assert "FAIL" not in text
+    rows = json.loads(out.read_text())["results"]["kernels"]
+    assert [r["kernel"] for r in rows] == ["decode attention + KV write", "RMSNorm + residual",
+                                           "rotary (neox, in place)", "SiLU and mul",
+                                           "greedy argmax"]
+    assert all(r["ok"] and r["seconds"] > 0 and r["torch_seconds"] > 0 for r in rows)
+
+
+def test_a_dtype_the_kernels_lack_is_refused_naming_the_flag():
+    code, text = invoke("cpu-kernels", "--dtype", "float16")
+    assert code != 0 and "--dtype 'float16': the CPU kernels run float32 and bfloat16" in text
