@@ -108,13 +108,16 @@ def _decode_step(seq_lens, table_width, block_size, blocks, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (6, 2, None),
-                                                           (9, 3, None), (6, 3, 5)])
-def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_heads, window):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [
+    (4, 4, 16, None), (6, 2, 16, None), (9, 3, 16, None), (6, 3, 16, 5),
+    # head_dim 64 and 128 in bf16 take the AVX512-BF16 path where the CPU has it
+    (9, 3, 64, None), (4, 1, 64, 7), (12, 2, 128, None), (2, 2, 128, None)])
+def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_heads,
+                                                          head_dim, window):
     from parashift.layers.attention.cpu_backend import CpuAttentionBackend
 
     torch.manual_seed(0)
-    block_size, blocks, head_dim = 4, 64, 16
+    block_size, blocks = 4, 64
     step = _decode_step([1, 4, 5, 17, 30, 9], 8, block_size, blocks, window)
     kv_cache = tuple(torch.randn(blocks, block_size, kv_heads, head_dim).to(dtype)
                      for _ in range(2))
