@@ -115,6 +115,8 @@ class CpuOps:
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
         self.path = path
+        # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
+        self.bf16_dot = bool(lib.parashift_cpu_bf16_dot())
 
     @_profiled
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -441,6 +441,15 @@ extern "C" {
 
 int parashift_cpu_ops_version() { return 1; }
 
+// 1 where bf16 attention with head_dim 64 or 128 takes the AVX512-BF16 path.
+int parashift_cpu_bf16_dot() {
+#ifdef PARASHIFT_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 void parashift_rms_norm(int dtype, void* out, void* residual_out, const void* x,
                         int64_t x_stride, const void* residual, int64_t residual_stride,
                         const void* weight, int64_t rows, int64_t hidden, float eps,

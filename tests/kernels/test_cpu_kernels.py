@@ -205,3 +205,39 @@ def test_layers_take_a_step_without_tokens(dtype):
     hidden = torch.zeros(0, 8, dtype=dtype)
     assert norm(hidden).shape == (0, 8) and norm(hidden, hidden)[1].shape == (0, 8)
     assert silu_and_mul(torch.zeros(0, 16, dtype=dtype)).shape == (0, 8)
+
+
+@pytest.mark.parametrize(("head_dim", "window"), [(64, None), (128, None), (64, 6)])
+def test_a_mixed_step_matches_the_torch_backend(head_dim, window):
+    """Decodes, a fresh prompt and a chunk after a cached prefix in one step, bf16: prefill
+    tokens take the kernel where it runs on AVX512-BF16 dot products, SDPA elsewhere."""
+    from parashift.layers.attention.cpu_backend import CpuAttentionBackend
+
+    torch.manual_seed(0)
+    block_size, blocks, heads, kv_heads = 4, 64, 6, 2
+    rng = np.random.default_rng(1)
+    # two decodes (lengths 9, 3), a 7-token prompt, 5 new tokens after 6 cached
+    q_lens, cached = np.array([1, 1, 7, 5]), np.array([8, 2, 0, 6])
+    seq_lens = cached + q_lens
+    table = rng.permutation(blocks)[:4 * 5].reshape(4, 5)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    positions = np.concatenate([np.arange(c, s) for c, s in zip(cached, seq_lens, strict=True)])
+    rows = np.repeat(np.arange(4), q_lens)
+    slots = torch.from_numpy(table[rows, positions // block_size] * block_size
+                             + positions % block_size)
+    step = AttentionStepInputs(cu, seq_lens, cached, table, slots, 2, block_size, window,
+                               torch.device("cpu"))
+    kv_cache = tuple(torch.randn(blocks, block_size, kv_heads, head_dim).bfloat16()
+                     for _ in range(2))
+    qkv = torch.randn(int(cu[-1]), heads + 2 * kv_heads, head_dim).bfloat16()
+    q, k, v = (qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :])
+    reference = TorchAttentionBackend()
+    want = reference.forward(q, k, v, tuple(c.clone() for c in kv_cache),
+                             reference.build_metadata(step), head_dim**-0.5)
+    backend = CpuAttentionBackend()
+    metadata = backend.build_metadata(step)
+    if backend.ops.bf16_dot:
+        assert metadata.prefill_tokens.seq_lens.tolist() == [1, 2, 3, 4, 5, 6, 7,
+                                                              7, 8, 9, 10, 11]
+    got = backend.forward(q, k, v, kv_cache, metadata, head_dim**-0.5)
+    _close(got, want, torch.bfloat16, bf16_atol=0.02)

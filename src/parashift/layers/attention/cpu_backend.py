@@ -1,8 +1,10 @@
 """Attention on CPU with the compiled kernels (`kernels/cpu`): the decode batch attends
 straight from the paged cache, every cached key and value row read once per kv head, instead of
 gathering each sequence's blocks into a fresh padded tensor for SDPA in every layer; the new K/V
-go into their slots in one pass over the strided projections. Prefill chunks are the torch
-backend's (SDPA is efficient on their many query rows).
+go into their slots in one pass over the strided projections. Where the kernel runs on
+AVX512-BF16 dot products (bf16, head_dim 64 or 128) prefill tokens take it too, each token a
+query over its own prefix in the cache (2-3x torch's flash SDPA at 140-256 causal rows);
+elsewhere prefill chunks are the torch backend's SDPA calls.
 
 Without the kernels (PARASHIFT_CPU_KERNELS=0, or no compiler here) it is the torch backend."""
 
@@ -14,7 +16,10 @@ import numpy as np
 import torch
 
 from parashift.layers.attention.backend import AttentionStepInputs
-from parashift.layers.attention.torch_backend import TorchAttentionBackend
+from parashift.layers.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+)
 from parashift.layers.kernel_dispatch import cpu_ops
 
 
@@ -25,11 +30,35 @@ class _PagedDecodes:
     window: int | None
 
 
+@dataclass
+class CpuAttentionMetadata(TorchAttentionMetadata):
+    # every prefill token as a query over its own prefix (None without prefills)
+    prefill_tokens: _PagedDecodes | None = None
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
         self.ops = cpu_ops()
+
+    def build_metadata(self, step: AttentionStepInputs) -> TorchAttentionMetadata:
+        md = super().build_metadata(step)
+        nd = step.num_decodes
+        if self.ops is None or not self.ops.bf16_dot or nd == len(step.seq_lens):
+            return md
+        q_lens = np.diff(step.query_start_loc[nd:])
+        seq_lens = step.seq_lens[nd:]
+        num_blocks = int(-(-seq_lens.max() // step.block_size))
+        tables = np.repeat(np.ascontiguousarray(step.block_table[nd:, :num_blocks],
+                                                dtype=np.int32), q_lens, axis=0)
+        # token t of a chunk that starts after c cached tokens sees c + t + 1 keys
+        starts = step.query_start_loc[nd:-1]
+        within = np.arange(starts[0], starts[0] + q_lens.sum()) - np.repeat(starts, q_lens)
+        lens = (within + np.repeat(step.num_computed_tokens[nd:], q_lens) + 1).astype(np.int32)
+        tokens = _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
+                               step.sliding_window)
+        return CpuAttentionMetadata(md.slot_mapping, nd, md.decodes, md.prefills, tokens)
 
     def decode_metadata(self, step: AttentionStepInputs):
         if self.ops is None:
@@ -53,3 +82,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().decode(out, query, kv_cache, decodes, scale)
         self.ops.paged_decode_attention(out, query, *kv_cache, decodes.block_tables,
                                         decodes.seq_lens, decodes.window, scale)
+
+    def prefill(self, out, query, key, value, kv_cache, metadata, scale: float) -> None:
+        tokens = getattr(metadata, "prefill_tokens", None)
+        if tokens is None or query.dtype != torch.bfloat16 or query.shape[2] not in (64, 128):
+            return super().prefill(out, query, key, value, kv_cache, metadata, scale)
+        nd = metadata.num_decodes  # the K/V of every token are in the cache already
+        self.ops.paged_decode_attention(out[nd:], query[nd:], *kv_cache, tokens.block_tables,
+                                        tokens.seq_lens, tokens.window, scale)

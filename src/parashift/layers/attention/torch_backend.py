@@ -6,8 +6,8 @@ attention is done without repeating K/V: the query heads that share a kv head be
 head's "query rows". Prefill chunks run one SDPA call each; a chunk with no cached prefix
 attends to its own fresh K/V with `is_causal`, skipping the cache read.
 
-The CPU backend (cpu_backend.py) is this one with its own `decode_metadata`, `decode` and
-`write_kv`."""
+The CPU backend (cpu_backend.py) is this one with its own metadata, `write_kv`, `decode` and
+`prefill`."""
 
 from __future__ import annotations
 
@@ -110,14 +110,23 @@ class TorchAttentionBackend(AttentionBackend):
         out.copy_(o.reshape(nd, num_heads, head_dim))
 
     def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
-        key_cache, value_cache = kv_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
-        _, block_size, num_kv_heads, head_dim = key_cache.shape
-        num_tokens, num_heads, _ = query.shape
+        # kv_cache: key and value, each [num_blocks, block_size, num_kv_heads, head_dim]
+        num_tokens, num_heads, head_dim = query.shape
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(num_tokens, num_heads, head_dim)
         nd = metadata.num_decodes
         if nd:
             self.decode(out[:nd], query[:nd], kv_cache, metadata.decodes, scale)
+        if metadata.prefills:
+            self.prefill(out, query, key, value, kv_cache, metadata, scale)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def prefill(self, out, query, key, value, kv_cache, metadata: TorchAttentionMetadata,
+                scale: float) -> None:
+        """out's prefill rows <- one SDPA call per prefill chunk."""
+        key_cache, value_cache = kv_cache
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        num_heads = query.shape[1]
         for p in metadata.prefills:
             q = query[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
             if p.block_ids is None:
@@ -133,4 +142,3 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=num_heads != num_kv_heads,
             )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-        return out.view(num_tokens, num_heads * head_dim)
