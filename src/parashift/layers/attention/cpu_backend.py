@@ -1,5 +1,5 @@
 """Attention on CPU with the compiled kernels (`kernels/cpu`): the decode batch attends
-straight from the paged cache, every cached key and value row read once per kv head, instead of
+straight from the paged cache, every cached key and value row read once, instead of
 gathering each sequence's blocks into a fresh padded tensor for SDPA in every layer; the new K/V
 go into their slots in one pass over the strided projections. Where the kernel runs on
 AVX512-BF16 dot products (bf16, head_dim 64 or 128) prefill tokens take it too, each token a
