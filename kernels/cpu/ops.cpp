@@ -46,9 +46,11 @@ template <> inline bf16 from_f<bf16>(float f) {
 }
 
 // exp(x) for the vector lanes (libm's expf does not vectorize without -ffast-math): 2^n * e^r,
-// r in [-ln2/2, ln2/2], a degree-6 polynomial; within 2 ulp over float's range.
+// r in [-ln2/2, ln2/2], a degree-6 polynomial (Cephes' expf). x is clamped to [-87.3, 88.3],
+// where 2^n stays a normal float: below, the result is ~1e-38 instead of 0 (a softmax weight
+// or a SiLU denominator that rounds the same).
 inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
   float n = __builtin_roundf(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.3981999507e-3f;
@@ -438,8 +440,6 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
 #define P(T, p) static_cast<T*>(p)
 
 extern "C" {
-
-int parashift_cpu_ops_version() { return 1; }
 
 // 1 where bf16 attention with head_dim 64 or 128 takes the AVX512-BF16 path.
 int parashift_cpu_bf16_dot() {
