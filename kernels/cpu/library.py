@@ -28,10 +28,6 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPES
-
-
 def _arch_flag() -> str:
     return "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
 
