@@ -3,4 +3,4 @@
 from setuptools import find_packages, setup
 
 setup(packages=find_packages("src") + ["parashift.kernels", "parashift.kernels.cpu"],
-      package_data={"parashift.kernels.cpu": ["*.cpp"]})
+      package_data={"parashift.kernels.cpu": ["*.cpp", "*.h"]})

@@ -1,4 +1,5 @@
-"""Builds `ops.cpp` for the CPU at hand and calls it through ctypes.
+"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `common.h`) into one library
+for the CPU at hand and calls it through ctypes.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
 source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
@@ -20,7 +21,9 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(_HERE, name) for name in ("elementwise.cpp", "attention.cpp")]
+HEADERS = [os.path.join(_HERE, "common.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
@@ -42,9 +45,11 @@ def _cpu_identity() -> str:
 
 
 def library_path(build_dir: str, compiler: str) -> str:
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS + [_arch_flag()]).encode(),
+    texts = []
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            texts.append(f.read())
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + [_arch_flag()]).encode(),
                                      compiler.encode(), _cpu_identity().encode()]))
     return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
 
@@ -63,7 +68,7 @@ def build(build_dir: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [compiler, *_FLAGS, _arch_flag(), SOURCE, "-o", tmp]
+            cmd = [compiler, *_FLAGS, _arch_flag(), *SOURCES, "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")

@@ -30,6 +30,12 @@ class _PagedDecodes:
     window: int | None
 
 
+def _tables(step: AttentionStepInputs, rows: slice) -> np.ndarray:
+    """The block tables of `rows`, int32, as wide as their longest sequence needs."""
+    num_blocks = int(-(-step.seq_lens[rows].max() // step.block_size))
+    return np.ascontiguousarray(step.block_table[rows, :num_blocks], dtype=np.int32)
+
+
 @dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
     # every prefill token as a query over its own prefix (None without prefills)
@@ -48,10 +54,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.ops is None or not self.ops.bf16_dot or nd == len(step.seq_lens):
             return md
         q_lens = np.diff(step.query_start_loc[nd:])
-        seq_lens = step.seq_lens[nd:]
-        num_blocks = int(-(-seq_lens.max() // step.block_size))
-        tables = np.repeat(np.ascontiguousarray(step.block_table[nd:, :num_blocks],
-                                                dtype=np.int32), q_lens, axis=0)
+        tables = np.repeat(_tables(step, slice(nd, None)), q_lens, axis=0)
         # token t of a chunk that starts after c cached tokens sees c + t + 1 keys
         starts = step.query_start_loc[nd:-1]
         within = np.arange(starts[0], starts[0] + q_lens.sum()) - np.repeat(starts, q_lens)
@@ -63,12 +66,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def decode_metadata(self, step: AttentionStepInputs):
         if self.ops is None:
             return super().decode_metadata(step)
-        nd = step.num_decodes
-        seq_lens = step.seq_lens[:nd]
-        num_blocks = int(-(-seq_lens.max() // step.block_size))
-        tables = np.ascontiguousarray(step.block_table[:nd, :num_blocks], dtype=np.int32)
-        lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
-        return _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
+        rows = slice(0, step.num_decodes)
+        lens = np.ascontiguousarray(step.seq_lens[rows], dtype=np.int32)
+        return _PagedDecodes(torch.from_numpy(_tables(step, rows)), torch.from_numpy(lens),
                              step.sliding_window)
 
     def write_kv(self, key, value, kv_cache, slot_mapping: torch.Tensor) -> None:

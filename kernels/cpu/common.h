@@ -1,0 +1,89 @@
+// Shared by the CPU kernels (elementwise.cpp, attention.cpp), compiled together into one
+// library on the machine that runs them (-march=native) and called through ctypes with raw
+// pointers: no torch headers, so a build takes seconds. Threads come from the OpenMP runtime
+// torch itself loaded (same soname, one pool).
+//
+// Element types: float32 (T = float) and bfloat16 (T = bf16, the raw 16 bits). Every
+// element-wise result is rounded to T where torch's own op would round it, so the kernels
+// give torch's bf16 numbers, not a more precise variant that parity tests would have to excuse.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PARASHIFT_BF16_DOT 1
+#endif
+
+namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16 from_f<bf16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // Round to nearest even, as torch does; a NaN stays a (quiet) NaN. Branch-free: it vectorizes.
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;
+  return bf16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+}
+
+// exp(x) for the vector lanes (libm's expf does not vectorize without -ffast-math): 2^n * e^r,
+// r in [-ln2/2, ln2/2], a degree-6 polynomial (Cephes' expf). x is clamped to [-87.3, 88.3],
+// where 2^n stays a normal float: below, the result is ~1e-38 instead of 0 (a softmax weight
+// or a SiLU denominator that rounds the same).
+inline float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  float n = __builtin_roundf(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+template <class T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+// Small ops run on one thread below this many elements: a fork/join costs more than the work.
+constexpr int64_t kParallelMin = 1 << 15;
+inline int threads_for(int64_t elements, int num_threads) {
+  return elements < kParallelMin ? 1 : num_threads;
+}
+
+
+template <class T>
+inline void prefetch_row(const T* p, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(bytes + b);
+}
+
+}  // namespace
+
+// The C entry points take `dtype` 0 = float32, 1 = bfloat16.
+#define P(T, p) static_cast<T*>(p)
