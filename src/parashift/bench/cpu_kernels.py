@@ -41,6 +41,7 @@ def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
     from parashift.layers.attention.cpu_backend import CpuAttentionBackend
     from parashift.layers.attention.torch_backend import TorchAttentionBackend
     from parashift.layers.kernel_dispatch import cpu_ops
+    from parashift.layers.norm import RMSNorm
 
     ops = cpu_ops()
     blocks_per_seq = -(-context // BLOCK)
@@ -62,15 +63,11 @@ def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
         lambda: mine.forward(q, k, v, kv_cache, mine_md, HEAD_DIM**-0.5),
         lambda: torchs.forward(q, k, v, kv_cache, torch_md, HEAD_DIM**-0.5), 0, 2e-2)]
     x, residual = torch.randn(batch, HIDDEN).to(dtype), torch.randn(batch, HIDDEN).to(dtype)
-    weight = torch.randn(HIDDEN).to(dtype)
-
-    def rms_norm_torch():
-        summed = (x + residual).float()
-        normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return weight * normed.to(dtype)
-
+    norm = RMSNorm(HIDDEN, 1e-5, dtype)
+    weight = norm.weight.data.copy_(torch.randn(HIDDEN))
     out.append(KernelCase("RMSNorm + residual", f"{batch} x {HIDDEN}",
-                          lambda: ops.rms_norm(x, weight, 1e-5, residual)[0], rms_norm_torch,
+                          lambda: ops.rms_norm(x, weight, 1e-5, residual)[0],
+                          lambda: norm._norm(x + residual),  # the layer's own torch code
                           0, 5e-2))
     angles = torch.rand(batch, HEAD_DIM // 2) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
