@@ -26,6 +26,7 @@ from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 # name -> (prompt tokens, output tokens) per request
 WORKLOADS = {"prefill-heavy": (256, 4), "decode-heavy": (16, 64)}
 MAX_MODEL_LEN, KV_CACHE_MEMORY = 1024, 512 << 20  # every layout's engine, and what plan is told
+WAVES = 8  # requests per run, per unit of concurrency
 PLAN_WORKLOAD = {"prefill-heavy": "prefill", "decode-heavy": "decode"}  # plan's bubble keys
 # name -> (strategy, torch threads per worker): pp1 runs in this process
 LAYOUTS = {"pp1 1 core": ("pp1", 1), "pp1 2 cores": ("pp1", 2), "pp2 1 core/stage": ("pp2", 1)}
@@ -100,8 +101,9 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
             predicted = (plan_bubbles(config.model.path, strategy, concurrencies, prompt_len,
                                       output_len) if pipelined else {})
             for c in concurrencies:
-                # Two waves by default: a run of one wave would be mostly ramp-up and drain.
-                n = num_requests or max(8, 2 * c)
+                # Eight waves by default: the first wave arrives at once and the last drains,
+                # and with two the pipeline barely leaves that transient (see BENCHMARKS).
+                n = num_requests or max(8, WAVES * c)
                 runs = []
                 for r in range(repeat + 1):  # the first, a short one, warms up
                     count = min(n, 8) if r == 0 else n
@@ -190,7 +192,8 @@ def pipeline(
     model: ModelArg = None,
     concurrency: Annotated[str, typer.Option(help="requests in flight, e.g. 1,4,32")] = "1,4,32",
     num_requests: Annotated[int | None, typer.Option(
-        "--num-requests", help="requests per run (default: twice the concurrency, at least 8)")
+        "--num-requests",
+        help=f"requests per run (default: {WAVES} times the concurrency, at least 8)")
                             ] = None,
     layouts: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(LAYOUTS))
                        ] = ",".join(LAYOUTS),

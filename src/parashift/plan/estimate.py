@@ -195,7 +195,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes)
-    plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency)
+    plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency,
+                                   s.batched_tokens)
                    if len(costs) > 1 else {})
     if len(stages) > 1 and plan.estimate and plan.estimate["decode_batch"] < 4 * len(stages):
         warnings.append(f"{len(stages)} pipeline stages: with "
