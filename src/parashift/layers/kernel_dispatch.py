@@ -43,6 +43,9 @@ def cpu_ops():
         return None
 
 
+_CPU_KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16))
+
+
 def on_cpu_kernels(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and cpu_ops() is not None)
+    # Asked several times per layer and step: attribute checks only (x.device builds an object).
+    return x.is_cpu and x.dtype in _CPU_KERNEL_DTYPES and cpu_ops() is not None
