@@ -31,13 +31,18 @@ def onednn_rows(rows: int) -> int:
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                    ) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
+    # Called for every GEMM of every step: no tensor op that the common 2-D case can skip.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     padded = onednn_rows(rows)
     if padded != rows:
-        flat = torch.nn.functional.pad(flat, (0, 0, 0, padded - rows))
-    y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
-    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    elif not flat.is_contiguous():
+        flat = flat.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    if padded != rows:
+        y = y[:rows]
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
