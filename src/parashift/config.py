@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from parashift.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -14,12 +12,16 @@ from parashift.defaults import (
     resolve_dtype_name,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it is used: `plan` replays the scheduler without it
+    import torch
+
     from parashift.strategies.spec import StrategySpec
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
     """The engine's dtype (the rule, torch-free for `plan`, is defaults.resolve_dtype_name)."""
+    import torch
+
     checkpoint = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else None
     return getattr(torch, resolve_dtype_name(dtype, checkpoint, device))
 
@@ -157,15 +159,23 @@ class ParallelConfig:
                              f"0..{num_engines - 1}")
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    device: str = field(default_factory=lambda: _default_device())
     num_threads: int | None = None  # CPU only; None = torch's default
     attention_backend: str = "torch"  # resolved: never "auto"
     enforce_eager: bool = False  # CUDA only: decode without CUDA graphs
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
 

@@ -67,3 +67,19 @@ def test_a_partition_of_the_wrong_length_is_a_plan_error_not_a_crash(tiny_model_
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["errors"] == [
         "strategy pp3: --pp-layer-partition 4,1 has 2 stage(s), the strategy has pp3"]
+
+
+def test_plan_replays_the_scheduler_without_importing_torch():
+    """`plan` answers in about a second because it never loads torch; its bubble drives the
+    engine's own Scheduler, which must stay torch-free too."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from parashift.cli import app; sys.argv = ['parashift', 'plan', "
+            "'Llama-3.1-8B', '--strategy', 'pp2', '--device', 'h100-80g', '--devices', '2', "
+            "'--json']\ntry:\n    app()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'plan imported torch'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert '"pipeline_bubble"' in done.stdout

@@ -25,7 +25,7 @@ from parashift.strategies.layout import DeviceCost
 from parashift.types.outputs import ModelRunnerOutput
 from parashift.types.sampling_params import SamplingParams
 
-WARMUP_BATCHES, MEASURED_BATCHES = 100, 300  # returned batches before and inside the window
+WARMUP_BATCHES, MEASURED_BATCHES = 50, 150  # returned batches before and inside the window
 BLOCK_SIZE = 16
 
 
@@ -77,7 +77,7 @@ def bubble(works: list[tuple[float, float]], concurrency: int, prompt_tokens: in
         return 0.0
     loop = _ClosedLoop(concurrency, depth, prompt_tokens, output_tokens,
                        max_num_batched_tokens)
-    queue: collections.deque = collections.deque()  # (batch, sampled, [(start, end)] per stage)
+    queue: collections.deque = collections.deque()  # (batch, sampled rows, when it returns)
     stage_free = [0.0] * depth
     spans: list[list[tuple[float, float]]] = []  # every batch's (start, end) on each stage
     now, window_start = 0.0, None
