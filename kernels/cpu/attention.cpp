@@ -41,13 +41,13 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache, Sl
   constexpr int64_t head_dim = 32 * NV32;
   const bf16* rows[kTile];
   __m512 part[kTile];
-  for (int64_t j = 0; j < std::min(n, kFar); ++j) prefetch_row_l2(key_cache + slot(j), row);
+  for (int64_t j = 0; j < std::min(n, kFar); ++j) prefetch_row<2>(key_cache + slot(j), row);
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t tile = std::min(kTile, n - j0);
     for (int64_t t = 0; t < tile; ++t) {
       rows[t] = key_cache + slot(j0 + t);
       if (j0 + t + kTile < n) prefetch_row(key_cache + slot(j0 + t + kTile), row);
-      if (j0 + t + kFar < n) prefetch_row_l2(key_cache + slot(j0 + t + kFar), row);
+      if (j0 + t + kFar < n) prefetch_row<2>(key_cache + slot(j0 + t + kFar), row);
     }
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t offset = (hq / group) * head_dim;
@@ -86,7 +86,7 @@ void value_sums_bf16(bf16* out, const float* scores, const float* inv_sum,
       for (int64_t j = 0; j < n; ++j) {
         if (j + kTile < n) prefetch_row(value_cache + slot(j + kTile) + h * head_dim, head_dim);
         if (h == 0 && j + kFar < n)  // the whole row, every kv head's part
-          prefetch_row_l2(value_cache + slot(j + kFar), kv_heads * head_dim);
+          prefetch_row<2>(value_cache + slot(j + kFar), kv_heads * head_dim);
         const bf16* v = value_cache + slot(j) + h * head_dim;
         __m512 vf[NV16];
         for (int c = 0; c < NV16; ++c)
@@ -184,7 +184,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       scores.resize(heads * n);
       for (int64_t j = 0; j < n; ++j) {  // scores[head][j] = q[head] . k[j][head's kv head]
         if (j + kAhead < n) prefetch_row(key_cache + slot(lo + j + kAhead), row);
-        if (j + kFar < n) prefetch_row_l2(key_cache + slot(lo + j + kFar), row);
+        if (j + kFar < n) prefetch_row<2>(key_cache + slot(lo + j + kFar), row);
         const T* k = key_cache + slot(lo + j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(k[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {
@@ -209,7 +209,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {  // acc[head] += p[head][j] * v[j][head's kv head]
         if (j + kAhead < n) prefetch_row(value_cache + slot(lo + j + kAhead), row);
-        if (j + kFar < n) prefetch_row_l2(value_cache + slot(lo + j + kFar), row);
+        if (j + kFar < n) prefetch_row<2>(value_cache + slot(lo + j + kFar), row);
         const T* v = value_cache + slot(lo + j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(v[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {

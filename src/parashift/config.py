@@ -167,7 +167,7 @@ def _default_device() -> str:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = field(default_factory=lambda: _default_device())
+    device: str = field(default_factory=_default_device)
     num_threads: int | None = None  # CPU only; None = torch's default
     attention_backend: str = "torch"  # resolved: never "auto"
     enforce_eager: bool = False  # CUDA only: decode without CUDA graphs
