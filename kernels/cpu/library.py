@@ -1,5 +1,5 @@
-"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `common.h`) into one library
-for the CPU at hand and calls it through ctypes.
+"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `common.h`) into
+one library for the CPU at hand and calls it through ctypes.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
 source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
@@ -22,7 +22,7 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("elementwise.cpp", "attention.cpp")]
+SOURCES = [os.path.join(_HERE, name) for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp")]
 HEADERS = [os.path.join(_HERE, "common.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
@@ -110,6 +110,8 @@ class CpuOps:
             "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64],
             "parashift_paged_decode_attention": [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
+            "parashift_pack_bf16": [ptr, ptr, i64, i64, i64, c_int],
+            "parashift_gemm_bf16": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -118,6 +120,32 @@ class CpuOps:
         self.path = path
         # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
         self.bf16_dot = bool(lib.parashift_cpu_bf16_dot())
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]
+        (tiles of 64 columns, each k pair's columns side by side; see gemm.cpp). RuntimeError
+        where this CPU or the weight cannot take it."""
+        n, k = weight.shape
+        if not self.bf16_dot or weight.dtype != torch.bfloat16 or k % 2:
+            raise RuntimeError(f"no bf16 dot-product GEMM for a {weight.dtype} [{n}, {k}] "
+                               f"weight on this CPU (AVX512-BF16: {self.bf16_dot})")
+        weight = weight.contiguous()
+        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.bfloat16)
+        self._lib.parashift_pack_bf16(packed.data_ptr(), weight.data_ptr(), k, n, k,
+                                      torch.get_num_threads())
+        return packed
+
+    @_profiled
+    def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, k] bf16 (rows may be strided) -> x W^T + bias [rows, n] bf16, W packed by
+        `pack_bf16`."""
+        rows, k = x.shape
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        self._lib.parashift_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0),
+                                      packed.data_ptr(), _ptr(bias), rows, n, k,
+                                      torch.get_num_threads())
+        return out
 
     @_profiled
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -2,8 +2,8 @@
 
 On CPU each GEMM weight takes the path that measured fastest for its dtype and shape on this
 CPU (layers/gemm_paths.py: F.linear as it is, MKL's packed fp32 layout, oneDNN's reordered
-layout, or a half-precision weight widened to fp32 once, then one of those), timed at load
-time and cached per CPU model.
+layout, our own bf16 kernel's layout, or a half-precision weight widened to fp32 once, then one
+of those), timed at load time and cached per CPU model.
 The widened and packed copies trade weight memory (up to 4x a bf16 checkpoint) for speed;
 CUDA is untouched."""
 
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parashift.layers.gemm_paths import GemmPaths, prepare
+from parashift.layers.kernel_dispatch import cpu_ops
 
 
 def onednn_rows(rows: int) -> int:
@@ -49,7 +50,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out], in x's dtype."""
     xw = x.to(weight.dtype) if weight.dtype != x.dtype else x
-    if packed is not None and packed.shape == weight.shape:  # oneDNN's layout keeps the shape
+    if packed is not None and packed.dim() == 3:  # our own bf16 kernel's layout
+        flat = xw if xw.dim() == 2 else xw.reshape(-1, xw.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = cpu_ops().gemm_bf16(flat, packed, weight.shape[0], bias)
+        if xw.dim() != 2:
+            y = y.reshape(*xw.shape[:-1], y.shape[-1])
+    elif packed is not None and packed.shape == weight.shape:  # oneDNN's layout keeps the shape
         y = _onednn_linear(xw, packed, bias)
     elif packed is not None:  # MKL's: one flat buffer
         # The packed layout does not depend on the row count, which must be passed as is.

@@ -1,0 +1,167 @@
+// bfloat16 GEMM for few rows (decode batches) on AVX512-BF16: y = x W^T (+ bias), x [M, K]
+// and y [M, N] bf16, W pre-packed once into the operand layout of vdpbf16ps.
+//
+// Why not oneDNN: at 32 rows its bf16 GEMMs ran at 240-490 GFLOP/s of this CPU's ~930 and read
+// the weight at 7-15 GB/s, half the memory's speed; a decode step is that GEMM 121 times. Here
+// a register block of 6 rows x 64 columns (24 fp32 accumulators) takes each weight pair from
+// one sequential stream per tile, the rows' pairs by embedded broadcast, and the threads split
+// the columns, so each weight byte leaves memory once per call.
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kTile = 4;  // 16-column blocks per tile of the packed weight
+
+// The packed weight: tiles of kTile blocks of 16 columns (the last tile may be narrower); for
+// each k pair a tile stores its blocks' 16 columns x 2 k side by side, so one tile is one
+// sequential stream. Element (n, k) of W sits at
+//   tile_offset(n / 64) + ((k / 2) * width + (n % 64) / 16) * 32 + (n % 16) * 2 + k % 2.
+inline int64_t tile_offset(int64_t tile, int64_t k2) { return tile * k2 * kTile * 32; }
+
+}  // namespace
+
+#ifdef PARASHIFT_BF16_DOT
+namespace {
+
+constexpr int kRows = 6;  // rows per register block
+#ifndef PANEL
+#define PANEL 384
+#endif
+constexpr int64_t kPanel = PANEL;
+
+template <int MB, int NB>
+void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
+           const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
+           int64_t cols, const char* ahead, int64_t ahead_lines) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int32_t* rows[MB];
+  for (int i = 0; i < MB; ++i) rows[i] = reinterpret_cast<const int32_t*>(x + i * x_stride);
+  const int64_t per_kp = (ahead_lines + k2 - 1) / k2;
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    for (int64_t q = kp * per_kp; q < std::min(ahead_lines, (kp + 1) * per_kp); ++q)
+      __builtin_prefetch(ahead + q * 64, 0, 2);
+    if (kp % 16 == 0)  // the rows' pairs two lines ahead: x may sit in the other core's cache
+      for (int i = 0; i < MB; ++i) __builtin_prefetch(rows[i] + kp + 32);
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j)
+      w[j] = (__m512bh)_mm512_loadu_si512(b + kp * b_stride + j * 32);
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(rows[i][kp]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, w[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t left = cols - 16 * j;  // the last block of W may be partial
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    __m512 add = _mm512_setzero_ps();
+    if (bias)
+      add = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));
+    for (int i = 0; i < MB; ++i) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], add));
+      _mm256_mask_storeu_epi16(out + i * out_stride + 16 * j, mask, (__m256i)y);
+    }
+  }
+}
+
+using Micro = void (*)(uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t,
+                       int64_t, const uint16_t*, int64_t, const char*, int64_t);
+
+template <int MB>
+constexpr Micro pick(int nb) {
+  return nb == 1 ? micro<MB, 1> : nb == 2 ? micro<MB, 2> : nb == 3 ? micro<MB, 3> : micro<MB, 4>;
+}
+
+Micro kernel(int mb, int nb) {
+  static const Micro table[kRows][kTile] = {
+      {pick<1>(1), pick<1>(2), pick<1>(3), pick<1>(4)},
+      {pick<2>(1), pick<2>(2), pick<2>(3), pick<2>(4)},
+      {pick<3>(1), pick<3>(2), pick<3>(3), pick<3>(4)},
+      {pick<4>(1), pick<4>(2), pick<4>(3), pick<4>(4)},
+      {pick<5>(1), pick<5>(2), pick<5>(3), pick<5>(4)},
+      {pick<6>(1), pick<6>(2), pick<6>(3), pick<6>(4)}};
+  return table[mb - 1][nb - 1];
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// packed [ceil(n / 16) * 16 * k] <- W [n, k] bf16, k even (row stride w_stride), zero-padded to whole 16-column blocks.
+void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
+                         int64_t k, int num_threads) {
+  const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+  uint16_t* dst = static_cast<uint16_t*>(packed);
+  const uint16_t* w = static_cast<const uint16_t*>(weight);
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t tile = blk / kTile, j = blk % kTile;
+    const int64_t width = std::min(kTile, blocks - tile * kTile);
+    uint16_t* base = dst + tile_offset(tile, k2) + j * 32;
+    for (int64_t kp = 0; kp < k2; ++kp)
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t row = blk * 16 + c;
+        for (int64_t h = 0; h < 2; ++h)
+          base[kp * width * 32 + c * 2 + h] = row < n ? w[row * w_stride + 2 * kp + h] : 0;
+      }
+  }
+}
+
+// out [m, n] (row stride out_stride) <- x [m, k] (row stride x_stride) W^T + bias (bias [n] or
+// null), all bf16, W packed by parashift_pack_bf16. Needs AVX512-BF16 (parashift_cpu_bf16_dot).
+void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                         const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
+                         int num_threads) {
+#ifdef PARASHIFT_BF16_DOT
+  const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+  uint16_t* y = static_cast<uint16_t*>(out);
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  const uint16_t* w = static_cast<const uint16_t*>(packed);
+  const uint16_t* bs = static_cast<const uint16_t*>(bias);
+  const int threads = static_cast<int>(std::min<int64_t>(
+      blocks, threads_for(m * n * k / 64, num_threads)));
+#pragma omp parallel num_threads(threads)
+  {
+    // Each thread its own run of 16-column blocks (not whole tiles: 9 tiles split 5 / 4).
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t first = blocks * tid / nth, last = blocks * (tid + 1) / nth;
+    for (int64_t row0 = 0; row0 < m; row0 += kPanel) {
+      const int64_t rows = std::min(kPanel, m - row0);
+      const int64_t passes = (rows + kRows - 1) / kRows;
+      for (int64_t blk = first; blk < last;) {
+        const int64_t tile = blk / kTile, j = blk % kTile;
+        const int64_t width = std::min(kTile, blocks - tile * kTile);
+        const int nb = static_cast<int>(std::min(width - j, last - blk));
+        const uint16_t* b = w + tile_offset(tile, k2) + j * 32;
+        const int64_t col = blk * 16, cols = n - col;
+        // The next chunk's weight, into L2 while this one computes (its first row block reads
+        // from memory otherwise, at the speed of a single stream): spread over the row blocks.
+        const int64_t next = blk + nb;
+        int64_t next_lines = 0;
+        const char* next_b = nullptr;
+        if (next < last) {
+          const int64_t next_tile = next / kTile;
+          next_b = reinterpret_cast<const char*>(w + tile_offset(next_tile, k2));
+          next_lines = k2 * std::min(kTile, blocks - next_tile * kTile);  // 64-byte lines
+        }
+        const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
+        for (int64_t r = row0, pass = 0; r < row0 + rows; r += kRows, ++pass) {
+          const int mb = static_cast<int>(std::min<int64_t>(kRows, row0 + rows - r));
+          const int64_t from = std::min(next_lines, pass * lines_per_pass);
+          const int64_t count = std::min(next_lines, from + lines_per_pass) - from;
+          kernel(mb, nb)(y + r * out_stride + col, out_stride, xs + r * x_stride, x_stride, b,
+                         width * 32, k2, bs ? bs + col : nullptr, cols,
+                         next_b ? next_b + from * 64 : nullptr, count);
+        }
+        blk += nb;
+      }
+    }
+  }
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,56 @@
+"""The bf16 GEMM kernel (kernels/cpu/gemm.cpp) against a float64 product: every edge of its
+blocking (a partial 16-column block, a narrower last tile, row counts around the 6-row
+register block and the 384-row panel), a bias, strided rows; and where it is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parashift.kernels.cpu import library
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    ops = library.load(str(tmp_path_factory.mktemp("cpu-kernels")))
+    if not ops.bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    return ops
+
+
+def _check(ops, rows: int, n: int, k: int, bias: bool, strided: bool = False):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    wide = torch.randn(rows, 2 * k if strided else k, generator=g).bfloat16()
+    x = wide[:, :k]  # strided: a view of a wider output, as the model passes q/k/v slices
+    out = ops.gemm_bf16(x, ops.pack_bf16(weight), n, b)
+    want = x.double() @ weight.double().t() + (0 if b is None else b.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # fp32 sums in another order, then one rounding to bf16: within two bf16 steps
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=0.05 * k ** 0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 385])
+def test_rows_around_the_register_block_and_the_panel(ops, rows):
+    _check(ops, rows, 160, 64, bias=False)  # 10 blocks: two whole tiles, a last of two
+
+
+@pytest.mark.parametrize("n", [1, 15, 17, 48, 64, 65, 200])
+def test_partial_blocks_and_narrow_last_tiles(ops, n):
+    _check(ops, 13, n, 32, bias=True)
+
+
+def test_strided_rows_and_a_long_k(ops):
+    _check(ops, 9, 96, 1536, bias=True, strided=True)
+
+
+def test_no_rows_is_an_empty_result(ops):
+    weight = torch.randn(40, 8).bfloat16()
+    out = ops.gemm_bf16(torch.empty(0, 8, dtype=torch.bfloat16), ops.pack_bf16(weight), 40, None)
+    assert out.shape == (0, 40)
+
+
+@pytest.mark.parametrize("weight", [torch.randn(16, 7).bfloat16(), torch.randn(16, 8)])
+def test_an_odd_k_or_another_dtype_is_refused(ops, weight):
+    with pytest.raises(RuntimeError, match="no bf16 dot-product GEMM"):
+        ops.pack_bf16(weight)
