@@ -30,24 +30,27 @@ inline __m512 fold16(__m512* part) {
   return _mm512_permutexvar_ps(order, v);
 }
 
-inline __m512 widen_bf16(__m256i half) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
 // scores[hq * n + j] = scale * q[hq] . k[j], NV32 = head_dim / 32.
 template <int NV32, class Slot>
-void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache, Slot slot,
-                     int64_t n, int64_t heads, int64_t group, float scale, int64_t row) {
+void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache,
+                     const bf16* value_cache, Slot slot, int64_t n, int64_t heads, int64_t group,
+                     float scale, int64_t row) {
   constexpr int64_t head_dim = 32 * NV32;
   const bf16* rows[kTile];
   __m512 part[kTile];
-  for (int64_t j = 0; j < std::min(n, kFar); ++j) prefetch_row<2>(key_cache + slot(j), row);
+  // The far prefetches run over the key rows, then on into the value rows (which the value
+  // sums read next): without that the first kFar value rows came from memory on demand.
+  auto far = [&](int64_t pos) {
+    if (pos < n) prefetch_row<2>(key_cache + slot(pos), row);
+    else if (pos < 2 * n) prefetch_row<2>(value_cache + slot(pos - n), row);
+  };
+  for (int64_t pos = 0; pos < kFar; ++pos) far(pos);
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t tile = std::min(kTile, n - j0);
     for (int64_t t = 0; t < tile; ++t) {
       rows[t] = key_cache + slot(j0 + t);
       if (j0 + t + kTile < n) prefetch_row(key_cache + slot(j0 + t + kTile), row);
-      if (j0 + t + kFar < n) prefetch_row<2>(key_cache + slot(j0 + t + kFar), row);
+      far(j0 + t + kFar);
     }
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t offset = (hq / group) * head_dim;
@@ -70,42 +73,93 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache, Sl
   }
 }
 
-// out[hq] = bf16(inv_sum[hq] * sum_j p[hq][j] v[j]), NV16 = head_dim / 16: up to GC query
-// heads of one kv head at a time, their sums in NV16 * GC registers.
-template <int NV16, int GC, class Slot>
-void value_sums_bf16(bf16* out, const float* scores, const float* inv_sum,
+// out[hq] = bf16(inv_sum[hq] * sum_j p[hq][j] v[j]), NV32 = head_dim / 32: up to GC query
+// heads of one kv head at a time, their sums in 2 * NV32 * GC registers. Two keys per
+// vdpbf16ps: their value rows interleaved (unpacklo/hi: lane i of a register holds one dim of
+// both keys) against the pair of their weights, rounded to bf16 as torch's bf16 attention
+// rounds them (`pairs`: per query head, keys 2i and 2i + 1 in one dword). Half the FMAs of
+// widening each row to fp32, and no widening.
+template <int NV32, int GC, class Slot>
+void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float* inv_sum,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t kv_heads,
                      int64_t group) {
-  constexpr int64_t head_dim = 16 * NV16;
+  constexpr int64_t head_dim = 32 * NV32;
+  // unpacklo/hi leave dims in 4-lane groups: lo = dims {0-3, 8-11, 16-19, 24-27} of a 32-dim
+  // chunk, hi = {4-7, 12-15, 20-23, 28-31}; these put them back in order.
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t g0 = 0; g0 < group; g0 += GC) {
       const int64_t count = std::min<int64_t>(GC, group - g0), first = h * group + g0;
-      __m512 acc[GC][NV16];
+      __m512 acc[GC][2 * NV32];
       for (int g = 0; g < GC; ++g)
-        for (int c = 0; c < NV16; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kTile < n) prefetch_row(value_cache + slot(j + kTile) + h * head_dim, head_dim);
-        if (h == 0 && j + kFar < n)  // the whole row, every kv head's part
-          prefetch_row<2>(value_cache + slot(j + kFar), kv_heads * head_dim);
-        const bf16* v = value_cache + slot(j) + h * head_dim;
-        __m512 vf[NV16];
-        for (int c = 0; c < NV16; ++c)
-          vf[c] = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+        for (int c = 0; c < 2 * NV32; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t jp = 0; jp < half; ++jp) {
+        const int64_t j = 2 * jp;
+        for (int64_t t = j; t < std::min(j + 2, n); ++t) {
+          if (t + kTile < n) prefetch_row(value_cache + slot(t + kTile) + h * head_dim, head_dim);
+          if (h == 0 && t + kFar < n)  // the whole row, every kv head's part
+            prefetch_row<2>(value_cache + slot(t + kFar), kv_heads * head_dim);
+        }
+        const bf16* v0 = value_cache + slot(j) + h * head_dim;
+        const bf16* v1 = j + 1 < n ? value_cache + slot(j + 1) + h * head_dim : nullptr;
+        __m512i w[2 * NV32];
+        for (int c = 0; c < NV32; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+          const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+          w[2 * c] = _mm512_unpacklo_epi16(a, b);
+          w[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
         for (int g = 0; g < GC; ++g) {
           if (g >= count) break;
-          const __m512 p = _mm512_set1_ps(scores[(first + g) * n + j]);
-          for (int c = 0; c < NV16; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(pairs[(first + g) * half + jp]);
+          for (int c = 0; c < 2 * NV32; ++c)
+            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, (__m512bh)w[c]);
         }
       }
       for (int64_t g = 0; g < count; ++g) {
         const __m512 inv = _mm512_set1_ps(inv_sum[first + g]);
-        for (int c = 0; c < NV16; ++c) {
-          __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
-          std::memcpy(out + (first + g) * head_dim + 16 * c, &o, 32);
+        bf16* o = out + (first + g) * head_dim;
+        for (int c = 0; c < NV32; ++c) {
+          const __m512 lo = _mm512_mul_ps(acc[g][2 * c], inv);
+          const __m512 hi = _mm512_mul_ps(acc[g][2 * c + 1], inv);
+          __m256bh y0 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first16, hi));
+          __m256bh y1 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, last16, hi));
+          std::memcpy(o + 32 * c, &y0, 32);
+          std::memcpy(o + 32 * c + 16, &y1, 32);
         }
       }
     }
   }
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// One query head's key weights: p = exp(s - max s) in place; returns their sum, and writes
+// their bf16 pairs (keys 2i and 2i + 1 in dword i, a zero after an odd last key). The max and
+// the sum in vector lanes: written as plain loops, gcc kept both scalar (a tenth of the
+// kernel's time at 136 keys).
+inline float softmax_weights(float* s, int64_t n, uint32_t* pairs) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
+  }
+  const float t = _mm512_reduce_max_ps(top);
+  for (int64_t j = 0; j < n; ++j) s[j] = fast_exp(s[j] - t);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512 a = _mm512_maskz_loadu_ps(first_lanes(n - j), s + j);
+    const __m512 b = _mm512_maskz_loadu_ps(first_lanes(n - j - 16), s + j + 16);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+    const int64_t words = std::min<int64_t>(32, (n - j + 1) & ~int64_t{1});  // whole pairs
+    const __mmask32 m = words >= 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
+    _mm512_mask_storeu_epi16(pairs + j / 2, m, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // The bf16 path for head_dim 64 and 128; false: not taken, the generic loops run.
@@ -113,30 +167,28 @@ template <class Slot>
 bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, float scale, std::vector<float>& scores,
-                     std::vector<float>& inv_sum) {
+                     std::vector<uint32_t>& pairs, std::vector<float>& inv_sum) {
   if (head_dim != 64 && head_dim != 128) return false;
   const int64_t group = heads / kv_heads, row = kv_heads * head_dim;
   scores.resize(heads * n);
   if (head_dim == 64)
-    key_scores_bf16<2>(scores.data(), query, key_cache, slot, n, heads, group, scale, row);
+    key_scores_bf16<2>(scores.data(), query, key_cache, value_cache, slot, n, heads, group, scale,
+                       row);
   else
-    key_scores_bf16<4>(scores.data(), query, key_cache, slot, n, heads, group, scale, row);
+    key_scores_bf16<4>(scores.data(), query, key_cache, value_cache, slot, n, heads, group, scale,
+                       row);
+  const int64_t half = (n + 1) / 2;
+  pairs.resize(heads * half);
   for (int64_t hq = 0; hq < heads; ++hq) {
-    float* sh = scores.data() + hq * n;
-    float top = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
-    for (int64_t j = 0; j < n; ++j) {
-      sh[j] = fast_exp(sh[j] - top);
-      sum += sh[j];
-    }
+    const float sum = softmax_weights(scores.data() + hq * n, n, pairs.data() + hq * half);
     inv_sum[hq] = sum > 0.f ? 1.f / sum : 0.f;
   }
   if (head_dim == 64)
-    value_sums_bf16<4, 4>(out, scores.data(), inv_sum.data(), value_cache, slot, n, kv_heads,
-                          group);
+    value_sums_bf16<2, 4>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
+                          kv_heads, group);
   else
-    value_sums_bf16<8, 2>(out, scores.data(), inv_sum.data(), value_cache, slot, n, kv_heads,
-                          group);
+    value_sums_bf16<4, 2>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
+                          kv_heads, group);
   return true;
 }
 #endif
@@ -160,22 +212,28 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> q(heads * head_dim), acc(heads * head_dim), row_f(row), scores, sums(heads);
+    std::vector<int64_t> offsets;
+    std::vector<uint32_t> pairs;  // bf16 weights of key pairs (the AVX512-BF16 path)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t s = 0; s < seqs; ++s) {
       const int64_t len = seq_lens[s];
       const int64_t lo = window > 0 && len > window ? len - window : 0;
       const int64_t n = len - lo;
       const int32_t* table = block_tables + s * table_width;
-      auto slot = [&](int64_t pos) {
-        return (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) *
-               row;
-      };
+      // Where each key's row starts, block by block: a division per key and use (a runtime
+      // block size) had cost as much as the dot products.
+      offsets.resize(n);
+      for (int64_t pos = lo, j = 0; pos < len;) {
+        const int64_t base = static_cast<int64_t>(table[pos / block_size]) * block_size;
+        for (int64_t in = pos % block_size; in < block_size && pos < len; ++in, ++pos)
+          offsets[j++] = (base + in) * row;
+      }
+      auto slot = [&](int64_t j) { return offsets[j]; };
 #ifdef PARASHIFT_BF16_DOT
       if constexpr (std::is_same_v<T, bf16>) {
-        auto from_lo = [&](int64_t j) { return slot(lo + j); };
         if (decode_one_bf16(out + s * heads * head_dim, query + s * query_stride, key_cache,
-                            value_cache, from_lo, n, heads, kv_heads, head_dim, scale, scores,
-                            sums))
+                            value_cache, slot, n, heads, kv_heads, head_dim, scale, scores,
+                            pairs, sums))
           continue;
       }
 #endif
@@ -183,9 +241,9 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
         q[i] = to_f(query[s * query_stride + i]) * scale;
       scores.resize(heads * n);
       for (int64_t j = 0; j < n; ++j) {  // scores[head][j] = q[head] . k[j][head's kv head]
-        if (j + kAhead < n) prefetch_row(key_cache + slot(lo + j + kAhead), row);
-        if (j + kFar < n) prefetch_row<2>(key_cache + slot(lo + j + kFar), row);
-        const T* k = key_cache + slot(lo + j);
+        if (j + kAhead < n) prefetch_row(key_cache + slot(j + kAhead), row);
+        if (j + kFar < n) prefetch_row<2>(key_cache + slot(j + kFar), row);
+        const T* k = key_cache + slot(j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(k[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {
           const float* qh = q.data() + hq * head_dim;
@@ -208,9 +266,9 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {  // acc[head] += p[head][j] * v[j][head's kv head]
-        if (j + kAhead < n) prefetch_row(value_cache + slot(lo + j + kAhead), row);
-        if (j + kFar < n) prefetch_row<2>(value_cache + slot(lo + j + kFar), row);
-        const T* v = value_cache + slot(lo + j);
+        if (j + kAhead < n) prefetch_row(value_cache + slot(j + kAhead), row);
+        if (j + kFar < n) prefetch_row<2>(value_cache + slot(j + kFar), row);
+        const T* v = value_cache + slot(j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(v[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {
           const float p = scores[hq * n + j];
