@@ -74,7 +74,8 @@ def test_a_cached_choice_is_used_and_new_ones_are_saved(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == saved
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"choices": {"float32:1x1": 3}}'])
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"choices": {"float32:1x1": 3}}',
+                                     '{"choices": {}, "row_limits": {"bfloat16:8x8": "x"}}'])
 def test_a_corrupt_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch, content):
     path = tmp_path / "cpu.json"
     path.write_text(content)
@@ -112,3 +113,35 @@ def test_a_padded_onednn_gemm_returns_just_its_rows(rows):
     out = linear(x, *prepare(weight, "onednn")[:1], None, prepare(weight, "onednn")[1])
     assert out.shape == (rows, 24)
     assert torch.allclose(out, x @ weight.t(), atol=1e-4)
+
+
+@pytest.mark.skipif(not gemm_paths.can_dot_bf16(), reason="no AVX512-BF16 kernel on this CPU")
+def test_our_bf16_kernel_hands_rows_past_its_limit_to_f_linear():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 32, generator=g).bfloat16()
+    own = gemm_paths.OwnBf16Weight(prepare(weight, "dpbf16")[1].packed, max_rows=4)
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    unlimited = prepare(weight, "dpbf16")[1]
+    assert torch.equal(linear(x[:4], weight, None, own), linear(x[:4], weight, None, unlimited))
+    assert torch.equal(linear(x, weight, None, own), F.linear(x, weight))
+
+
+def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.json"
+    probed = []
+
+    def times(dtype, out_features, in_features, rows, paths):
+        probed.append(rows)
+        assert paths == ("dpbf16", "linear")
+        return {"dpbf16": 1.0, "linear": 2.0 if rows <= 256 else 0.5}
+
+    monkeypatch.setattr(gemm_paths, "time_paths", times)
+    paths = GemmPaths(str(path))
+    assert paths.row_limit(torch.bfloat16, 64, 32) == 256
+    assert probed == [128, 256, 512]  # stops at the first loss
+    paths.save()
+
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: pytest.fail("timed again"))
+    assert GemmPaths(str(path)).row_limit(torch.bfloat16, 64, 32) == 256

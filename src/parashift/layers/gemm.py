@@ -9,11 +9,13 @@ CUDA is untouched."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parashift.layers.gemm_paths import GemmPaths, prepare
+from parashift.layers.gemm_paths import GemmPaths, OwnBf16Weight, prepare
 from parashift.layers.kernel_dispatch import cpu_ops
 
 
@@ -46,17 +48,23 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _own_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     own: OwnBf16Weight) -> torch.Tensor:
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > own.max_rows:  # a big prefill: F.linear measured faster there
+        return F.linear(x, weight, bias)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    y = cpu_ops().gemm_bf16(flat, own.packed, weight.shape[0], bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | OwnBf16Weight | None = None) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out], in x's dtype."""
     xw = x.to(weight.dtype) if weight.dtype != x.dtype else x
-    if packed is not None and packed.dim() == 3:  # our own bf16 kernel's layout
-        flat = xw if xw.dim() == 2 else xw.reshape(-1, xw.shape[-1])
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        y = cpu_ops().gemm_bf16(flat, packed, weight.shape[0], bias)
-        if xw.dim() != 2:
-            y = y.reshape(*xw.shape[:-1], y.shape[-1])
+    if isinstance(packed, OwnBf16Weight):
+        y = _own_bf16_linear(xw, weight, bias, packed)
     elif packed is not None and packed.shape == weight.shape:  # oneDNN's layout keeps the shape
         y = _onednn_linear(xw, packed, bias)
     elif packed is not None:  # MKL's: one flat buffer
@@ -74,17 +82,25 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device) -> list[str]:
         return []
     paths = GemmPaths()
     counts: dict[str, int] = {}
+    limits: dict[str, int] = {}  # our own kernel's most rows -> how many weights
     for m in model.modules():
         if not hasattr(m, "packed_weight"):
             continue
         path = paths.choose(m.weight.dtype, *m.weight.shape)
         weight, m.packed_weight = prepare(m.weight.data, path)
+        if isinstance(m.packed_weight, OwnBf16Weight):
+            limit = paths.row_limit(m.weight.dtype, *m.weight.shape)
+            m.packed_weight = OwnBf16Weight(m.packed_weight.packed, limit)
+            label = "any" if limit == sys.maxsize else str(limit)
+            limits[label] = limits.get(label, 0) + 1
         if weight.dtype != m.weight.dtype:  # widened: the bias goes along
             m.weight.data = weight
             if getattr(m, "bias", None) is not None:
                 m.bias.data = m.bias.data.float()
         counts[path] = counts.get(path, 0) + 1
     paths.save()
-    timed = f" ({len(paths.timed)} shapes timed now)" if paths.timed else ""
+    timed = f" ({len(paths.timed)} timings now)" if paths.timed else ""
+    above = ("; dpbf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
+             + ", F.linear above" if limits else "")
     return [f"GEMM paths on this CPU{timed}: "
-            + ", ".join(f"{n} {path}" for path, n in sorted(counts.items()))]
+            + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())) + above]

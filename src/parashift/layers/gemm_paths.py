@@ -33,7 +33,9 @@ import math
 import os
 import platform
 import re
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +45,8 @@ from parashift.layers.kernel_dispatch import cpu_ops
 logger = logging.getLogger(__name__)
 
 ROWS = 32  # decode-sized: where the path matters most on a CPU
+ROW_PROBES = (128, 256, 512, 1024)  # prefill-sized rows where our own bf16 kernel may lose
+LOSS_MARGIN = 0.9  # F.linear takes over where it ran in under 90% of our kernel's time
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
 PATHS_VERSION = 3  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
@@ -73,13 +77,24 @@ def candidates(dtype: torch.dtype) -> list[str]:
     return ["linear"]
 
 
-def prepare(weight: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True)
+class OwnBf16Weight:
+    """A weight packed for our bf16 kernel, and the most rows the kernel takes: above them
+    F.linear on the plain weight measured faster on this CPU (oneDNN's blocking for big GEMMs
+    beat ours by 18% at 1,024 rows on a Zen 5)."""
+
+    packed: torch.Tensor
+    max_rows: int = sys.maxsize
+
+
+def prepare(weight: torch.Tensor, path: str
+            ) -> tuple[torch.Tensor, torch.Tensor | OwnBf16Weight | None]:
     """(the weight the GEMM reads, its packed copy or None) for `path`."""
     if path.startswith("fp32"):
         weight = weight.float()
     packed = None
     if path == "dpbf16":
-        packed = cpu_ops().pack_bf16(weight)
+        packed = OwnBf16Weight(cpu_ops().pack_bf16(weight))
     elif path.endswith("packed"):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)
     elif path.endswith("onednn"):
@@ -88,8 +103,9 @@ def prepare(weight: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: int = ROWS,
-               rounds: int = 3) -> dict[str, float]:
-    """Seconds of one GEMM of `rows` rows by each candidate path, the weight streamed."""
+               rounds: int = 3, paths: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Seconds of one GEMM of `rows` rows by each candidate path (or `paths`), the weight
+    streamed."""
     from parashift.layers.gemm import linear  # the GEMM every layer calls
 
     nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
@@ -100,7 +116,7 @@ def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: in
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     times = {}
     with torch.inference_mode():
-        for path in candidates(dtype):
+        for path in paths or candidates(dtype):
             try:
                 prepared = [prepare(w, path) for w in weights]
                 linear(x, prepared[0][0], None, prepared[0][1])  # first-call costs out
@@ -146,26 +162,55 @@ class GemmPaths:
 
     def __init__(self, path: str | None = None):
         self.path = path or cache_file()
-        self.choices: dict[str, str] = self._read()
-        self.timed: dict[str, dict[str, float]] = {}  # chosen now, with their timings
+        self.choices: dict[str, str] = {}
+        self.row_limits: dict[str, int] = {}  # shapes on our own kernel: its most rows
+        self._read()
+        self.timed: dict[str, dict] = {}  # chosen now, with their timings
 
-    def _read(self) -> dict[str, str]:
+    def _read(self) -> None:
         try:
             with open(self.path) as f:
                 data = json.load(f)
         except FileNotFoundError:
-            return {}
+            return
         except (OSError, ValueError) as e:
             logger.warning("GEMM path cache %s unreadable (%s): timing again", self.path, e)
-            return {}
+            return
         if not isinstance(data, dict) or not all(
-                isinstance(v, str) for v in data.get("choices", {}).values()):
+                isinstance(v, str) for v in data.get("choices", {}).values()) or not all(
+                isinstance(v, int) for v in data.get("row_limits", {}).values()):
             logger.warning("GEMM path cache %s is malformed: timing again", self.path)
-            return {}
-        return dict(data.get("choices", {}))
+            return
+        self.choices = dict(data.get("choices", {}))
+        self.row_limits = dict(data.get("row_limits", {}))
+
+    @staticmethod
+    def _key(dtype: torch.dtype, out_features: int, in_features: int) -> str:
+        return f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
+
+    def row_limit(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
+        """The most rows our own bf16 kernel takes for this shape: probed at prefill sizes
+        against F.linear on the plain weight, up to the first it loses."""
+        key = self._key(dtype, out_features, in_features)
+        if key in self.row_limits:
+            return self.row_limits[key]
+        limit, probes = ROWS, {}  # it won at ROWS to be chosen
+        for rows in ROW_PROBES:
+            probes[rows] = times = time_paths(dtype, out_features, in_features, rows,
+                                              paths=("dpbf16", "linear"))
+            # a clear loss only: timings here vary by 10-30% from run to run, and F.linear
+            # reorders the weight on every call, a bad choice at decode rows
+            if times["linear"] < LOSS_MARGIN * times["dpbf16"]:
+                break
+            limit = rows
+        else:
+            limit = sys.maxsize
+        self.row_limits[key] = limit
+        self.timed[f"{key} rows"] = probes
+        return limit
 
     def choose(self, dtype: torch.dtype, out_features: int, in_features: int) -> str:
-        key = f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
+        key = self._key(dtype, out_features, in_features)
         known = self.choices.get(key)
         if known in candidates(dtype):
             return known
@@ -182,8 +227,8 @@ class GemmPaths:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices}, f,
-                          indent=1)
+                json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices,
+                           "row_limits": self.row_limits}, f, indent=1)
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not write the GEMM path cache %s: %s", self.path, e)
