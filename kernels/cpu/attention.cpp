@@ -82,7 +82,8 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache,
 template <int NV32, int GC, class Slot>
 void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float* inv_sum,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t kv_heads,
-                     int64_t group) {
+                     int64_t group, const bf16* key_cache, const int64_t* next_offsets,
+                     int64_t next_n) {
   constexpr int64_t head_dim = 32 * NV32;
   // unpacklo/hi leave dims in 4-lane groups: lo = dims {0-3, 8-11, 16-19, 24-27} of a 32-dim
   // chunk, hi = {4-7, 12-15, 20-23, 28-31}; these put them back in order.
@@ -101,6 +102,8 @@ void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float
           if (t + kTile < n) prefetch_row(value_cache + slot(t + kTile) + h * head_dim, head_dim);
           if (h == 0 && t + kFar < n)  // the whole row, every kv head's part
             prefetch_row<2>(value_cache + slot(t + kFar), kv_heads * head_dim);
+          else if (h == 0 && t + kFar - n < next_n)  // on into the next sequence's keys
+            prefetch_row<2>(key_cache + next_offsets[t + kFar - n], kv_heads * head_dim);
         }
         const bf16* v0 = value_cache + slot(j) + h * head_dim;
         const bf16* v1 = j + 1 < n ? value_cache + slot(j + 1) + h * head_dim : nullptr;
@@ -167,7 +170,8 @@ template <class Slot>
 bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, float scale, std::vector<float>& scores,
-                     std::vector<uint32_t>& pairs, std::vector<float>& inv_sum) {
+                     std::vector<uint32_t>& pairs, std::vector<float>& inv_sum,
+                     const int64_t* next_offsets, int64_t next_n) {
   if (head_dim != 64 && head_dim != 128) return false;
   const int64_t group = heads / kv_heads, row = kv_heads * head_dim;
   scores.resize(heads * n);
@@ -185,10 +189,10 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
   }
   if (head_dim == 64)
     value_sums_bf16<2, 4>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
-                          kv_heads, group);
+                          kv_heads, group, key_cache, next_offsets, next_n);
   else
     value_sums_bf16<4, 2>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
-                          kv_heads, group);
+                          kv_heads, group, key_cache, next_offsets, next_n);
   return true;
 }
 #endif
@@ -209,31 +213,55 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // elements per cache slot
   constexpr int64_t kAhead = 8;  // rows prefetched ahead
+  auto keys = [&](int64_t s) {
+    const int64_t len = seq_lens[s];
+    return window > 0 && len > window ? window : len;
+  };
+  int64_t total = 0;
+  for (int64_t s = 0; s < seqs; ++s) total += keys(s);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> q(heads * head_dim), acc(heads * head_dim), row_f(row), scores, sums(heads);
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> offsets, next_offsets;
     std::vector<uint32_t> pairs;  // bf16 weights of key pairs (the AVX512-BF16 path)
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t s = 0; s < seqs; ++s) {
-      const int64_t len = seq_lens[s];
-      const int64_t lo = window > 0 && len > window ? len - window : 0;
-      const int64_t n = len - lo;
+    // Each thread a run of consecutive sequences holding an even share of the keys (not a
+    // sequence at a time from a shared counter): it knows which sequence comes next, and its
+    // prefetches run on into that one's keys before this one ends.
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    int64_t begin = seqs, end = seqs;
+    for (int64_t s = 0, before = 0; s < seqs; before += keys(s), ++s) {
+      const int64_t owner = total > 0 ? before * nth / total : 0;
+      if (owner == tid && begin == seqs) begin = s;
+      if (owner > tid) {
+        end = s;
+        break;
+      }
+    }
+    // Where each key's row starts, block by block: a division per key and use (a runtime
+    // block size) had cost as much as the dot products.
+    auto fill_offsets = [&](int64_t s, std::vector<int64_t>& into) {
+      const int64_t len = seq_lens[s], lo = len - keys(s);
       const int32_t* table = block_tables + s * table_width;
-      // Where each key's row starts, block by block: a division per key and use (a runtime
-      // block size) had cost as much as the dot products.
-      offsets.resize(n);
+      into.resize(len - lo);
       for (int64_t pos = lo, j = 0; pos < len;) {
         const int64_t base = static_cast<int64_t>(table[pos / block_size]) * block_size;
         for (int64_t in = pos % block_size; in < block_size && pos < len; ++in, ++pos)
-          offsets[j++] = (base + in) * row;
+          into[j++] = (base + in) * row;
       }
+    };
+    if (begin < end) fill_offsets(begin, next_offsets);
+    for (int64_t s = begin; s < end; ++s) {
+      offsets.swap(next_offsets);
+      if (s + 1 < end) fill_offsets(s + 1, next_offsets);
+      else next_offsets.clear();
+      const int64_t n = static_cast<int64_t>(offsets.size());
       auto slot = [&](int64_t j) { return offsets[j]; };
 #ifdef PARASHIFT_BF16_DOT
       if constexpr (std::is_same_v<T, bf16>) {
         if (decode_one_bf16(out + s * heads * head_dim, query + s * query_stride, key_cache,
                             value_cache, slot, n, heads, kv_heads, head_dim, scale, scores,
-                            pairs, sums))
+                            pairs, sums, next_offsets.data(),
+                            static_cast<int64_t>(next_offsets.size())))
           continue;
       }
 #endif
