@@ -1,5 +1,5 @@
-"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `common.h`) into
-one library for the CPU at hand and calls it through ctypes.
+"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `layer.cpp`,
+`common.h`) into one library for the CPU at hand and calls it through ctypes.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
 source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
@@ -17,12 +17,13 @@ import os
 import platform
 import shutil
 import subprocess
-from ctypes import c_float, c_int, c_int64, c_void_p
+from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp")]
+SOURCES = [os.path.join(_HERE, name)
+           for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
 HEADERS = [os.path.join(_HERE, "common.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
@@ -95,6 +96,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class LayerWeights(Structure):
+    """One Llama layer's packed weights and KV cache (layer.cpp's ParashiftLayerWeights)."""
+
+    _fields_ = [(name, c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down",
+        "key_cache", "value_cache")]
+
+
+class LayerStep(Structure):
+    """What every layer of a step shares (layer.cpp's ParashiftLayerStep)."""
+
+    _fields_ = [
+        *((name, c_int64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim",
+                                       "intermediate")),
+        ("eps", c_float), ("scale", c_float), ("cos", c_void_p), ("sin", c_void_p),
+        ("slot_mapping", c_void_p), ("block_tables", c_void_p), ("table_width", c_int64),
+        ("seq_lens", c_void_p), ("block_size", c_int64), ("window", c_int64),
+        *((name, c_void_p) for name in ("normed", "qkv", "attn", "o", "gate_up", "act")),
+        ("num_threads", c_int)]
+
+
 class CpuOps:
     """Tensor-level entry points of the compiled kernels (float32 and bfloat16 CPU tensors)."""
 
@@ -112,6 +134,8 @@ class CpuOps:
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
             "parashift_pack_bf16": [ptr, ptr, i64, i64, i64, c_int],
             "parashift_gemm_bf16": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
+            "parashift_llama_layer_bf16": [POINTER(LayerWeights), POINTER(LayerStep), ptr, ptr,
+                                           c_int],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -146,6 +170,12 @@ class CpuOps:
                                       packed.data_ptr(), _ptr(bias), rows, n, k,
                                       torch.get_num_threads())
         return out
+
+    def llama_layer_bf16(self, weights: LayerWeights, step: LayerStep, hidden: torch.Tensor,
+                         residual: torch.Tensor, first: bool) -> None:
+        """One decoder layer (layer.cpp) on hidden and residual [tokens, hidden], in place."""
+        self._lib.parashift_llama_layer_bf16(byref(weights), byref(step), hidden.data_ptr(),
+                                             residual.data_ptr(), int(first))
 
     @_profiled
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

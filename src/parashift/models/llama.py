@@ -22,6 +22,7 @@ from parashift.layers.linear import (
 from parashift.layers.norm import RMSNorm
 from parashift.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from parashift.layers.weights import WeightSource
+from parashift.models.fused_cpu_layers import FusedCpuLayers
 
 
 class LlamaAttention(nn.Module):
@@ -160,12 +161,26 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, metadata)
+        fused = self._fused_layers()
+        if fused is not None and fused.can_run(hidden, metadata):
+            hidden, residual = fused(hidden, residual, cos_sin, metadata)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos_sin, metadata)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fused_layers(self) -> FusedCpuLayers | None:
+        """The layers as one kernel call each where they can be (models/fused_cpu_layers.py),
+        bound again when the KV cache or the packed weights change."""
+        if not self.layers or self.layers[0].self_attn.attn.kv_cache is None:
+            return None
+        key = FusedCpuLayers.binding(self.layers)
+        if getattr(self, "_fused_key", None) != key:
+            self._fused, self._fused_key = FusedCpuLayers.for_model(self.layers), key
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,146 @@
+"""A Llama-family model's decoder layers as one call each into the CPU kernels
+(kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
+our own GEMM path (layers/gemm_paths.py "dpbf16"), attention on AVX512-BF16, one
+tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
+same order on the same inputs give the same bits as the layers called one by one; what goes is
+the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).
+
+Layer by layer still: steps past a weight's row limit (big prefills, where F.linear takes
+over), and steps under torch.profiler (`bench latency --breakdown` splits the ops)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from parashift.layers.attention.cpu_backend import CpuAttentionBackend
+from parashift.layers.gemm_paths import OwnBf16Weight
+from parashift.layers.kernel_dispatch import cpu_ops
+
+
+def _own(linear: nn.Module) -> OwnBf16Weight | None:
+    packed = getattr(linear, "packed_weight", None)
+    return packed if isinstance(packed, OwnBf16Weight) else None
+
+
+def _fusable(layer: nn.Module) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+               getattr(mlp, "down_proj", None))
+    return (all(m is not None and _own(m) is not None for m in linears)
+            and attn.q_norm is None and attn.qkv_proj.tp_size == 1
+            and attn.o_proj.bias is None and mlp.down_proj.bias is None
+            and isinstance(attn.attn.backend, CpuAttentionBackend)
+            and attn.head_dim in (64, 128) and attn.attn.kv_cache is not None
+            and layer.input_layernorm.weight.dtype == torch.bfloat16
+            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedCpuLayers:
+    """The layers of one model (`for_model`), bound to its packed weights and KV cache."""
+
+    def __init__(self, layers: nn.ModuleList, ops):
+        from parashift.kernels.cpu.library import LayerWeights
+
+        self.ops = ops
+        self.layers = layers
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = first.input_layernorm.weight.shape[0]
+        self.intermediate = mlp.down_proj.weight.shape[1]
+        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+        self.max_rows = min(_own(m).max_rows for layer in layers
+                            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        self.weights = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            key_cache, value_cache = attn.attn.kv_cache
+            self.weights.append(LayerWeights(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(_own(attn.qkv_proj).packed), _ptr(attn.qkv_proj.bias),
+                _ptr(_own(attn.o_proj).packed), _ptr(_own(mlp.gate_up_proj).packed),
+                _ptr(mlp.gate_up_proj.bias), _ptr(_own(mlp.down_proj).packed),
+                _ptr(key_cache), _ptr(value_cache)))
+        self.key = self.binding(layers)
+
+    @staticmethod
+    def binding(layers: nn.ModuleList) -> tuple:
+        """What the bound pointers depend on: a new KV cache or newly packed weights (after a
+        sleep, a reload) make a new one."""
+        return tuple((id(layer.self_attn.attn.kv_cache), id(layer.self_attn.qkv_proj.packed_weight),
+                      id(getattr(getattr(layer.mlp, "down_proj", None), "packed_weight", None)))
+                     for layer in (layers[0], layers[-1]))
+
+    @classmethod
+    def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
+        from parashift.models.llama import LlamaDecoderLayer, LlamaMLP
+
+        ops = cpu_ops()
+        if ops is None or not ops.bf16_dot or len(layers) == 0:
+            return None
+        if not all(isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)
+                   and _fusable(layer) for layer in layers):
+            return None
+        return cls(layers, ops)
+
+    def can_run(self, hidden: torch.Tensor, metadata: Any) -> bool:
+        tokens = hidden.shape[0]
+        return (0 < tokens <= self.max_rows and hidden.dtype == torch.bfloat16
+                and hidden.is_cpu and not torch.autograd._profiler_enabled()
+                and (not metadata.prefills
+                     or getattr(metadata, "prefill_tokens", None) is not None))
+
+    @staticmethod
+    def _token_tables(metadata: Any, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every token's block table and length, decodes first (one query over the cache each),
+        then each prefill token over its own prefix; and the sliding window (0: none)."""
+        parts = [p for p in (metadata.decodes if metadata.num_decodes else None,
+                             getattr(metadata, "prefill_tokens", None)) if p is not None]
+        window = parts[0].window or 0
+        if len(parts) == 1:
+            return parts[0].block_tables, parts[0].seq_lens, window
+        width = max(p.block_tables.shape[1] for p in parts)
+        tables = torch.zeros((tokens, width), dtype=torch.int32)
+        row = 0
+        for p in parts:
+            rows, cols = p.block_tables.shape
+            tables[row : row + rows, :cols] = p.block_tables
+            row += rows
+        return tables, torch.cat([p.seq_lens for p in parts]), window
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor], metadata: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        from parashift.kernels.cpu.library import LayerStep
+
+        tokens, h = hidden.shape
+        qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        widths = (h, qkv_width, self.heads * self.head_dim, h, 2 * self.intermediate,
+                  self.intermediate)
+        scratch = torch.empty(tokens * sum(widths), dtype=torch.bfloat16)
+        buffers, offset = [], 0
+        for width in widths:
+            buffers.append(scratch[offset : offset + tokens * width].data_ptr())
+            offset += tokens * width
+        tables, lens, window = self._token_tables(metadata, tokens)
+        cos, sin = cos_sin
+        hidden = hidden.contiguous()
+        first = residual is None
+        residual = torch.empty_like(hidden) if first else residual.contiguous()
+        block_size = self.layers[0].self_attn.attn.kv_cache[0].shape[1]
+        step = LayerStep(tokens, h, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                         self.eps, self.scale, cos.data_ptr(), sin.data_ptr(),
+                         metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
+                         lens.data_ptr(), block_size, window, *buffers,
+                         torch.get_num_threads())
+        for i, weights in enumerate(self.weights):
+            self.ops.llama_layer_bf16(weights, step, hidden, residual, first and i == 0)
+        return hidden, residual

@@ -1,0 +1,68 @@
+"""The decoder layers as one CPU kernel call each (models/fused_cpu_layers.py) against the same
+layers called one by one: the same kernels in the same order, so greedy tokens and logprobs
+agree exactly, through decodes, prefills, chunked prefills mixed with decodes, a q/k/v bias
+and a sliding window; and where the fused path is not taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.models.fused_cpu_layers import FusedCpuLayers
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_dot,
+                                reason="the fused layers need AVX512-BF16 kernels")
+
+HEAD_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=256)
+
+
+def _generate(folder: str, fused: bool, monkeypatch) -> tuple[list, list]:
+    """(tokens and logprobs per prompt, the fused calls' (tokens, decodes, prefills))."""
+    from parashift import LLM, SamplingParams
+    from parashift.layers import gemm_paths
+
+    calls = []
+    call = FusedCpuLayers.__call__
+
+    def counted(self, hidden, residual, cos_sin, metadata):
+        calls.append((hidden.shape[0], metadata.num_decodes, len(metadata.prefills)))
+        return call(self, hidden, residual, cos_sin, metadata)
+
+    with monkeypatch.context() as m:
+        # our GEMM path on every weight, at every row count (timing may choose otherwise)
+        m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape: (
+            "dpbf16" if dtype == torch.bfloat16 else "linear"))
+        m.setattr(gemm_paths.GemmPaths, "row_limit", lambda self, *a: 1 << 20)
+        m.setattr(FusedCpuLayers, "__call__", counted)
+        if not fused:
+            m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, layers: None))
+        llm = LLM(folder, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
+                  max_num_batched_tokens=64, seed=0)
+        try:
+            # 64 tokens a step: the long prompts are chunked and share steps with decodes
+            prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
+                       for i, n in enumerate((5, 90, 17, 130, 3))]
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_factory, arch,
+                                                                   monkeypatch):
+    folder = tiny_model_factory(arch, **HEAD_64)
+    fused, calls = _generate(folder, True, monkeypatch)
+    assert any(decodes and prefills for _, decodes, prefills in calls)  # a mixed step
+    assert any(not prefills for _, _, prefills in calls)  # a decode step
+    unfused, none = _generate(folder, False, monkeypatch)
+    assert not none
+    assert fused == unfused
+
+
+def test_head_dim_32_stays_layer_by_layer(tiny_model_factory, monkeypatch):
+    _, calls = _generate(tiny_model_factory("llama"), True, monkeypatch)
+    assert not calls
