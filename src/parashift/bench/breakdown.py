@@ -8,7 +8,9 @@ LM head), other ops (norms, rotary, activations, embedding, copies: torch's or t
 CPU kernels'); what the step's
 wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
 dispatch). Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
-the batch's rows, back to back (weights streamed from memory as in a real step)."""
+the batch's rows, back to back (weights streamed from memory as in a real step). Under the
+profiler the decoder layers run op by op even where they are one kernel call otherwise
+(models/fused_cpu_layers.py): the plain step time is the fused one, the split the unfused."""
 
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def format_breakdown(result: dict[str, Any]) -> str:
     total = sum(buckets.values())
     lines = [f"decode step at batch {result['batch_size']}: {result['step_ms']:.1f} ms "
              f"(median of {result['decode_steps']}; {result['profiled_step_ms']:.1f} ms under "
-             "the profiler, split as:)"]
+             "the profiler, layer by layer, split as:)"]
     for name in BUCKETS:
         lines.append(f"  {name.replace('_', ' '):12s} {buckets[name]:8.2f} ms  "
                      f"{buckets[name] / total:6.1%}")
