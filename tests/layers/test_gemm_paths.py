@@ -140,7 +140,7 @@ def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path,
     monkeypatch.setattr(gemm_paths, "time_paths", times)
     paths = GemmPaths(str(path))
     assert paths.row_limit(torch.bfloat16, 64, 32) == 256
-    assert probed == [128, 256, 512]  # stops at the first loss
+    assert probed == [64, 128, 256, 512]  # stops at the first loss
     paths.save()
 
     monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: pytest.fail("timed again"))

@@ -45,10 +45,10 @@ from parashift.layers.kernel_dispatch import cpu_ops
 logger = logging.getLogger(__name__)
 
 ROWS = 32  # decode-sized: where the path matters most on a CPU
-ROW_PROBES = (128, 256, 512, 1024)  # prefill-sized rows where our own bf16 kernel may lose
+ROW_PROBES = (64, 128, 256, 512, 1024)  # rows where our own bf16 kernel may lose
 LOSS_MARGIN = 0.9  # F.linear takes over where it ran in under 90% of our kernel's time
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
-PATHS_VERSION = 3  # bumped when the candidates change, so older cached choices are timed again
+PATHS_VERSION = 4  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
@@ -189,8 +189,8 @@ class GemmPaths:
         return f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
 
     def row_limit(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
-        """The most rows our own bf16 kernel takes for this shape: probed at prefill sizes
-        against F.linear on the plain weight, up to the first it loses."""
+        """The most rows our own bf16 kernel takes for this shape: probed at batch and prefill
+        sizes against F.linear on the plain weight, up to the first it loses."""
         key = self._key(dtype, out_features, in_features)
         if key in self.row_limits:
             return self.row_limits[key]
