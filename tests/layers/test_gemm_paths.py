@@ -145,3 +145,10 @@ def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path,
 
     monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: pytest.fail("timed again"))
     assert GemmPaths(str(path)).row_limit(torch.bfloat16, 64, 32) == 256
+
+
+def test_a_near_tie_keeps_our_kernel_at_batch_rows_only(tmp_path, monkeypatch):
+    # F.linear 5% faster everywhere: within the margin at 64 and 128 rows, not from 256
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"dpbf16": 1.0,
+                                                                  "linear": 0.95})
+    assert GemmPaths(str(tmp_path / "cpu.json")).row_limit(torch.bfloat16, 64, 32) == 128

@@ -46,9 +46,14 @@ logger = logging.getLogger(__name__)
 
 ROWS = 32  # decode-sized: where the path matters most on a CPU
 ROW_PROBES = (64, 128, 256, 512, 1024)  # rows where our own bf16 kernel may lose
-LOSS_MARGIN = 0.9  # F.linear takes over where it ran in under 90% of our kernel's time
+# F.linear takes over below batch rows only where it ran in under 90% of our kernel's time:
+# it reorders the weight on every call, a costly mistake at decode rows, and timings here vary
+# by 10-30% from run to run; from PREFILL_ROWS the reorder is amortized, the two run close,
+# and any loss hands over.
+LOSS_MARGIN = 0.9
+PREFILL_ROWS = 256
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
-PATHS_VERSION = 4  # bumped when the candidates change, so older cached choices are timed again
+PATHS_VERSION = 5  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
@@ -198,9 +203,8 @@ class GemmPaths:
         for rows in ROW_PROBES:
             probes[rows] = times = time_paths(dtype, out_features, in_features, rows,
                                               paths=("dpbf16", "linear"))
-            # a clear loss only: timings here vary by 10-30% from run to run, and F.linear
-            # reorders the weight on every call, a bad choice at decode rows
-            if times["linear"] < LOSS_MARGIN * times["dpbf16"]:
+            margin = LOSS_MARGIN if rows < PREFILL_ROWS else 1.0
+            if times["linear"] < margin * times["dpbf16"]:
                 break
             limit = rows
         else:
