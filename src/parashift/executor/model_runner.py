@@ -70,8 +70,7 @@ class ModelRunner:
         self.graphs.capture()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, kv in zip(self.model.attention_layers, kv_caches, strict=True):
-            layer.kv_cache = kv
+        self.model.bind_kv_cache(kv_caches)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.freed_req_ids:

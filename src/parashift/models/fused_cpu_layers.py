@@ -43,19 +43,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class FusedCpuLayers:
-    """The layers of one model (`for_model`), bound to its packed weights and KV cache."""
+    """The layers of one model (`for_model`), bound to its packed weights and KV cache: raw
+    pointers, so made again whenever either is (LlamaForCausalLM.bind_kv_cache)."""
 
     def __init__(self, layers: nn.ModuleList, ops):
         from parashift.kernels.cpu.library import LayerWeights
 
         self.ops = ops
-        self.layers = layers
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = first.input_layernorm.weight.shape[0]
         self.intermediate = mlp.down_proj.weight.shape[1]
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+        self.block_size = attn.attn.kv_cache[0].shape[1]
         self.max_rows = min(_own(m).max_rows for layer in layers
                             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -69,15 +70,6 @@ class FusedCpuLayers:
                 _ptr(_own(attn.o_proj).packed), _ptr(_own(mlp.gate_up_proj).packed),
                 _ptr(mlp.gate_up_proj.bias), _ptr(_own(mlp.down_proj).packed),
                 _ptr(key_cache), _ptr(value_cache)))
-        self.key = self.binding(layers)
-
-    @staticmethod
-    def binding(layers: nn.ModuleList) -> tuple:
-        """What the bound pointers depend on: a new KV cache or newly packed weights (after a
-        sleep, a reload) make a new one."""
-        return tuple((id(layer.self_attn.attn.kv_cache), id(layer.self_attn.qkv_proj.packed_weight),
-                      id(getattr(getattr(layer.mlp, "down_proj", None), "packed_weight", None)))
-                     for layer in (layers[0], layers[-1]))
 
     @classmethod
     def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
@@ -135,11 +127,10 @@ class FusedCpuLayers:
         hidden = hidden.contiguous()
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.contiguous()
-        block_size = self.layers[0].self_attn.attn.kv_cache[0].shape[1]
         step = LayerStep(tokens, h, self.heads, self.kv_heads, self.head_dim, self.intermediate,
                          self.eps, self.scale, cos.data_ptr(), sin.data_ptr(),
                          metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
-                         lens.data_ptr(), block_size, window, *buffers,
+                         lens.data_ptr(), self.block_size, window, *buffers,
                          torch.get_num_threads())
         for i, weights in enumerate(self.weights):
             self.ops.llama_layer_bf16(weights, step, hidden, residual, first and i == 0)

@@ -103,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     attn_flags: dict[str, bool] | None = None  # None: read attention_bias from the config
+    fused_layers: FusedCpuLayers | None = None  # made when the KV cache is bound
 
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
                  max_position: int, parallel: ParallelContext):
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        fused = self._fused_layers()
+        fused = self.fused_layers
         if fused is not None and fused.can_run(hidden, metadata):
             hidden, residual = fused(hidden, residual, cos_sin, metadata)
         else:
@@ -172,15 +173,13 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _fused_layers(self) -> FusedCpuLayers | None:
-        """The layers as one kernel call each where they can be (models/fused_cpu_layers.py),
-        bound again when the KV cache or the packed weights change."""
-        if not self.layers or self.layers[0].self_attn.attn.kv_cache is None:
-            return None
-        key = FusedCpuLayers.binding(self.layers)
-        if getattr(self, "_fused_key", None) != key:
-            self._fused, self._fused_key = FusedCpuLayers.for_model(self.layers), key
-        return self._fused
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each attention layer's slice of the paged KV cache. The fused layers
+        (models/fused_cpu_layers.py) hold raw pointers to it and to the packed weights: they
+        are made again here, each time the cache is (after a sleep, too)."""
+        for layer, kv in zip(self.attention_layers, kv_caches, strict=True):
+            layer.kv_cache = kv
+        self.fused_layers = FusedCpuLayers.for_model(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.compute_logits(hidden)
