@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from parashift.layers.kernel_dispatch import cpu_ops
 from tests.bench.test_bench_commands import invoke
 
 
@@ -18,9 +19,11 @@ def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
     assert code == 0, text
     assert "FAIL" not in text
     rows = json.loads(out.read_text())["results"]["kernels"]
+    gemms = ([f"{name} GEMM (dpbf16)" for name in ("QKV", "O", "gate_up", "down", "LM head")]
+             if dtype == "bfloat16" and cpu_ops() is not None and cpu_ops().bf16_dot else [])
     assert [r["kernel"] for r in rows] == ["decode attention + KV write", "RMSNorm + residual",
                                            "rotary (neox, in place)", "SiLU and mul",
-                                           "greedy argmax"]
+                                           "greedy argmax", *gemms]
     assert all(r["ok"] and r["seconds"] > 0 and r["torch_seconds"] > 0 for r in rows)
 
 

@@ -1,6 +1,7 @@
 """`parashift bench cpu-kernels`: each compiled CPU kernel (`kernels/cpu`) against the torch
 ops it replaces, on this CPU, at a decode step's shapes (the embedded SmolLM2's: 9 query and 3
-kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152). Each call is timed with the
+kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 on AVX512-BF16 our
+GEMM too, against oneDNN's reordered weight. Each call is timed with the
 caches flushed first, as in a real step, where every other layer's weights and KV pass through
 the caches between two calls of one layer's kernel."""
 
@@ -89,7 +90,38 @@ def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
     logits = torch.randn(batch, VOCAB).to(dtype)
     out.append(KernelCase("greedy argmax", f"{batch} x {VOCAB}", lambda: ops.argmax(logits),
                           lambda: logits.float().argmax(dim=-1), 0, 0.0))
+    if dtype == torch.bfloat16 and ops.bf16_dot:
+        out.extend(_gemm_cases(ops, batch))
     return out
+
+
+def _gemm_cases(ops, batch: int) -> list[KernelCase]:
+    """Our bf16 GEMM (GEMM path dpbf16) against oneDNN's reordered weight (path onednn; F.linear
+    where this torch has no oneDNN), SmolLM2's weight shapes at the batch's rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from parashift.layers.gemm_paths import can_reorder
+
+    cases = []
+    for name, (n, k) in {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
+                         "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),
+                         "LM head": (VOCAB, HIDDEN)}.items():
+        weight = (torch.randn(n, k) * 0.05).bfloat16()
+        x = torch.randn(batch, k).bfloat16()
+        packed = ops.pack_bf16(weight)
+        if can_reorder():
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+            def reference(x=x, w=reordered):
+                return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        else:
+            def reference(x=x, w=weight):
+                return F.linear(x, w)
+        cases.append(KernelCase(f"{name} GEMM (dpbf16)", f"{batch} x {k} -> {n}",
+                                lambda x=x, p=packed, n=n: ops.gemm_bf16(x, p, n, None),
+                                reference, 0, 0.1))
+    return cases
 
 
 def cpu_kernels(
