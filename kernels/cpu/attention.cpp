@@ -2,6 +2,7 @@
 // AVX512-BF16: see cpu_backend.py).
 
 #include "common.h"
+#include "entry_points.h"
 
 namespace {
 

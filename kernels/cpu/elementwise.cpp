@@ -2,6 +2,7 @@
 // SiLU-and-mul, the greedy argmax and the KV write.
 
 #include "common.h"
+#include "entry_points.h"
 
 namespace {
 

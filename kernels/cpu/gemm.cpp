@@ -8,6 +8,7 @@
 // the columns, so each weight byte leaves memory once per call.
 
 #include "common.h"
+#include "entry_points.h"
 
 namespace {
 

@@ -3,32 +3,11 @@
 // results are the same bits. What goes is the Python between them: a dozen module calls,
 // ctypes calls and tensor allocations per layer, about a tenth of a decode step at batch 32.
 
-#include <cstdint>
 #include <cstring>
 
-extern "C" {
+#include "entry_points.h"
 
-void parashift_rms_norm(int dtype, void* out, void* residual_out, const void* x,
-                        int64_t x_stride, const void* residual, int64_t residual_stride,
-                        const void* weight, int64_t rows, int64_t hidden, float eps,
-                        int num_threads);
-void parashift_rotary(int dtype, void* x, int64_t token_stride, const void* cos, const void* sin,
-                      int64_t tokens, int64_t heads, int64_t head_dim, int num_threads);
-void parashift_silu_and_mul(int dtype, void* out, const void* x, int64_t x_stride,
-                            int64_t tokens, int64_t d, int num_threads);
-void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,
-                        const void* value, int64_t key_stride, int64_t value_stride,
-                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements);
-void parashift_paged_decode_attention(int dtype, void* out, const void* query,
-                                      int64_t query_stride, const void* key_cache,
-                                      const void* value_cache, const int32_t* block_tables,
-                                      int64_t table_width, const int32_t* seq_lens, int64_t seqs,
-                                      int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                      int64_t block_size, int64_t window, float scale,
-                                      int num_threads);
-void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
-                         const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
-                         int num_threads);
+extern "C" {
 
 // One layer's weights (packed by parashift_pack_bf16; the column-parallel biases may be null:
 // the row-parallel ones are added after the GEMM in Python, a rounding of their own, so a

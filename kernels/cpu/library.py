@@ -1,5 +1,6 @@
 """Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `layer.cpp`,
-`common.h`) into one library for the CPU at hand and calls it through ctypes.
+`common.h`, `entry_points.h`) into one library for the CPU at hand and calls it through
+ctypes.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
 source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
@@ -24,7 +25,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
            for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
-HEADERS = [os.path.join(_HERE, "common.h")]
+HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "entry_points.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on

@@ -1,0 +1,39 @@
+// The library's C entry points (called through ctypes, see library.py), declared once: the
+// files that define them include this too, so the compiler checks each definition against it,
+// and layer.cpp calls them by these declarations.
+
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+void parashift_rms_norm(int dtype, void* out, void* residual_out, const void* x,
+                        int64_t x_stride, const void* residual, int64_t residual_stride,
+                        const void* weight, int64_t rows, int64_t hidden, float eps,
+                        int num_threads);
+void parashift_rotary(int dtype, void* x, int64_t token_stride, const void* cos, const void* sin,
+                      int64_t tokens, int64_t heads, int64_t head_dim, int num_threads);
+void parashift_silu_and_mul(int dtype, void* out, const void* x, int64_t x_stride,
+                            int64_t tokens, int64_t d, int num_threads);
+void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,
+                        const void* value, int64_t key_stride, int64_t value_stride,
+                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements);
+void parashift_paged_decode_attention(int dtype, void* out, const void* query,
+                                      int64_t query_stride, const void* key_cache,
+                                      const void* value_cache, const int32_t* block_tables,
+                                      int64_t table_width, const int32_t* seq_lens, int64_t seqs,
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      int64_t block_size, int64_t window, float scale,
+                                      int num_threads);
+void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
+                           int num_threads);
+int parashift_cpu_bf16_dot();
+void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
+                         int64_t k, int num_threads);
+void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                         const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
+                         int num_threads);
+// layer.cpp's parashift_llama_layer_bf16 takes structs: declared there, beside them.
+
+}  // extern "C"
