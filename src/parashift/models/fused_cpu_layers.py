@@ -53,7 +53,6 @@ class FusedCpuLayers:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden = first.input_layernorm.weight.shape[0]
         self.intermediate = mlp.down_proj.weight.shape[1]
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         self.block_size = attn.attn.kv_cache[0].shape[1]
