@@ -1,6 +1,5 @@
-"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `layer.cpp`,
-`common.h`, `entry_points.h`) into one library for the CPU at hand and calls it through
-ctypes.
+"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `layer.cpp` and
+their headers) into one library for the CPU at hand and calls it through ctypes.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
 source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
@@ -25,7 +24,8 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
            for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
-HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "entry_points.h")]
+HEADERS = [os.path.join(_HERE, name)
+           for name in ("common.h", "entry_points.h", "attention_bf16.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
@@ -103,6 +103,11 @@ class LayerWeights(Structure):
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down",
         "key_cache", "value_cache")]
+
+    @classmethod
+    def of(cls, *tensors: torch.Tensor | None) -> LayerWeights:
+        """The fields' tensors in order (None: a null pointer)."""
+        return cls(*(_ptr(t) for t in tensors))
 
 
 class LayerStep(Structure):

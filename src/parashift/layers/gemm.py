@@ -9,6 +9,7 @@ CUDA is untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -90,7 +91,7 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device) -> list[str]:
         weight, m.packed_weight = prepare(m.weight.data, path)
         if isinstance(m.packed_weight, OwnBf16Weight):
             limit = paths.row_limit(m.weight.dtype, *m.weight.shape)
-            m.packed_weight = OwnBf16Weight(m.packed_weight.packed, limit)
+            m.packed_weight = dataclasses.replace(m.packed_weight, max_rows=limit)
             label = "any" if limit == sys.maxsize else str(limit)
             limits[label] = limits.get(label, 0) + 1
         if weight.dtype != m.weight.dtype:  # widened: the bias goes along

@@ -38,10 +38,6 @@ def _fusable(layer: nn.Module) -> bool:
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class FusedCpuLayers:
     """The layers of one model (`for_model`), bound to its packed weights and KV cache: raw
     pointers, so made again whenever either is (LlamaForCausalLM.bind_kv_cache)."""
@@ -63,12 +59,11 @@ class FusedCpuLayers:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             key_cache, value_cache = attn.attn.kv_cache
-            self.weights.append(LayerWeights(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(_own(attn.qkv_proj).packed), _ptr(attn.qkv_proj.bias),
-                _ptr(_own(attn.o_proj).packed), _ptr(_own(mlp.gate_up_proj).packed),
-                _ptr(mlp.gate_up_proj.bias), _ptr(_own(mlp.down_proj).packed),
-                _ptr(key_cache), _ptr(value_cache)))
+            self.weights.append(LayerWeights.of(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                _own(attn.qkv_proj).packed, attn.qkv_proj.bias, _own(attn.o_proj).packed,
+                _own(mlp.gate_up_proj).packed, mlp.gate_up_proj.bias, _own(mlp.down_proj).packed,
+                key_cache, value_cache))
 
     @classmethod
     def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
