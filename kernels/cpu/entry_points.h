@@ -29,6 +29,7 @@ void parashift_paged_decode_attention(int dtype, void* out, const void* query,
 void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
                            int num_threads);
 int parashift_cpu_bf16_dot();
+int parashift_cpu_amx();  // gemm_bf16 runs on AMX tiles where k % 32 == 0
 void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
                          int64_t k, int num_threads);
 void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,

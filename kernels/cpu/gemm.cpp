@@ -22,6 +22,8 @@ inline int64_t tile_offset(int64_t tile, int64_t k2) { return tile * k2 * kTile 
 
 }  // namespace
 
+#include "gemm_amx.h"
+
 #ifdef PARASHIFT_BF16_DOT
 namespace {
 
@@ -92,6 +94,14 @@ Micro kernel(int mb, int nb) {
 
 extern "C" {
 
+int parashift_cpu_amx() {
+#ifdef PARASHIFT_AMX
+  return amx_permitted();
+#else
+  return 0;
+#endif
+}
+
 // packed [ceil(n / 16) * 16 * k] <- W [n, k] bf16, k even (row stride w_stride), zero-padded to whole 16-column blocks.
 void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
                          int64_t k, int num_threads) {
@@ -125,6 +135,12 @@ void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x
   const uint16_t* bs = static_cast<const uint16_t*>(bias);
   const int threads = static_cast<int>(std::min<int64_t>(
       blocks, threads_for(m * n * k / 64, num_threads)));
+#ifdef PARASHIFT_AMX
+  if (k % 32 == 0 && amx_permitted()) {
+    gemm_amx(y, out_stride, xs, x_stride, w, bs, m, n, k, threads);
+    return;
+  }
+#endif
 #pragma omp parallel num_threads(threads)
   {
     // Each thread its own run of 16-column blocks (not whole tiles: 9 tiles split 5 / 4).

@@ -25,7 +25,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
            for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
 HEADERS = [os.path.join(_HERE, name)
-           for name in ("common.h", "entry_points.h", "attention_bf16.h")]
+           for name in ("common.h", "entry_points.h", "attention_bf16.h", "gemm_amx.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
@@ -150,6 +150,8 @@ class CpuOps:
         self.path = path
         # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
         self.bf16_dot = bool(lib.parashift_cpu_bf16_dot())
+        # and gemm_bf16 on AMX tiles (k a multiple of 32), where the CPU and the OS allow them
+        self.amx = bool(lib.parashift_cpu_amx())
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]

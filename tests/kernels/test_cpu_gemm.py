@@ -1,6 +1,8 @@
 """The bf16 GEMM kernel (kernels/cpu/gemm.cpp) against a float64 product: every edge of its
 blocking (a partial 16-column block, a narrower last tile, row counts around the 6-row
-register block and the 384-row panel), a bias, strided rows; and where it is refused."""
+register block and the 384-row panel, or the AMX path's 16-row tiles and 256-row panel), a bias,
+strided rows; and where it is refused. On a CPU with AMX, k a multiple of 32 runs on tiles and
+other k on vdpbf16ps, so both kernels are checked there."""
 
 from __future__ import annotations
 
@@ -30,14 +32,16 @@ def _check(ops, rows: int, n: int, k: int, bias: bool, strided: bool = False):
     torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=0.05 * k ** 0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 385])
-def test_rows_around_the_register_block_and_the_panel(ops, rows):
-    _check(ops, rows, 160, 64, bias=False)  # 10 blocks: two whole tiles, a last of two
+@pytest.mark.parametrize("k", [64, 40])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 257, 385])
+def test_rows_around_the_register_block_and_the_panel(ops, rows, k):
+    _check(ops, rows, 160, k, bias=False)  # 10 blocks: two whole tiles, a last of two
 
 
+@pytest.mark.parametrize("rows", [13, 29])
 @pytest.mark.parametrize("n", [1, 15, 17, 48, 64, 65, 200])
-def test_partial_blocks_and_narrow_last_tiles(ops, n):
-    _check(ops, 13, n, 32, bias=True)
+def test_partial_blocks_and_narrow_last_tiles(ops, n, rows):
+    _check(ops, rows, n, 32, bias=True)
 
 
 def test_strided_rows_and_a_long_k(ops):

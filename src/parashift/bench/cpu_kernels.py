@@ -103,7 +103,7 @@ def _gemm_cases(ops, batch: int) -> list[KernelCase]:
 
     from parashift.layers.gemm_paths import can_reorder
 
-    cases = []
+    cases, kernel = [], "dpbf16, AMX" if ops.amx else "dpbf16"
     for name, (n, k) in {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
                          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),
                          "LM head": (VOCAB, HIDDEN)}.items():
@@ -118,7 +118,7 @@ def _gemm_cases(ops, batch: int) -> list[KernelCase]:
         else:
             def reference(x=x, w=weight):
                 return F.linear(x, w)
-        cases.append(KernelCase(f"{name} GEMM (dpbf16)", f"{batch} x {k} -> {n}",
+        cases.append(KernelCase(f"{name} GEMM ({kernel})", f"{batch} x {k} -> {n}",
                                 lambda x=x, p=packed, n=n: ops.gemm_bf16(x, p, n, None),
                                 reference, 0, 0.1))
     return cases

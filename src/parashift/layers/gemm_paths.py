@@ -15,9 +15,10 @@ Paths (what `prepare` does to a module's weight):
   (`mkldnn::_linear_pointwise`), fp32 or half; F.linear reorders on every call instead, which
   at decode rows costs as much as the GEMM (2.2x at 32 rows in fp32, 1.5x in bf16, on a Zen 4);
 - dpbf16: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp: vdpbf16ps
-  on AVX512-BF16, register blocks of 6 rows x 64 columns, the next tile prefetched). On a Zen 5
-  it ran the 32-row GEMMs of SmolLM2 1.2-1.7x faster than oneDNN's reordered bf16 and stayed
-  within 5% of it at 512-2,048 rows;
+  on AVX512-BF16, register blocks of 6 rows x 64 columns, the next tile prefetched; AMX tiles
+  where the CPU has them, gemm_amx.h). On a Zen 5 it ran the 32-row GEMMs of SmolLM2 1.2-1.7x
+  faster than oneDNN's reordered bf16 and stayed within 5% of it at 512-2,048 rows; on a Xeon
+  with AMX, 1.2-1.7x faster at 32 rows and slower than oneDNN from 256 rows on most shapes;
 - fp32 / fp32-packed / fp32-onednn: half-precision weights widened to fp32 once (the values
   stay exactly the checkpoint's; activations stay in the model's dtype, each GEMM rounds its
   result to it), then as linear / packed / onednn.
@@ -53,7 +54,7 @@ ROW_PROBES = (64, 128, 256, 512, 1024)  # rows where our own bf16 kernel may los
 LOSS_MARGIN = 0.9
 PREFILL_ROWS = 256
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
-PATHS_VERSION = 5  # bumped when the candidates change, so older cached choices are timed again
+PATHS_VERSION = 6  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
