@@ -68,13 +68,22 @@ inline void store_tile_rows(const float* c, int rows, uint16_t* out, int64_t out
 // 4 with one row tile, 2 with two), k in chunks of 32 -> fp32 C tiles into c (tile r * 2 + j
 // with two row tiles, j with one). b: the first block's first k pair; b_stride: bytes between k
 // pairs. The branches are the same every chunk: predicted, and a TDPBF16PS takes 16 cycles.
+// ahead: the next register block's weight (same layout: ahead_nb blocks, ahead_stride bytes
+// between k pairs), its chunk fetched into L2 with each chunk here: at decode rows the compute
+// is short and the weight streams from memory, so one stream more in flight per thread.
 void amx_block(const uint16_t* x, int64_t x_stride, int rt, const char* b, int64_t b_stride,
-               int nb, int64_t chunks, float* c) {
+               int nb, int64_t chunks, float* c, const char* ahead, int64_t ahead_stride,
+               int ahead_nb) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   const int64_t xs = x_stride * 2, step = 16 * b_stride;
   const uint16_t* x1 = x + 16 * x_stride;
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const char* bc = b + ch * step;
+    if (ahead) {
+      const char* next = ahead + ch * 16 * ahead_stride;
+      for (int r = 0; r < 16; ++r)
+        for (int q = 0; q < ahead_nb; ++q) __builtin_prefetch(next + r * ahead_stride + q * 64, 0, 2);
+    }
     _tile_loadd(4, x + 32 * ch, xs);
     _tile_loadd(6, bc, b_stride);
     if (rt == 2) _tile_loadd(5, x1 + 32 * ch, xs);
@@ -114,11 +123,20 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
     int configured = -1;  // rows of the row block the tiles are configured for
     for (int64_t row0 = 0; row0 < m; row0 += kAmxPanel) {
       const int64_t panel_end = std::min(m, row0 + kAmxPanel);
-      for (int64_t blk = first; blk < last;) {
+      const int64_t most = panel_end - row0 > 16 ? 2 : 4;  // blocks per register block
+      // a register block from its first 16-column block: weight, k-pair stride, blocks
+      auto group_at = [&](int64_t blk, const char** b, int64_t* stride) {
         const int64_t tile = blk / kTile, j = blk % kTile;
         const int64_t width = std::min(kTile, blocks - tile * kTile);
-        const int64_t group = std::min({width - j, last - blk, int64_t(panel_end - row0 > 16 ? 2 : 4)});
-        const char* b = reinterpret_cast<const char*>(w + tile_offset(tile, k2) + j * 32);
+        *b = reinterpret_cast<const char*>(w + tile_offset(tile, k2) + j * 32);
+        *stride = width * 64;
+        return std::min({width - j, last - blk, most});
+      };
+      for (int64_t blk = first; blk < last;) {
+        const char *b, *ahead = nullptr;
+        int64_t b_stride, ahead_stride = 0, ahead_nb = 0;
+        const int64_t group = group_at(blk, &b, &b_stride);
+        if (blk + group < last) ahead_nb = group_at(blk + group, &ahead, &ahead_stride);
         for (int64_t r = row0; r < panel_end; r += 32) {
           const int rows = static_cast<int>(std::min<int64_t>(32, panel_end - r));
           if (rows != configured) {
@@ -127,7 +145,9 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
           }
           const int rt = rows > 16 ? 2 : 1;
           const int nb = static_cast<int>(rt == 2 ? std::min<int64_t>(group, 2) : group);
-          amx_block(x + r * x_stride, x_stride, rt, b, width * 64, nb, chunks, c);
+          const bool first_pass = r == row0;  // later passes find the next block in L2
+          amx_block(x + r * x_stride, x_stride, rt, b, b_stride, nb, chunks, c,
+                    first_pass ? ahead : nullptr, ahead_stride, static_cast<int>(ahead_nb));
           for (int jb = 0; jb < nb; ++jb) {
             const int64_t col = (blk + jb) * 16;
             const uint16_t* bias_j = bias ? bias + col : nullptr;

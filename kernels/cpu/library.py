@@ -27,7 +27,7 @@ SOURCES = [os.path.join(_HERE, name)
 HEADERS = [os.path.join(_HERE, name)
            for name in ("common.h", "entry_points.h", "attention_bf16.h", "gemm_amx.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+_FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
           # flush-to-zero for the whole process (torch included).
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
