@@ -145,6 +145,8 @@ void write_kv(T* key_cache, T* value_cache, const T* key, const T* value, int64_
 }
 }  // namespace
 
+#include "elementwise_bf16.h"  // the bf16 specializations, in AVX-512 lanes
+
 extern "C" {
 
 void parashift_rms_norm(int dtype, void* out, void* residual_out, const void* x,

@@ -25,7 +25,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
            for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
 HEADERS = [os.path.join(_HERE, name)
-           for name in ("common.h", "entry_points.h", "attention_bf16.h", "gemm_amx.h")]
+           for name in ("common.h", "entry_points.h", "attention_bf16.h", "elementwise_bf16.h",
+                         "gemm_amx.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
