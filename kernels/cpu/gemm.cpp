@@ -127,6 +127,16 @@ void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int
 void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
                          const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
                          int num_threads) {
+  parashift_gemm_bf16_then(out, out_stride, x, x_stride, packed, bias, m, n, k, nullptr, 0, 0,
+                           num_threads);
+}
+
+// The same, where the caller's next GEMM is by next_packed [next_n, next_k] (null: none): on
+// AMX its first weight comes into cache while this one ends.
+void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                              const void* packed, const void* bias, int64_t m, int64_t n,
+                              int64_t k, const void* next_packed, int64_t next_n,
+                              int64_t next_k, int num_threads) {
 #ifdef PARASHIFT_BF16_DOT
   const int64_t k2 = k / 2, blocks = (n + 15) / 16;
   uint16_t* y = static_cast<uint16_t*>(out);
@@ -137,7 +147,8 @@ void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x
       blocks, threads_for(m * n * k / 64, num_threads)));
 #ifdef PARASHIFT_AMX
   if (k % 32 == 0 && amx_permitted()) {
-    gemm_amx(y, out_stride, xs, x_stride, w, bs, m, n, k, threads);
+    gemm_amx(y, out_stride, xs, x_stride, {w, n, k}, bs, m, threads,
+             {static_cast<const uint16_t*>(next_packed), next_n, next_k});
     return;
   }
 #endif

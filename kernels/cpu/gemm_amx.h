@@ -64,25 +64,46 @@ inline void store_tile_rows(const float* c, int rows, uint16_t* out, int64_t out
   }
 }
 
-// One register block: `rt` row tiles (1 or 2) x `nb` 16-column blocks of one packed tile (up to
-// 4 with one row tile, 2 with two), k in chunks of 32 -> fp32 C tiles into c (tile r * 2 + j
-// with two row tiles, j with one). b: the first block's first k pair; b_stride: bytes between k
-// pairs. The branches are the same every chunk: predicted, and a TDPBF16PS takes 16 cycles.
-// ahead: the next register block's weight (same layout: ahead_nb blocks, ahead_stride bytes
-// between k pairs), its chunk fetched into L2 with each chunk here: at decode rows the compute
-// is short and the weight streams from memory, so one stream more in flight per thread.
-void amx_block(const uint16_t* x, int64_t x_stride, int rt, const char* b, int64_t b_stride,
-               int nb, int64_t chunks, float* c, const char* ahead, int64_t ahead_stride,
-               int ahead_nb) {
+// A packed weight (gemm.cpp's layout) and its shape.
+struct PackedWeight {
+  const uint16_t* w;
+  int64_t n, k;
+  int64_t blocks() const { return (n + 15) / 16; }
+};
+
+// A register block's weight: its first 16-column block's first k pair, the bytes between k
+// pairs, the blocks it takes (up to `most`, within one packed tile and before `last`).
+struct BlockWeight {
+  const char* b = nullptr;
+  int64_t stride = 0, chunks = 0;
+  int nb = 0;
+};
+
+BlockWeight block_at(const PackedWeight& p, int64_t blk, int64_t last, int64_t most) {
+  const int64_t tile = blk / kTile, j = blk % kTile;
+  const int64_t width = std::min(kTile, p.blocks() - tile * kTile);
+  return {reinterpret_cast<const char*>(p.w + tile_offset(tile, p.k / 2) + j * 32), width * 64,
+          p.k / 32, static_cast<int>(std::min({width - j, last - blk, most}))};
+}
+
+// One register block: `rt` row tiles (1 or 2) x bw.nb 16-column blocks (up to 4 with one row
+// tile, 2 with two), k in chunks of 32 -> fp32 C tiles into c (tile r * 2 + j with two row
+// tiles, j with one). The branches are the same every chunk: predicted, and a TDPBF16PS takes
+// 16 cycles. ahead: the next register block's weight, its chunks fetched into L2 along with
+// these: at decode rows the compute is short and the weight streams from memory, so one
+// stream more in flight per thread.
+void amx_block(const uint16_t* x, int64_t x_stride, int rt, const BlockWeight& bw, float* c,
+               const BlockWeight& ahead) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t xs = x_stride * 2, step = 16 * b_stride;
+  const int64_t xs = x_stride * 2, step = 16 * bw.stride, b_stride = bw.stride;
+  const int nb = bw.nb;
   const uint16_t* x1 = x + 16 * x_stride;
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const char* bc = b + ch * step;
-    if (ahead) {
-      const char* next = ahead + ch * 16 * ahead_stride;
+  for (int64_t ch = 0; ch < bw.chunks; ++ch) {
+    const char* bc = bw.b + ch * step;
+    if (ch < ahead.chunks) {
+      const char* next = ahead.b + ch * 16 * ahead.stride;
       for (int r = 0; r < 16; ++r)
-        for (int q = 0; q < ahead_nb; ++q) __builtin_prefetch(next + r * ahead_stride + q * 64, 0, 2);
+        for (int q = 0; q < ahead.nb; ++q) __builtin_prefetch(next + r * ahead.stride + q * 64, 0, 2);
     }
     _tile_loadd(4, x + 32 * ch, xs);
     _tile_loadd(6, bc, b_stride);
@@ -110,10 +131,13 @@ void amx_block(const uint16_t* x, int64_t x_stride, int rt, const char* b, int64
 // gemm.cpp's product on AMX (k a multiple of 32). Threads split the 16-column blocks as there;
 // rows go in panels (x's panel stays in L2 while the thread's columns pass over it), each
 // column group over all the panel's row blocks (its weight stays in L1/L2 between them).
+// `next` (w may be null): the weight the caller multiplies by next, whose first register block
+// for this thread is fetched while the last one here computes, so the next GEMM does not start
+// from memory (a decode layer's GEMMs are 0.7-3.5 MB each, a few register blocks per thread).
 void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stride,
-              const uint16_t* w, const uint16_t* bias, int64_t m, int64_t n, int64_t k,
-              int threads) {
-  const int64_t k2 = k / 2, blocks = (n + 15) / 16, chunks = k / 32;
+              const PackedWeight& weight, const uint16_t* bias, int64_t m, int threads,
+              const PackedWeight& next) {
+  const int64_t n = weight.n, blocks = weight.blocks();
   constexpr int64_t kAmxPanel = 256;
 #pragma omp parallel num_threads(threads)
   {
@@ -124,19 +148,16 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
     for (int64_t row0 = 0; row0 < m; row0 += kAmxPanel) {
       const int64_t panel_end = std::min(m, row0 + kAmxPanel);
       const int64_t most = panel_end - row0 > 16 ? 2 : 4;  // blocks per register block
-      // a register block from its first 16-column block: weight, k-pair stride, blocks
-      auto group_at = [&](int64_t blk, const char** b, int64_t* stride) {
-        const int64_t tile = blk / kTile, j = blk % kTile;
-        const int64_t width = std::min(kTile, blocks - tile * kTile);
-        *b = reinterpret_cast<const char*>(w + tile_offset(tile, k2) + j * 32);
-        *stride = width * 64;
-        return std::min({width - j, last - blk, most});
-      };
       for (int64_t blk = first; blk < last;) {
-        const char *b, *ahead = nullptr;
-        int64_t b_stride, ahead_stride = 0, ahead_nb = 0;
-        const int64_t group = group_at(blk, &b, &b_stride);
-        if (blk + group < last) ahead_nb = group_at(blk + group, &ahead, &ahead_stride);
+        const BlockWeight bw = block_at(weight, blk, last, most);
+        BlockWeight ahead;
+        if (blk + bw.nb < last) {
+          ahead = block_at(weight, blk + bw.nb, last, most);
+        } else if (next.w && next.k % 32 == 0 && panel_end == m) {
+          const int64_t next_first = next.blocks() * tid / nth;
+          const int64_t next_last = next.blocks() * (tid + 1) / nth;
+          if (next_first < next_last) ahead = block_at(next, next_first, next_last, most);
+        }
         for (int64_t r = row0; r < panel_end; r += 32) {
           const int rows = static_cast<int>(std::min<int64_t>(32, panel_end - r));
           if (rows != configured) {
@@ -144,11 +165,11 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
             configured = rows;
           }
           const int rt = rows > 16 ? 2 : 1;
-          const int nb = static_cast<int>(rt == 2 ? std::min<int64_t>(group, 2) : group);
-          const bool first_pass = r == row0;  // later passes find the next block in L2
-          amx_block(x + r * x_stride, x_stride, rt, b, b_stride, nb, chunks, c,
-                    first_pass ? ahead : nullptr, ahead_stride, static_cast<int>(ahead_nb));
-          for (int jb = 0; jb < nb; ++jb) {
+          BlockWeight part = bw;
+          if (rt == 2) part.nb = std::min(part.nb, 2);
+          // later passes find the next block in L2
+          amx_block(x + r * x_stride, x_stride, rt, part, c, r == row0 ? ahead : BlockWeight{});
+          for (int jb = 0; jb < part.nb; ++jb) {
             const int64_t col = (blk + jb) * 16;
             const uint16_t* bias_j = bias ? bias + col : nullptr;
             uint16_t* out = y + r * out_stride + col;
@@ -161,7 +182,7 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
             }
           }
         }
-        blk += group;
+        blk += bw.nb;
       }
     }
   }

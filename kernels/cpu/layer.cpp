@@ -23,6 +23,7 @@ struct ParashiftLayerWeights {
   const void* down;
   void* key_cache;
   void* value_cache;
+  const void* next_qkv;  // the following layer's (null for the last): fetched ahead
 };
 
 // What every layer of one step shares: shapes, the step's tables and scratch buffers.
@@ -62,7 +63,10 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
     parashift_rms_norm(kBf16, s->normed, residual, hidden, h, residual, h, w->input_norm, t, h,
                        s->eps, th);
   }
-  parashift_gemm_bf16(s->qkv, qkv_width, s->normed, h, w->qkv, w->qkv_bias, t, qkv_width, h, th);
+  const int64_t i2 = 2 * s->intermediate, attn_width = s->heads * d;
+  // each GEMM names the next, whose weight it starts fetching as it ends
+  parashift_gemm_bf16_then(s->qkv, qkv_width, s->normed, h, w->qkv, w->qkv_bias, t, qkv_width, h,
+                           w->o, h, attn_width, th);
   char* qkv = static_cast<char*>(s->qkv);
   parashift_rotary(kBf16, qkv, qkv_width, s->cos, s->sin, t, s->heads + s->kv_heads, d, th);
   parashift_write_kv(kBf16, w->key_cache, w->value_cache, qkv + s->heads * d * 2,
@@ -71,14 +75,15 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
   parashift_paged_decode_attention(kBf16, s->attn, qkv, qkv_width, w->key_cache, w->value_cache,
                                    s->block_tables, s->table_width, s->seq_lens, t, s->heads,
                                    s->kv_heads, d, s->block_size, s->window, s->scale, th);
-  parashift_gemm_bf16(s->o, h, s->attn, s->heads * d, w->o, nullptr, t, h, s->heads * d, th);
+  parashift_gemm_bf16_then(s->o, h, s->attn, attn_width, w->o, nullptr, t, h, attn_width,
+                           w->gate_up, i2, h, th);
   parashift_rms_norm(kBf16, s->normed, residual, s->o, h, residual, h, w->post_norm, t, h, s->eps,
                      th);
-  const int64_t i2 = 2 * s->intermediate;
-  parashift_gemm_bf16(s->gate_up, i2, s->normed, h, w->gate_up, w->gate_up_bias, t, i2, h, th);
+  parashift_gemm_bf16_then(s->gate_up, i2, s->normed, h, w->gate_up, w->gate_up_bias, t, i2, h,
+                           w->down, h, s->intermediate, th);
   parashift_silu_and_mul(kBf16, s->act, s->gate_up, i2, t, s->intermediate, th);
-  parashift_gemm_bf16(hidden, h, s->act, s->intermediate, w->down, nullptr, t, h,
-                      s->intermediate, th);
+  parashift_gemm_bf16_then(hidden, h, s->act, s->intermediate, w->down, nullptr, t, h,
+                           s->intermediate, w->next_qkv, qkv_width, h, th);
 }
 
 }  // extern "C"

@@ -103,11 +103,12 @@ class LayerWeights(Structure):
 
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down",
-        "key_cache", "value_cache")]
+        "key_cache", "value_cache", "next_qkv")]
 
     @classmethod
     def of(cls, *tensors: torch.Tensor | None) -> LayerWeights:
-        """The fields' tensors in order (None: a null pointer)."""
+        """The fields' tensors in order (None: a null pointer; next_qkv, the following layer's
+        packed QKV weight, may be left out)."""
         return cls(*(_ptr(t) for t in tensors))
 
 

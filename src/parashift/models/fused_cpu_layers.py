@@ -10,6 +10,7 @@ over), and steps under torch.profiler (`bench latency --breakdown` splits the op
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -64,6 +65,8 @@ class FusedCpuLayers:
                 _own(attn.qkv_proj).packed, attn.qkv_proj.bias, _own(attn.o_proj).packed,
                 _own(mlp.gate_up_proj).packed, mlp.gate_up_proj.bias, _own(mlp.down_proj).packed,
                 key_cache, value_cache))
+        for layer, following in itertools.pairwise(self.weights):
+            layer.next_qkv = following.qkv  # fetched while the layer's last GEMM ends
 
     @classmethod
     def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
