@@ -102,18 +102,21 @@ void rms_norm<bf16>(bf16* out, bf16* residual_out, const bf16* x, int64_t x_stri
         const __mmask16 m = lanes(hidden - i);
         __m512 v = load_bf16(xr + i, m);
         if (residual != nullptr) {
-          const __m256i sum = to_bf16(_mm512_add_ps(v, load_bf16(residual + r * residual_stride + i, m)));
+          const __m512 res = load_bf16(residual + r * residual_stride + i, m);
+          const __m256i sum = to_bf16(_mm512_add_ps(v, res));
           _mm256_mask_storeu_epi16(residual_out + r * hidden + i, m, sum);
           v = widen(sum);
         }
         _mm512_storeu_ps(row.data() + i, v);
         squares = _mm512_fmadd_ps(v, v, squares);
       }
-      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(hidden) + eps);
+      const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(hidden);
+      const float inv = 1.f / std::sqrt(mean + eps);
       bf16* o = out + r * hidden;
       for (int64_t i = 0; i < hidden; i += 16) {
         const __mmask16 m = lanes(hidden - i);
-        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
+        const __m512 normed =
+            round_bf16(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
         store_bf16(o + i, m, _mm512_mul_ps(load_bf16(weight + i, m), normed));
       }
     }

@@ -28,6 +28,14 @@ void parashift_paged_decode_attention(int dtype, void* out, const void* query,
                                       int num_threads);
 void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
                            int num_threads);
+// 1 where it ran (bf16, head_dim 64, AMX); 0: not taken, nothing written.
+int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query_stride,
+                                     const void* key_cache, const void* value_cache,
+                                     const int32_t* block_tables, int64_t table_width,
+                                     const int32_t* query_starts, const int32_t* seq_lens,
+                                     int64_t seqs, int64_t heads, int64_t kv_heads,
+                                     int64_t head_dim, int64_t block_size, float scale,
+                                     int num_threads);
 int parashift_cpu_bf16_dot();
 int parashift_cpu_amx();  // gemm_bf16 runs on AMX tiles where k % 32 == 0
 void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,

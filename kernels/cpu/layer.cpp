@@ -44,6 +44,14 @@ struct ParashiftLayerStep {
   void* gate_up;                 // [tokens, 2 intermediate]
   void* act;                     // [tokens, intermediate]
   int num_threads;
+  // Where prefills > 0: tokens from `decodes` on are prefill chunks (query_starts [prefills + 1]
+  // from 0, chunk_seq_lens [prefills], chunk_tables [prefills, chunk_table_width]) for the tiled
+  // prefill kernel; where it does not run, every token is a decode query as above.
+  int64_t decodes, prefills;
+  const int32_t* chunk_tables;
+  int64_t chunk_table_width;
+  const int32_t* query_starts;
+  const int32_t* chunk_seq_lens;
 };
 
 // hidden [tokens, hidden] <- the layer's output, residual [tokens, hidden] <- the new residual,
@@ -72,9 +80,20 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
   parashift_write_kv(kBf16, w->key_cache, w->value_cache, qkv + s->heads * d * 2,
                      qkv + (s->heads + s->kv_heads) * d * 2, qkv_width, qkv_width,
                      s->slot_mapping, t, s->kv_heads * d);
-  parashift_paged_decode_attention(kBf16, s->attn, qkv, qkv_width, w->key_cache, w->value_cache,
-                                   s->block_tables, s->table_width, s->seq_lens, t, s->heads,
-                                   s->kv_heads, d, s->block_size, s->window, s->scale, th);
+  int64_t queries = t;  // tokens for the decode kernel
+  if (s->prefills > 0 &&
+      parashift_prefill_attention_bf16(
+          static_cast<char*>(s->attn) + s->decodes * attn_width * 2,
+          qkv + s->decodes * qkv_width * 2, qkv_width, w->key_cache, w->value_cache,
+          s->chunk_tables, s->chunk_table_width,
+          s->query_starts, s->chunk_seq_lens, s->prefills, s->heads, s->kv_heads, d,
+          s->block_size, s->scale, th))
+    queries = s->decodes;
+  if (queries > 0)
+    parashift_paged_decode_attention(kBf16, s->attn, qkv, qkv_width, w->key_cache,
+                                     w->value_cache, s->block_tables, s->table_width, s->seq_lens,
+                                     queries, s->heads, s->kv_heads, d, s->block_size, s->window,
+                                     s->scale, th);
   parashift_gemm_bf16_then(s->o, h, s->attn, attn_width, w->o, nullptr, t, h, attn_width,
                            w->gate_up, i2, h, th);
   parashift_rms_norm(kBf16, s->normed, residual, s->o, h, residual, h, w->post_norm, t, h, s->eps,

@@ -23,10 +23,11 @@ import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
-           for name in ("elementwise.cpp", "attention.cpp", "gemm.cpp", "layer.cpp")]
+           for name in ("elementwise.cpp", "attention.cpp", "prefill_attention.cpp", "gemm.cpp",
+                        "layer.cpp")]
 HEADERS = [os.path.join(_HERE, name)
-           for name in ("common.h", "entry_points.h", "attention_bf16.h", "elementwise_bf16.h",
-                         "gemm_amx.h")]
+           for name in ("common.h", "entry_points.h", "amx.h", "attention_bf16.h",
+                        "elementwise_bf16.h", "gemm_amx.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
@@ -122,7 +123,10 @@ class LayerStep(Structure):
         ("slot_mapping", c_void_p), ("block_tables", c_void_p), ("table_width", c_int64),
         ("seq_lens", c_void_p), ("block_size", c_int64), ("window", c_int64),
         *((name, c_void_p) for name in ("normed", "qkv", "attn", "o", "gate_up", "act")),
-        ("num_threads", c_int)]
+        ("num_threads", c_int),
+        # prefill chunks for the tiled prefill kernel (prefills 0: every token a decode query)
+        ("decodes", c_int64), ("prefills", c_int64), ("chunk_tables", c_void_p),
+        ("chunk_table_width", c_int64), ("query_starts", c_void_p), ("chunk_seq_lens", c_void_p)]
 
 
 class CpuOps:
@@ -144,10 +148,13 @@ class CpuOps:
             "parashift_gemm_bf16": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
             "parashift_llama_layer_bf16": [POINTER(LayerWeights), POINTER(LayerStep), ptr, ptr,
                                            c_int],
+            "parashift_prefill_attention_bf16": [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                                 i64, i64, i64, i64, i64, c_float, c_int],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.parashift_prefill_attention_bf16.restype = c_int
         self._lib = lib
         self.path = path
         # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
@@ -240,6 +247,27 @@ class CpuOps:
             _DTYPES[key.dtype], key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(),
             value.data_ptr(), key.stride(0), value.stride(0), slot_mapping.data_ptr(), tokens,
             key.shape[1] * key.shape[2])
+
+    @_profiled
+    def prefill_attention(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_starts: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float) -> bool:
+        """Causal attention of prefill chunks over their sequences' cached keys (the chunks'
+        own K/V written first): out [tokens, heads, head_dim] contiguous, query likewise (tokens
+        strided); chunk i is tokens query_starts[i]:query_starts[i + 1] (int32, from 0), the
+        last of seq_lens[i] keys; block_tables [seqs, width] int32. False, writing nothing,
+        where this CPU or shape has no such kernel (AMX, bf16, head_dim 64, here)."""
+        seqs = seq_lens.shape[0]
+        _, heads, head_dim = query.shape
+        _, block_size, kv_heads, _ = key_cache.shape
+        if query.dtype != torch.bfloat16 or seqs == 0:
+            return False
+        return bool(self._lib.parashift_prefill_attention_bf16(
+            out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+            value_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            query_starts.data_ptr(), seq_lens.data_ptr(), seqs, heads, kv_heads, head_dim,
+            block_size, scale, torch.get_num_threads()))
 
     @_profiled
     def paged_decode_attention(self, out: torch.Tensor, query: torch.Tensor,

@@ -129,6 +129,13 @@ class FusedCpuLayers:
                          metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
                          lens.data_ptr(), self.block_size, window, *buffers,
                          torch.get_num_threads())
+        chunks = getattr(metadata, "prefill_chunks", None)
+        if chunks is not None:  # the tiled prefill kernel, as the layers call it one by one
+            step.decodes, step.prefills = metadata.num_decodes, chunks.seq_lens.shape[0]
+            step.chunk_tables, step.chunk_table_width = (chunks.block_tables.data_ptr(),
+                                                         chunks.block_tables.shape[1])
+            step.query_starts = chunks.query_starts.data_ptr()
+            step.chunk_seq_lens = chunks.seq_lens.data_ptr()
         for i, weights in enumerate(self.weights):
             self.ops.llama_layer_bf16(weights, step, hidden, residual, first and i == 0)
         return hidden, residual
