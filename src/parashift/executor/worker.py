@@ -33,8 +33,6 @@ class Worker:
         self.device = config.device.torch_device
         if self.device.type == "cpu" and config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
-        if self.device.type == "cpu":
-            _keep_freed_heap()
         torch.manual_seed(config.model.seed)
         self.backend = get_attention_backend(config.device.attention_backend)
         self.num_blocks = 0
@@ -201,21 +199,6 @@ def _trim_heap() -> None:
     threshold on the heap, where freeing them does not lower the RSS)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def _keep_freed_heap() -> None:
-    """A step's activations (megabytes each at prefill sizes) come back from the heap instead
-    of fresh mappings: by default glibc maps large blocks anew and returns freed heap to the OS,
-    so every step faults its pages in again (15,000 page faults per W1 prefill on a Xeon, ~10%
-    of its time, what tcmalloc spares vLLM). Sleep still returns memory (_trim_heap)."""
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's most
-        libc.mallopt(m_trim_threshold, 256 << 20)
-        libc.mallopt(m_top_pad, 16 << 20)
     except (OSError, AttributeError):  # not glibc
         pass
 
