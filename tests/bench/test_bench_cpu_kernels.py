@@ -19,8 +19,10 @@ def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
     assert code == 0, text
     assert "FAIL" not in text
     rows = json.loads(out.read_text())["results"]["kernels"]
-    gemms = ([f"{name} GEMM (dpbf16)" for name in ("QKV", "O", "gate_up", "down", "LM head")]
-             if dtype == "bfloat16" and cpu_ops() is not None and cpu_ops().bf16_dot else [])
+    ops = cpu_ops()
+    kernel = "dpbf16, AMX" if ops is not None and ops.amx else "dpbf16"  # the GEMM's tiles
+    gemms = ([f"{name} GEMM ({kernel})" for name in ("QKV", "O", "gate_up", "down", "LM head")]
+             if dtype == "bfloat16" and ops is not None and ops.bf16_dot else [])
     assert [r["kernel"] for r in rows] == ["decode attention + KV write", "RMSNorm + residual",
                                            "rotary (neox, in place)", "SiLU and mul",
                                            "greedy argmax", *gemms]
