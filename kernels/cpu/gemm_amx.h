@@ -123,9 +123,9 @@ void amx_block(const uint16_t* x, int64_t x_stride, int rt, const BlockWeight& b
 // gemm.cpp's product on AMX (k a multiple of 32). Threads split the 16-column blocks as there;
 // rows go in panels (x's panel stays in L2 while the thread's columns pass over it), each
 // column group over all the panel's row blocks (its weight stays in L1/L2 between them).
-// `next` (w may be null): the weight the caller multiplies by next, whose first register block
-// for this thread is fetched while the last one here computes, so the next GEMM does not start
-// from memory (a decode layer's GEMMs are 0.7-3.5 MB each, a few register blocks per thread).
+// `next` (w may be null): the weight the caller multiplies by next, where this thread's stream
+// runs on, so the next GEMM does not start from memory (a decode layer's GEMMs are 0.7-3.5 MB
+// each, a few register blocks per thread).
 void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stride,
               const PackedWeight& weight, const uint16_t* bias, int64_t m, int threads,
               const PackedWeight& next) {
@@ -160,13 +160,11 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
             configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
             configured = rows;
           }
-          const int rt = rows > 16 ? 2 : 1;
-          BlockWeight part = bw;
-          if (rt == 2) part.nb = std::min(part.nb, 2);
+          const int rt = rows > 16 ? 2 : 1;  // then bw.nb <= 2: `most` saw the panel's rows
           // later row blocks find the weight in L2
-          amx_block(x + r * x_stride, x_stride, rt, part, c,
+          amx_block(x + r * x_stride, x_stride, rt, bw, c,
                     r == row0 && row0 == 0 ? &stream : nullptr);
-          for (int jb = 0; jb < part.nb; ++jb) {
+          for (int jb = 0; jb < bw.nb; ++jb) {
             const int64_t col = (blk + jb) * 16;
             const uint16_t* bias_j = bias ? bias + col : nullptr;
             uint16_t* out = y + r * out_stride + col;
