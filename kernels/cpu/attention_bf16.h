@@ -139,10 +139,6 @@ void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float
   }
 }
 
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
-}
-
 // One query head's key weights: p = exp(s - max s) in place; returns their sum, and writes
 // their bf16 pairs (keys 2i and 2i + 1 in dword i, a zero after an odd last key). The max and
 // the sum in vector lanes: written as plain loops, gcc kept both scalar (a tenth of the

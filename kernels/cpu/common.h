@@ -18,8 +18,10 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PARASHIFT_BF16_DOT 1
 #endif
 
@@ -77,6 +79,13 @@ constexpr int64_t kParallelMin = 1 << 12;
 inline int threads_for(int64_t elements, int num_threads) {
   return elements < kParallelMin ? 1 : num_threads;
 }
+
+#ifdef __AVX512F__
+// The mask of a 16-lane vector's first `count` lanes (a row's tail; none for count <= 0).
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+#endif
 
 
 // A row's cache lines, ahead of use: into L1 (Locality 3, the default) for the next rows, into

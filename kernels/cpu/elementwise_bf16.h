@@ -6,15 +6,8 @@
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-#define PARASHIFT_BF16_LANES 1
 
 namespace {
-
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-}
 
 inline __m512 load_bf16(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(
@@ -74,7 +67,7 @@ void silu_and_mul<bf16>(bf16* out, const bf16* x, int64_t x_stride, int64_t toke
     const bf16* up = gate + d;
     bf16* o = out + t * d;
     for (int64_t i = 0; i < d; i += 16) {
-      const __mmask16 m = lanes(d - i);
+      const __mmask16 m = first_lanes(d - i);
       const __m512 g = load_bf16(gate + i, m);
       const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), g));
       // g / (1 + e) by a reciprocal estimate and a Newton step (within an ulp of the quotient):
@@ -100,7 +93,7 @@ void rms_norm<bf16>(bf16* out, bf16* residual_out, const bf16* x, int64_t x_stri
       const bf16* xr = x + r * x_stride;
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = lanes(hidden - i);
+        const __mmask16 m = first_lanes(hidden - i);
         __m512 v = load_bf16(xr + i, m);
         if (residual != nullptr) {
           const __m512 res = load_bf16(residual + r * residual_stride + i, m);
@@ -115,7 +108,7 @@ void rms_norm<bf16>(bf16* out, bf16* residual_out, const bf16* x, int64_t x_stri
       const float inv = 1.f / std::sqrt(mean + eps);
       bf16* o = out + r * hidden;
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = lanes(hidden - i);
+        const __mmask16 m = first_lanes(hidden - i);
         const __m512 normed =
             round_bf16(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), _mm512_set1_ps(inv)));
         store_bf16(o + i, m, _mm512_mul_ps(load_bf16(weight + i, m), normed));
@@ -131,7 +124,7 @@ void rotary<bf16>(bf16* x, int64_t token_stride, const bf16* cos, const bf16* si
 #pragma omp parallel for num_threads(threads_for(tokens * heads * head_dim, num_threads))
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 m = lanes(half - i);
+      const __mmask16 m = first_lanes(half - i);
       const __m512 c = load_bf16(cos + t * half + i, m), s = load_bf16(sin + t * half + i, m);
       for (int64_t h = 0; h < heads; ++h) {
         bf16* x1 = x + t * token_stride + h * head_dim + i;

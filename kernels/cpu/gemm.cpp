@@ -58,7 +58,7 @@ void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_strid
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t left = cols - 16 * j;  // the last block of W may be partial
-    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mask = first_lanes(left);
     __m512 add = _mm512_setzero_ps();
     if (bias)
       add = _mm512_castsi512_ps(_mm512_slli_epi32(

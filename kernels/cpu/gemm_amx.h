@@ -21,7 +21,7 @@ namespace {
 // C tile -> bf16 rows of out (+ bias), `cols` of its 16 columns.
 inline void store_tile_rows(const float* c, int rows, uint16_t* out, int64_t out_stride,
                             const uint16_t* bias, int64_t cols) {
-  const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask = first_lanes(cols);
   __m512 add = _mm512_setzero_ps();
   if (bias)
     add = _mm512_castsi512_ps(_mm512_slli_epi32(

@@ -76,7 +76,7 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
     float* s = scores.data() + i * padded;
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m = first_lanes(n - j);
       top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
     }
     const float t = _mm512_reduce_max_ps(top) * scale;
