@@ -23,15 +23,13 @@ inline int64_t tile_offset(int64_t tile, int64_t k2) { return tile * k2 * kTile 
 }  // namespace
 
 #include "gemm_amx.h"
+#include "gemm_fma.h"
 
 #ifdef PARASHIFT_BF16_DOT
 namespace {
 
 constexpr int kRows = 6;  // rows per register block
-#ifndef PANEL
-#define PANEL 384
-#endif
-constexpr int64_t kPanel = PANEL;
+using Operand = uint16_t;  // vdpbf16ps multiplies the rows' bf16 pairs as they are
 
 template <int MB, int NB>
 void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
@@ -70,7 +68,21 @@ void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_strid
   }
 }
 
-using Micro = void (*)(uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t,
+}  // namespace
+#elif defined(PARASHIFT_FMA_GEMM)
+namespace {
+constexpr int kRows = kFmaRows;
+using Operand = float;  // the rows widened once (gemm_fma.h)
+}  // namespace
+#endif
+
+#if defined(PARASHIFT_BF16_DOT) || defined(PARASHIFT_FMA_GEMM)
+#define PARASHIFT_OWN_GEMM 1
+namespace {
+
+constexpr int64_t kPanel = 384;  // rows whose x stays in L2 while a thread's columns pass
+
+using Micro = void (*)(uint16_t*, int64_t, const Operand*, int64_t, const uint16_t*, int64_t,
                        int64_t, const uint16_t*, int64_t, const char*, int64_t);
 
 template <int MB>
@@ -79,7 +91,7 @@ constexpr Micro pick(int nb) {
 }
 
 Micro kernel(int mb, int nb) {
-  static const Micro table[kRows][kTile] = {
+  static const Micro table[6][kTile] = {  // rows 1..kRows taken
       {pick<1>(1), pick<1>(2), pick<1>(3), pick<1>(4)},
       {pick<2>(1), pick<2>(2), pick<2>(3), pick<2>(4)},
       {pick<3>(1), pick<3>(2), pick<3>(3), pick<3>(4)},
@@ -89,14 +101,40 @@ Micro kernel(int mb, int nb) {
   return table[mb - 1][nb - 1];
 }
 
+// The rows as the micro-kernels read them: as they are for vdpbf16ps, widened to fp32 (into a
+// buffer of the calling thread's, reused) for the FMA kernels.
+const Operand* operands(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                        int threads, int64_t& stride) {
+#ifdef PARASHIFT_FMA_GEMM
+  thread_local std::vector<float> widened;
+  widened.resize(m * k);
+  float* dst = widened.data();
+#pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; ++c) dst[r * k + c] = to_f(bf16{x[r * x_stride + c]});
+  stride = k;
+  return dst;
+#else
+  stride = x_stride;
+  return x;
+#endif
+}
+
 }  // namespace
 #endif
 
 extern "C" {
 
-int parashift_cpu_amx() {
-#ifdef PARASHIFT_AMX
-  return amx_permitted();
+// Our bf16 GEMM's instructions here: 0 none, 1 fp32 FMA (AVX2 or AVX-512F), 2 vdpbf16ps,
+// 3 AMX tiles (where k % 32 == 0; vdpbf16ps otherwise).
+int parashift_cpu_bf16_gemm() {
+#if defined(PARASHIFT_AMX)
+  if (amx_permitted()) return 3;
+#endif
+#if defined(PARASHIFT_BF16_DOT)
+  return 2;
+#elif defined(PARASHIFT_FMA_GEMM)
+  return 1;
 #else
   return 0;
 #endif
@@ -123,7 +161,7 @@ void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int
 }
 
 // out [m, n] (row stride out_stride) <- x [m, k] (row stride x_stride) W^T + bias (bias [n] or
-// null), all bf16, W packed by parashift_pack_bf16. Needs AVX512-BF16 (parashift_cpu_bf16_dot).
+// null), all bf16, W packed by parashift_pack_bf16. Needs parashift_cpu_bf16_gemm() > 0.
 void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
                          const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
                          int num_threads) {
@@ -137,7 +175,7 @@ void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int6
                               const void* packed, const void* bias, int64_t m, int64_t n,
                               int64_t k, const void* next_packed, int64_t next_n,
                               int64_t next_k, int num_threads) {
-#ifdef PARASHIFT_BF16_DOT
+#ifdef PARASHIFT_OWN_GEMM
   const int64_t k2 = k / 2, blocks = (n + 15) / 16;
   uint16_t* y = static_cast<uint16_t*>(out);
   const uint16_t* xs = static_cast<const uint16_t*>(x);
@@ -152,6 +190,8 @@ void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int6
     return;
   }
 #endif
+  int64_t a_stride;
+  const Operand* a = operands(xs, x_stride, m, k, threads, a_stride);
 #pragma omp parallel num_threads(threads)
   {
     // Each thread its own run of 16-column blocks (not whole tiles: 9 tiles split 5 / 4).
@@ -181,7 +221,7 @@ void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int6
           const int mb = static_cast<int>(std::min<int64_t>(kRows, row0 + rows - r));
           const int64_t from = std::min(next_lines, pass * lines_per_pass);
           const int64_t count = std::min(next_lines, from + lines_per_pass) - from;
-          kernel(mb, nb)(y + r * out_stride + col, out_stride, xs + r * x_stride, x_stride, b,
+          kernel(mb, nb)(y + r * out_stride + col, out_stride, a + r * a_stride, a_stride, b,
                          width * 32, k2, bs ? bs + col : nullptr, cols,
                          next_b ? next_b + from * 64 : nullptr, count);
         }

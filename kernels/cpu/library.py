@@ -27,7 +27,7 @@ SOURCES = [os.path.join(_HERE, name)
                         "layer.cpp")]
 HEADERS = [os.path.join(_HERE, name)
            for name in ("common.h", "entry_points.h", "amx.h", "attention_bf16.h",
-                        "elementwise_bf16.h", "gemm_amx.h")]
+                        "bf16_lanes.h", "elementwise_bf16.h", "gemm_amx.h", "gemm_fma.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
@@ -35,7 +35,11 @@ _FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", 
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 
-def _arch_flag() -> str:
+def _arch_flag(march: str | None = None) -> str:
+    """-march=native, or `march` (tests build the kernels for an older x86 too: what runs on
+    other machines runs here, on a CPU with more instructions)."""
+    if march:
+        return f"-march={march}"
     return "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
 
 
@@ -48,31 +52,31 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
-def library_path(build_dir: str, compiler: str) -> str:
+def library_path(build_dir: str, compiler: str, march: str | None = None) -> str:
     texts = []
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             texts.append(f.read())
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + [_arch_flag()]).encode(),
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + [_arch_flag(march)]).encode(),
                                      compiler.encode(), _cpu_identity().encode()]))
     return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
 
 
-def build(build_dir: str) -> str:
+def build(build_dir: str, march: str | None = None) -> str:
     """The path of this CPU's compiled library, built first if need be. Raises RuntimeError
     (with the compiler's message) when no compiler is found or the build fails."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     os.makedirs(build_dir, exist_ok=True)
-    path = library_path(build_dir, compiler)
+    path = library_path(build_dir, compiler, march)
     if os.path.exists(path):
         return path
     with open(os.path.join(build_dir, "cpu-ops.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [compiler, *_FLAGS, _arch_flag(), *SOURCES, "-o", tmp]
+            cmd = [compiler, *_FLAGS, _arch_flag(march), *SOURCES, "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")
@@ -159,17 +163,19 @@ class CpuOps:
         self.path = path
         # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
         self.bf16_dot = bool(lib.parashift_cpu_bf16_dot())
-        # and gemm_bf16 on AMX tiles (k a multiple of 32), where the CPU and the OS allow them
-        self.amx = bool(lib.parashift_cpu_amx())
+        # gemm_bf16's instructions: "fma" (AVX2 or AVX-512F), "dpbf16" (AVX512-BF16), "amx"
+        # (tiles, k a multiple of 32, where the OS allows them), or None: no such GEMM here
+        self.bf16_gemm = {1: "fma", 2: "dpbf16", 3: "amx"}.get(lib.parashift_cpu_bf16_gemm())
+        self.amx = self.bf16_gemm == "amx"
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]
         (tiles of 64 columns, each k pair's columns side by side; see gemm.cpp). RuntimeError
         where this CPU or the weight cannot take it."""
         n, k = weight.shape
-        if not self.bf16_dot or weight.dtype != torch.bfloat16 or k % 2:
-            raise RuntimeError(f"no bf16 dot-product GEMM for a {weight.dtype} [{n}, {k}] "
-                               f"weight on this CPU (AVX512-BF16: {self.bf16_dot})")
+        if self.bf16_gemm is None or weight.dtype != torch.bfloat16 or k % 2:
+            raise RuntimeError(f"no bf16 GEMM of ours for a {weight.dtype} [{n}, {k}] weight "
+                               f"on this CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
         weight = weight.contiguous()
         packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.bfloat16)
         self._lib.parashift_pack_bf16(packed.data_ptr(), weight.data_ptr(), k, n, k,
@@ -286,12 +292,13 @@ class CpuOps:
             block_size, window or 0, scale, torch.get_num_threads())
 
 
-def load(build_dir: str) -> CpuOps:
-    """Build (if need be) and load this CPU's kernels; RuntimeError if they cannot be built.
-    A cached library that does not load (a truncated file) is built again."""
-    path = build(build_dir)
+def load(build_dir: str, march: str | None = None) -> CpuOps:
+    """Build (if need be) and load this CPU's kernels (or those for `march`); RuntimeError if
+    they cannot be built. A cached library that does not load (a truncated file) is built
+    again."""
+    path = build(build_dir, march)
     try:
         return CpuOps(path)
     except OSError:
         os.remove(path)
-        return CpuOps(build(build_dir))
+        return CpuOps(build(build_dir, march))

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from parashift.bench.cpu_kernels import GEMM_KERNELS
 from parashift.layers.kernel_dispatch import cpu_ops
 from tests.bench.test_bench_commands import invoke
 
@@ -20,9 +21,9 @@ def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
     assert "FAIL" not in text
     rows = json.loads(out.read_text())["results"]["kernels"]
     ops = cpu_ops()
-    kernel = "dpbf16, AMX" if ops is not None and ops.amx else "dpbf16"  # the GEMM's tiles
-    gemms = ([f"{name} GEMM ({kernel})" for name in ("QKV", "O", "gate_up", "down", "LM head")]
-             if dtype == "bfloat16" and ops is not None and ops.bf16_dot else [])
+    gemms = ([f"{name} GEMM ({GEMM_KERNELS[ops.bf16_gemm]})"
+              for name in ("QKV", "O", "gate_up", "down", "LM head")]
+             if dtype == "bfloat16" and ops is not None and ops.bf16_gemm else [])
     assert [r["kernel"] for r in rows] == ["decode attention + KV write", "RMSNorm + residual",
                                            "rotary (neox, in place)", "SiLU and mul",
                                            "greedy argmax", *gemms]

@@ -1,8 +1,10 @@
 """The bf16 GEMM kernel (kernels/cpu/gemm.cpp) against a float64 product: every edge of its
-blocking (a partial 16-column block, a narrower last tile, row counts around the 6-row
-register block and the 384-row panel, or the AMX path's 16-row tiles and 256-row panel), a bias,
-strided rows; and where it is refused. On a CPU with AMX, k a multiple of 32 runs on tiles and
-other k on vdpbf16ps, so both kernels are checked there."""
+blocking (a partial 16-column block, a narrower last tile, row counts around the 4- and 6-row
+register blocks and the 384-row panel, or the AMX path's 16-row tiles and 256-row panel), a
+bias, strided rows; and where it is refused. On a CPU with AMX, k a multiple of 32 runs on tiles
+and other k on vdpbf16ps, so both kernels are checked there. The kernels are also built for
+older x86 CPUs this one can run (-march=haswell: the FMA kernel on AVX2; skylake-avx512: on
+AVX-512F), so the forms other machines take are checked here too."""
 
 from __future__ import annotations
 
@@ -10,13 +12,44 @@ import pytest
 import torch
 from parashift.kernels.cpu import library
 
+# -march targets and the instruction sets (as /proc/cpuinfo names them) their code needs
+MARCHES = {"native": set(),
+           "haswell": {"avx2", "fma", "bmi2", "f16c", "movbe"},
+           "skylake-avx512": {"avx2", "fma", "bmi2", "f16c", "movbe", "avx512f", "avx512bw",
+                              "avx512vl", "avx512dq", "avx512cd"}}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module", params=list(MARCHES))
+def march(request) -> str:
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    ops = library.load(str(tmp_path_factory.mktemp("cpu-kernels")))
-    if not ops.bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16")
+def ops(march, tmp_path_factory):
+    if not MARCHES[march] <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run code built for -march={march}")
+    ops = library.load(str(tmp_path_factory.mktemp("cpu-kernels")),
+                       None if march == "native" else march)
+    if ops.bf16_gemm is None:
+        pytest.skip(f"no bf16 GEMM of ours built for -march={march}")
     return ops
+
+
+def test_each_target_takes_the_kernel_its_instructions_allow(ops, march):
+    flags = _cpu_flags()
+    if march != "native" or "avx512_bf16" not in flags:  # AVX2 or AVX-512F: the FMA kernel
+        assert (ops.bf16_gemm, ops.bf16_dot) == ("fma", False)
+    else:  # AMX where the OS grants its tiles
+        assert ops.bf16_gemm in ("dpbf16", "amx") and ops.bf16_dot
+        assert ops.bf16_gemm == "dpbf16" or "amx_bf16" in flags
 
 
 def _check(ops, rows: int, n: int, k: int, bias: bool, strided: bool = False):
@@ -33,7 +66,7 @@ def _check(ops, rows: int, n: int, k: int, bias: bool, strided: bool = False):
 
 
 @pytest.mark.parametrize("k", [64, 40])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 257, 385])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 32, 33, 257, 385])
 def test_rows_around_the_register_block_and_the_panel(ops, rows, k):
     _check(ops, rows, 160, k, bias=False)  # 10 blocks: two whole tiles, a last of two
 
@@ -56,5 +89,5 @@ def test_no_rows_is_an_empty_result(ops):
 
 @pytest.mark.parametrize("weight", [torch.randn(16, 7).bfloat16(), torch.randn(16, 8)])
 def test_an_odd_k_or_another_dtype_is_refused(ops, weight):
-    with pytest.raises(RuntimeError, match="no bf16 dot-product GEMM"):
+    with pytest.raises(RuntimeError, match="no bf16 GEMM of ours"):
         ops.pack_bf16(weight)

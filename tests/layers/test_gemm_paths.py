@@ -115,15 +115,15 @@ def test_a_padded_onednn_gemm_returns_just_its_rows(rows):
     assert torch.allclose(out, x @ weight.t(), atol=1e-4)
 
 
-@pytest.mark.skipif(not gemm_paths.can_dot_bf16(), reason="no AVX512-BF16 kernel on this CPU")
+@pytest.mark.skipif(not gemm_paths.can_own_bf16(), reason="no bf16 GEMM of ours on this CPU")
 def test_our_bf16_kernel_hands_rows_past_its_limit_to_f_linear():
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 32, generator=g).bfloat16()
-    own = gemm_paths.OwnBf16Weight(prepare(weight, "dpbf16")[1].packed, max_rows=4)
+    own = gemm_paths.OwnBf16Weight(prepare(weight, "own-bf16")[1].packed, max_rows=4)
     x = torch.randn(5, 32, generator=g).bfloat16()
-    unlimited = prepare(weight, "dpbf16")[1]
+    unlimited = prepare(weight, "own-bf16")[1]
     assert torch.equal(linear(x[:4], weight, None, own), linear(x[:4], weight, None, unlimited))
     assert torch.equal(linear(x, weight, None, own), F.linear(x, weight))
 
@@ -134,8 +134,8 @@ def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path,
 
     def times(dtype, out_features, in_features, rows, paths):
         probed.append(rows)
-        assert paths == ("dpbf16", "linear")
-        return {"dpbf16": 1.0, "linear": 2.0 if rows <= 256 else 0.5}
+        assert paths == ("own-bf16", "linear")
+        return {"own-bf16": 1.0, "linear": 2.0 if rows <= 256 else 0.5}
 
     monkeypatch.setattr(gemm_paths, "time_paths", times)
     paths = GemmPaths(str(path))
@@ -149,6 +149,6 @@ def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path,
 
 def test_a_near_tie_keeps_our_kernel_at_batch_rows_only(tmp_path, monkeypatch):
     # F.linear 5% faster everywhere: within the margin at 64 and 128 rows, not from 256
-    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"dpbf16": 1.0,
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"own-bf16": 1.0,
                                                                   "linear": 0.95})
     assert GemmPaths(str(tmp_path / "cpu.json")).row_limit(torch.bfloat16, 64, 32) == 128

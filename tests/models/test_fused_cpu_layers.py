@@ -33,7 +33,7 @@ def _generate(folder: str, fused: bool, monkeypatch) -> tuple[list, list]:
     with monkeypatch.context() as m:
         # our GEMM path on every weight, at every row count (timing may choose otherwise)
         m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape: (
-            "dpbf16" if dtype == torch.bfloat16 else "linear"))
+            "own-bf16" if dtype == torch.bfloat16 else "linear"))
         m.setattr(gemm_paths.GemmPaths, "row_limit", lambda self, *a: 1 << 20)
         m.setattr(FusedCpuLayers, "__call__", counted)
         if not fused:

@@ -18,6 +18,9 @@ from parashift.bench.kernels import KernelCase
 from parashift.bench.options import SaveJson
 from parashift.cli_options import fail, setup_logging
 
+# our bf16 GEMM's instructions (CpuOps.bf16_gemm) as the GEMM rows name them
+GEMM_KERNELS = {"amx": "AMX", "dpbf16": "vdpbf16ps", "fma": "FMA"}
+
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, VOCAB, BLOCK = 9, 3, 64, 576, 1536, 49152, 16
 
 
@@ -90,20 +93,20 @@ def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
     logits = torch.randn(batch, VOCAB).to(dtype)
     out.append(KernelCase("greedy argmax", f"{batch} x {VOCAB}", lambda: ops.argmax(logits),
                           lambda: logits.float().argmax(dim=-1), 0, 0.0))
-    if dtype == torch.bfloat16 and ops.bf16_dot:
+    if dtype == torch.bfloat16 and ops.bf16_gemm is not None:
         out.extend(_gemm_cases(ops, batch))
     return out
 
 
 def _gemm_cases(ops, batch: int) -> list[KernelCase]:
-    """Our bf16 GEMM (GEMM path dpbf16) against oneDNN's reordered weight (path onednn; F.linear
+    """Our bf16 GEMM (GEMM path own-bf16) against oneDNN's reordered weight (path onednn; F.linear
     where this torch has no oneDNN), SmolLM2's weight shapes at the batch's rows."""
     import torch
     import torch.nn.functional as F
 
     from parashift.layers.gemm_paths import can_reorder
 
-    cases, kernel = [], "dpbf16, AMX" if ops.amx else "dpbf16"
+    cases, kernel = [], GEMM_KERNELS[ops.bf16_gemm]
     for name, (n, k) in {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
                          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),
                          "LM head": (VOCAB, HIDDEN)}.items():

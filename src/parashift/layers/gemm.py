@@ -101,7 +101,7 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device) -> list[str]:
         counts[path] = counts.get(path, 0) + 1
     paths.save()
     timed = f" ({len(paths.timed)} timings now)" if paths.timed else ""
-    above = ("; dpbf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
+    above = ("; own-bf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
              + ", F.linear above" if limits else "")
     return [f"GEMM paths on this CPU{timed}: "
             + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())) + above]

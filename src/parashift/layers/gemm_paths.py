@@ -14,11 +14,13 @@ Paths (what `prepare` does to a module's weight):
 - onednn: the weight reordered once into oneDNN's blocked layout for this CPU
   (`mkldnn::_linear_pointwise`), fp32 or half; F.linear reorders on every call instead, which
   at decode rows costs as much as the GEMM (2.2x at 32 rows in fp32, 1.5x in bf16, on a Zen 4);
-- dpbf16: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp: vdpbf16ps
+- own-bf16: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp: vdpbf16ps
   on AVX512-BF16, register blocks of 6 rows x 64 columns, the next tile prefetched; AMX tiles
-  where the CPU has them, gemm_amx.h). On a Zen 5 it ran the 32-row GEMMs of SmolLM2 1.2-1.7x
-  faster than oneDNN's reordered bf16 and stayed within 5% of it at 512-2,048 rows; on a Xeon
-  with AMX, 1.2-1.7x faster at 32 rows and slower than oneDNN from 256 rows on most shapes;
+  where the CPU has them, gemm_amx.h; fp32 FMAs on the pairs widened in registers elsewhere,
+  gemm_fma.h). On a Zen 5 it ran the 32-row GEMMs of SmolLM2 1.2-1.7x faster than oneDNN's
+  reordered bf16 and stayed within 5% of it at 512-2,048 rows; on a Xeon with AMX, 1.2-1.7x
+  faster at 32 rows and slower than oneDNN from 256 rows on most shapes; its FMA form, there,
+  1.55x MKL's packed fp32 with both held to AVX-512F, even with it held to AVX2;
 - fp32 / fp32-packed / fp32-onednn: half-precision weights widened to fp32 once (the values
   stay exactly the checkpoint's; activations stay in the model's dtype, each GEMM rounds its
   result to it), then as linear / packed / onednn.
@@ -54,7 +56,7 @@ ROW_PROBES = (64, 128, 256, 512, 1024)  # rows where our own bf16 kernel may los
 LOSS_MARGIN = 0.9
 PREFILL_ROWS = 256
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
-PATHS_VERSION = 6  # bumped when the candidates change, so older cached choices are timed again
+PATHS_VERSION = 7  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
@@ -67,9 +69,9 @@ def can_reorder() -> bool:
                                                             "_linear_pointwise")
 
 
-def can_dot_bf16() -> bool:
+def can_own_bf16() -> bool:
     ops = cpu_ops()
-    return ops is not None and ops.bf16_dot
+    return ops is not None and ops.bf16_gemm is not None
 
 
 def candidates(dtype: torch.dtype) -> list[str]:
@@ -77,7 +79,7 @@ def candidates(dtype: torch.dtype) -> list[str]:
     if dtype == torch.float32:
         return ["linear", *(layout[1:] for layout in layouts[1:])]
     if dtype in (torch.bfloat16, torch.float16):
-        own = ["dpbf16"] if dtype == torch.bfloat16 and can_dot_bf16() else []
+        own = ["own-bf16"] if dtype == torch.bfloat16 and can_own_bf16() else []
         return ["linear", *(["onednn"] if can_reorder() else []), *own,
                 *(f"fp32{layout}" for layout in layouts)]
     return ["linear"]
@@ -99,7 +101,7 @@ def prepare(weight: torch.Tensor, path: str
     if path.startswith("fp32"):
         weight = weight.float()
     packed = None
-    if path == "dpbf16":
+    if path == "own-bf16":
         packed = OwnBf16Weight(cpu_ops().pack_bf16(weight))
     elif path.endswith("packed"):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)
@@ -152,8 +154,9 @@ def cpu_signature() -> str:
     except OSError:
         pass
     kept = "+".join(f for f in FLAGS if f in flags)
+    # the kernels' build (PARASHIFT_CPU_MARCH) sets which of our bf16 kernels competes
     return (f"{model}|{kept}|torch {torch.__version__}|{torch.get_num_threads()} threads"
-            f"|paths {PATHS_VERSION}")
+            f"|paths {PATHS_VERSION}|march {env.cpu_march() or 'native'}")
 
 
 def cache_file(signature: str | None = None) -> str:
@@ -203,9 +206,9 @@ class GemmPaths:
         limit, probes = ROWS, {}  # it won at ROWS to be chosen
         for rows in ROW_PROBES:
             probes[rows] = times = time_paths(dtype, out_features, in_features, rows,
-                                              paths=("dpbf16", "linear"))
+                                              paths=("own-bf16", "linear"))
             margin = LOSS_MARGIN if rows < PREFILL_ROWS else 1.0
-            if times["linear"] < margin * times["dpbf16"]:
+            if times["linear"] < margin * times["own-bf16"]:
                 break
             limit = rows
         else:

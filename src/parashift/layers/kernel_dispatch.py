@@ -2,8 +2,8 @@
 - Triton kernels on CUDA tensors, with Triton installed (the kernel tests run them on CPU under
   Triton's interpreter, against the same torch code as reference);
 - the compiled CPU kernels (`kernels/cpu`) on float32 and bfloat16 CPU tensors, once they are
-  built for this CPU (PARASHIFT_CPU_KERNELS=0 turns them off; a failed build falls back to the
-  torch code with a warning)."""
+  built for this CPU (PARASHIFT_CPU_KERNELS=0 turns them off, PARASHIFT_CPU_MARCH builds them
+  for another; a failed build falls back to the torch code with a warning)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def cpu_ops():
     from parashift.kernels.cpu.library import load
 
     try:
-        return load(os.path.join(env.cache_dir(), "cpu-kernels"))
+        return load(os.path.join(env.cache_dir(), "cpu-kernels"), env.cpu_march())
     except (RuntimeError, OSError) as e:
         logger.warning("CPU kernels unavailable, using torch ops instead: %s", e)
         return None

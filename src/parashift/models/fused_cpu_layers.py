@@ -1,6 +1,6 @@
 """A Llama-family model's decoder layers as one call each into the CPU kernels
 (kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
-our own GEMM path (layers/gemm_paths.py "dpbf16"), attention on AVX512-BF16, one
+our own GEMM path (layers/gemm_paths.py "own-bf16"), attention on AVX512-BF16, one
 tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
 same order on the same inputs give the same bits as the layers called one by one; what goes is
 the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).

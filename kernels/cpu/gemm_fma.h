@@ -1,0 +1,149 @@
+// gemm.cpp's bf16 GEMM on CPUs without AVX512-BF16 (AVX2 with FMA, or AVX-512F): the same
+// packed weight, each k pair of 16 columns widened to fp32 in registers (a shift for the even
+// k, a mask for the odd: exact), then fp32 FMAs. The rows are widened once per call into a
+// float buffer, so each row's value is one broadcast load. The weight stays bf16 in memory:
+// half the bytes of the fp32 copy the other paths widen it to, with the same products, since
+// widening bf16 is exact (only the order of the sums differs).
+//
+// Register blocks: AVX-512, kFmaRows rows x up to 4 blocks of 16 columns (each block's pair
+// widened, then every row's two broadcasts against it); AVX2, kFmaRows rows x one block at a
+// time, as two 8-column halves (16 ymm registers hold no more). Measured on a Xeon (Sapphire
+// Rapids) with torch's libraries held to the same instructions, at 32 rows and SmolLM2's
+// shapes: on AVX-512 1.55x MKL's packed fp32 GEMM over the widened weight, the fastest of
+// torch's paths; on AVX2 even with it. The int ops share the FMA ports on Intel; AMD issues
+// them beside the FMAs.
+
+#pragma once
+
+#if !defined(PARASHIFT_BF16_DOT) && defined(__AVX2__) && defined(__FMA__)
+#define PARASHIFT_FMA_GEMM 1
+#include <immintrin.h>
+
+#include "bf16_lanes.h"
+
+namespace {
+
+// Rows per register block: 6 measured no faster than 4 on AVX-512 (gcc then keeps the
+// broadcasts and spills accumulators), and AVX2's 16 registers hold 4 x 2 halves.
+constexpr int kFmaRows = 4;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+// A 16-column block's k pair -> the even k's and the odd k's 16 fp32 values.
+inline void widen_pair(const uint16_t* b, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(b);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+template <int MB, int NB>
+void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
+           const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
+           int64_t cols, const char* ahead, int64_t ahead_lines) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t per_kp = (ahead_lines + k2 - 1) / k2;
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    for (int64_t q = kp * per_kp; q < std::min(ahead_lines, (kp + 1) * per_kp); ++q)
+      __builtin_prefetch(ahead + q * 64, 0, 2);
+    for (int j = 0; j < NB; ++j) {  // a block's pair widened, then every row's broadcasts
+      __m512 even, odd;
+      widen_pair(b + kp * b_stride + j * 32, even, odd);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + 2 * kp + 1]), odd,
+                                    _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + 2 * kp]),
+                                                    even, acc[i][j]));
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __mmask16 mask = first_lanes(cols - 16 * j);
+    const __m512 add = bias ? load_bf16(reinterpret_cast<const bf16*>(bias + 16 * j), mask)
+                            : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i)
+      store_bf16(reinterpret_cast<bf16*>(out + i * out_stride + 16 * j), mask,
+                 _mm512_add_ps(acc[i][j], add));
+  }
+}
+
+#else  // AVX2
+
+// Round 8 floats to bf16 as torch does and store `cols` (<= 8) of them.
+inline void store_bf16_lanes(uint16_t* out, __m256 f, int64_t cols) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  // |u| > infinity's bits, signed compare is safe: both sides are below 2^31
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i bits = _mm256_blendv_epi8(rounded, quiet, nan);
+  // 8 x 32 -> 8 x 16 bits: pack within each 128-bit lane, then bring the lanes' halves together
+  const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+      _mm256_packus_epi32(bits, bits), 0x08));
+  if (cols >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  } else if (cols > 0) {
+    alignas(16) uint16_t lanes[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
+    std::memcpy(out, lanes, cols * sizeof(uint16_t));
+  }
+}
+
+template <int MB>
+void block_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
+                const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
+                int64_t cols, const char* ahead, int64_t ahead_lines) {
+  __m256 lo[MB], hi[MB];  // columns 0-7 and 8-15
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  const int64_t per_kp = (ahead_lines + k2 - 1) / k2;
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    for (int64_t q = kp * per_kp; q < std::min(ahead_lines, (kp + 1) * per_kp); ++q)
+      __builtin_prefetch(ahead + q * 64, 0, 2);
+    const uint16_t* pair = b + kp * b_stride;
+    const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 16));
+    const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(w_lo, 16));
+    const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, high));
+    const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(w_hi, 16));
+    const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, high));
+    // unrolled before gcc's scalar replacement, or the accumulators live on the stack
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * x_stride + 2 * kp);
+      const __m256 xo = _mm256_broadcast_ss(x + i * x_stride + 2 * kp + 1);
+      lo[i] = _mm256_fmadd_ps(xo, odd_lo, _mm256_fmadd_ps(xe, even_lo, lo[i]));
+      hi[i] = _mm256_fmadd_ps(xo, odd_hi, _mm256_fmadd_ps(xe, even_hi, hi[i]));
+    }
+  }
+  alignas(32) float add[16] = {};  // the bias of the block's columns
+  if (bias)
+    for (int64_t c = 0; c < std::min<int64_t>(16, cols); ++c) add[c] = to_f(bf16{bias[c]});
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    store_bf16_lanes(out + i * out_stride, _mm256_add_ps(lo[i], _mm256_load_ps(add)),
+                     std::min<int64_t>(8, cols));
+    store_bf16_lanes(out + i * out_stride + 8, _mm256_add_ps(hi[i], _mm256_load_ps(add + 8)),
+                     std::min<int64_t>(8, cols - 8));
+  }
+}
+
+// NB blocks one after another (the packed tile's blocks sit 32 values apart per k pair); the
+// next chunk's prefetch goes with the first.
+template <int MB, int NB>
+void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
+           const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
+           int64_t cols, const char* ahead, int64_t ahead_lines) {
+  for (int j = 0; j < NB; ++j)
+    block_avx2<MB>(out + 16 * j, out_stride, x, x_stride, b + 32 * j, b_stride, k2,
+                   bias ? bias + 16 * j : nullptr, cols - 16 * j, j == 0 ? ahead : nullptr,
+                   j == 0 ? ahead_lines : 0);
+}
+#endif
+
+}  // namespace
+#endif
