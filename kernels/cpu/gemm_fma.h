@@ -5,13 +5,12 @@
 // half the bytes of the fp32 copy the other paths widen it to, with the same products, since
 // widening bf16 is exact (only the order of the sums differs).
 //
-// Register blocks: AVX-512, kFmaRows rows x up to 4 blocks of 16 columns (each block's pair
-// widened, then every row's two broadcasts against it); AVX2, kFmaRows rows x one block at a
-// time, as two 8-column halves (16 ymm registers hold no more). Measured on a Xeon (Sapphire
-// Rapids) with torch's libraries held to the same instructions, at 32 rows and SmolLM2's
-// shapes: on AVX-512 1.55x MKL's packed fp32 GEMM over the widened weight, the fastest of
-// torch's paths; on AVX2 even with it. The int ops share the FMA ports on Intel; AMD issues
-// them beside the FMAs.
+// Register blocks: AVX-512, 4 rows x up to 4 blocks of 16 columns (each block's pair widened,
+// then every row's two broadcasts against it); AVX2, 6 rows x one 8-column half of a block at a
+// time (16 ymm registers hold no more). Measured on a Xeon (Sapphire Rapids) with torch's
+// libraries held to the same instructions, at 32 rows and SmolLM2's shapes, weights streamed:
+// on AVX-512 1.55x MKL's packed fp32 GEMM over the widened weight (the fastest of torch's
+// paths there), on AVX2 1.1-1.2x it on one thread.
 
 #pragma once
 
@@ -23,11 +22,10 @@
 
 namespace {
 
-// Rows per register block: 6 measured no faster than 4 on AVX-512 (gcc then keeps the
-// broadcasts and spills accumulators), and AVX2's 16 registers hold 4 x 2 halves.
-constexpr int kFmaRows = 4;
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// Rows per register block: 6 measured no faster than 4 (gcc then keeps the broadcasts and
+// spills accumulators).
+constexpr int kFmaRows = 4;
 
 // A 16-column block's k pair -> the even k's and the odd k's 16 fp32 values.
 inline void widen_pair(const uint16_t* b, __m512& even, __m512& odd) {
@@ -68,6 +66,7 @@ void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
 }
 
 #else  // AVX2
+constexpr int kFmaRows = 6;  // 6 rows x 2 accumulators, 2 widened pairs, a broadcast, zero
 
 // Round 8 floats to bf16 as torch does and store `cols` (<= 8) of them.
 inline void store_bf16_lanes(uint16_t* out, __m256 f, int64_t cols) {
@@ -92,44 +91,55 @@ inline void store_bf16_lanes(uint16_t* out, __m256 f, int64_t cols) {
   }
 }
 
+// The widening here is an unpack with zeros (the shuffle port on Intel, beside the FMAs; a
+// shift and a mask took the FMA ports and held the kernel to ~50% of peak on a Xeon): 8 columns'
+// pairs become [c0 even, c0 odd, c1 even, c1 odd | c4 .. c5] and [c2 .. c3 | c6 .. c7], each row's
+// k pair is one 8-byte broadcast against them, and a horizontal add at the end puts each
+// column's even and odd sums together, in column order. One 8-column half of a block at a
+// time, over all k (with both halves gcc shares the broadcasts between them and runs out of
+// registers).
 template <int MB>
-void block_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
-                const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
-                int64_t cols, const char* ahead, int64_t ahead_lines) {
-  __m256 lo[MB], hi[MB];  // columns 0-7 and 8-15
+void half_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
+               const uint16_t* b, int64_t b_stride, int64_t k2, const float* add, int64_t cols,
+               const char* ahead, int64_t ahead_lines) {
+  __m256 acc[MB][2];  // per row: columns 0-1|4-5 and 2-3|6-7, each as even and odd sums
 #pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
   const int64_t per_kp = (ahead_lines + k2 - 1) / k2;
   for (int64_t kp = 0; kp < k2; ++kp) {
     for (int64_t q = kp * per_kp; q < std::min(ahead_lines, (kp + 1) * per_kp); ++q)
       __builtin_prefetch(ahead + q * 64, 0, 2);
-    const uint16_t* pair = b + kp * b_stride;
-    const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-    const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 16));
-    const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(w_lo, 16));
-    const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, high));
-    const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(w_hi, 16));
-    const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, high));
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kp * b_stride));
+    const __m256 wa = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
+    const __m256 wb = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
     // unrolled before gcc's scalar replacement, or the accumulators live on the stack
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m256 xe = _mm256_broadcast_ss(x + i * x_stride + 2 * kp);
-      const __m256 xo = _mm256_broadcast_ss(x + i * x_stride + 2 * kp + 1);
-      lo[i] = _mm256_fmadd_ps(xo, odd_lo, _mm256_fmadd_ps(xe, even_lo, lo[i]));
-      hi[i] = _mm256_fmadd_ps(xo, odd_hi, _mm256_fmadd_ps(xe, even_hi, hi[i]));
+      const __m256 xp = _mm256_castpd_ps(_mm256_broadcast_sd(
+          reinterpret_cast<const double*>(x + i * x_stride + 2 * kp)));
+      acc[i][0] = _mm256_fmadd_ps(xp, wa, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xp, wb, acc[i][1]);
     }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+    store_bf16_lanes(out + i * out_stride,
+                     _mm256_add_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_load_ps(add)),
+                     std::min<int64_t>(8, cols));
+}
+
+template <int MB>
+void block_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
+                const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
+                int64_t cols, const char* ahead, int64_t ahead_lines) {
   alignas(32) float add[16] = {};  // the bias of the block's columns
   if (bias)
     for (int64_t c = 0; c < std::min<int64_t>(16, cols); ++c) add[c] = to_f(bf16{bias[c]});
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) {
-    store_bf16_lanes(out + i * out_stride, _mm256_add_ps(lo[i], _mm256_load_ps(add)),
-                     std::min<int64_t>(8, cols));
-    store_bf16_lanes(out + i * out_stride + 8, _mm256_add_ps(hi[i], _mm256_load_ps(add + 8)),
-                     std::min<int64_t>(8, cols - 8));
-  }
+  half_avx2<MB>(out, out_stride, x, x_stride, b, b_stride, k2, add, cols, ahead, ahead_lines);
+  if (cols > 8)
+    half_avx2<MB>(out + 8, out_stride, x, x_stride, b + 16, b_stride, k2, add + 8, cols - 8,
+                  nullptr, 0);
 }
 
 // NB blocks one after another (the packed tile's blocks sit 32 values apart per k pair); the
