@@ -1,5 +1,6 @@
 // Decode attention straight from the paged KV cache (prefill tokens take it too on
-// AVX512-BF16: see cpu_backend.py).
+// AVX512-BF16: see cpu_backend.py); bf16 with head_dim 64 or 128 takes attention_bf16.h's
+// paths on AVX512-BF16 or AVX2.
 
 #include "attention_bf16.h"
 #include "common.h"
@@ -66,7 +67,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       else next_offsets.clear();
       const int64_t n = static_cast<int64_t>(offsets.size());
       auto slot = [&](int64_t j) { return offsets[j]; };
-#ifdef PARASHIFT_BF16_DOT
+#if defined(PARASHIFT_BF16_DOT) || defined(PARASHIFT_BF16_ATTENTION_AVX2)
       if constexpr (std::is_same_v<T, bf16>) {
         if (decode_one_bf16(out + s * heads * head_dim, query + s * query_stride, key_cache,
                             value_cache, slot, n, heads, kv_heads, head_dim, scale, scores,
@@ -131,6 +132,16 @@ extern "C" {
 // 1 where bf16 attention with head_dim 64 or 128 takes the AVX512-BF16 path.
 int parashift_cpu_bf16_dot() {
 #ifdef PARASHIFT_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 where bf16 decode attention with head_dim 64 or 128 has a vector path (AVX512-BF16 or
+// AVX2; the generic loops otherwise).
+int parashift_cpu_bf16_attention() {
+#if defined(PARASHIFT_BF16_DOT) || defined(PARASHIFT_BF16_ATTENTION_AVX2)
   return 1;
 #else
   return 0;

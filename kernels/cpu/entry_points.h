@@ -37,6 +37,7 @@ int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query
                                      int64_t head_dim, int64_t block_size, float scale,
                                      int num_threads);
 int parashift_cpu_bf16_dot();
+int parashift_cpu_bf16_attention();
 int parashift_cpu_bf16_gemm();  // 0: no gemm_bf16 here; 1 FMA, 2 vdpbf16ps, 3 AMX
 void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
                          int64_t k, int num_threads);

@@ -68,29 +68,6 @@ void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
 #else  // AVX2
 constexpr int kFmaRows = 6;  // 6 rows x 2 accumulators, 2 widened pairs, a broadcast, zero
 
-// Round 8 floats to bf16 as torch does and store `cols` (<= 8) of them.
-inline void store_bf16_lanes(uint16_t* out, __m256 f, int64_t cols) {
-  const __m256i u = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  // |u| > infinity's bits, signed compare is safe: both sides are below 2^31
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i bits = _mm256_blendv_epi8(rounded, quiet, nan);
-  // 8 x 32 -> 8 x 16 bits: pack within each 128-bit lane, then bring the lanes' halves together
-  const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
-      _mm256_packus_epi32(bits, bits), 0x08));
-  if (cols >= 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
-  } else if (cols > 0) {
-    alignas(16) uint16_t lanes[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
-    std::memcpy(out, lanes, cols * sizeof(uint16_t));
-  }
-}
-
 // The widening here is an unpack with zeros (the shuffle port on Intel, beside the FMAs; a
 // shift and a mask took the FMA ports and held the kernel to ~50% of peak on a Xeon): 8 columns'
 // pairs become [c0 even, c0 odd, c1 even, c1 odd | c4 .. c5] and [c2 .. c3 | c6 .. c7], each row's
@@ -105,14 +82,12 @@ void half_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stri
   __m256 acc[MB][2];  // per row: columns 0-1|4-5 and 2-3|6-7, each as even and odd sums
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const __m256i zero = _mm256_setzero_si256();
   const int64_t per_kp = (ahead_lines + k2 - 1) / k2;
   for (int64_t kp = 0; kp < k2; ++kp) {
     for (int64_t q = kp * per_kp; q < std::min(ahead_lines, (kp + 1) * per_kp); ++q)
       __builtin_prefetch(ahead + q * 64, 0, 2);
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kp * b_stride));
-    const __m256 wa = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
-    const __m256 wb = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
+    __m256 wa, wb;
+    widen16_unpacked(b + kp * b_stride, wa, wb);
     // unrolled before gcc's scalar replacement, or the accumulators live on the stack
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
@@ -124,7 +99,7 @@ void half_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stri
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-    store_bf16_lanes(out + i * out_stride,
+    store_bf16_8(out + i * out_stride,
                      _mm256_add_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_load_ps(add)),
                      std::min<int64_t>(8, cols));
 }

@@ -163,6 +163,8 @@ class CpuOps:
         self.path = path
         # bf16 attention with head_dim 64 or 128 runs on AVX512-BF16 dot products here
         self.bf16_dot = bool(lib.parashift_cpu_bf16_dot())
+        # ... or at least on vectors (AVX2 without them)
+        self.bf16_attention = bool(lib.parashift_cpu_bf16_attention())
         # gemm_bf16's instructions: "fma" (AVX2 or AVX-512F), "dpbf16" (AVX512-BF16), "amx"
         # (tiles, k a multiple of 32, where the OS allows them), or None: no such GEMM here
         self.bf16_gemm = {1: "fma", 2: "dpbf16", 3: "amx"}.get(lib.parashift_cpu_bf16_gemm())

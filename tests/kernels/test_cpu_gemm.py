@@ -10,21 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parashift.kernels.cpu import library
 
-# -march targets and the instruction sets (as /proc/cpuinfo names them) their code needs
-MARCHES = {"native": set(),
-           "haswell": {"avx2", "fma", "bmi2", "f16c", "movbe"},
-           "skylake-avx512": {"avx2", "fma", "bmi2", "f16c", "movbe", "avx512f", "avx512bw",
-                              "avx512vl", "avx512dq", "avx512cd"}}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
-    except OSError:
-        return set()
+from tests.kernels.builds import MARCHES, cpu_flags, load_for
 
 
 @pytest.fixture(scope="module", params=list(MARCHES))
@@ -34,17 +21,14 @@ def march(request) -> str:
 
 @pytest.fixture(scope="module")
 def ops(march, tmp_path_factory):
-    if not MARCHES[march] <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run code built for -march={march}")
-    ops = library.load(str(tmp_path_factory.mktemp("cpu-kernels")),
-                       None if march == "native" else march)
+    ops = load_for(march, str(tmp_path_factory.mktemp("cpu-kernels")))
     if ops.bf16_gemm is None:
         pytest.skip(f"no bf16 GEMM of ours built for -march={march}")
     return ops
 
 
 def test_each_target_takes_the_kernel_its_instructions_allow(ops, march):
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if march != "native" or "avx512_bf16" not in flags:  # AVX2 or AVX-512F: the FMA kernel
         assert (ops.bf16_gemm, ops.bf16_dot) == ("fma", False)
     else:  # AMX where the OS grants its tiles

@@ -10,9 +10,10 @@ import torch
 
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.models.fused_cpu_layers import FusedCpuLayers
+from tests.kernels.builds import MARCHES, cpu_flags
 
-pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_dot,
-                                reason="the fused layers need AVX512-BF16 kernels")
+pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_attention,
+                                reason="the fused layers need a vector bf16 decode attention")
 
 HEAD_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=256)
@@ -60,6 +61,27 @@ def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_fac
     assert any(not prefills for _, _, prefills in calls)  # a decode step
     unfused, none = _generate(folder, False, monkeypatch)
     assert not none
+    assert fused == unfused
+
+
+def test_fused_decode_steps_built_for_avx2(tiny_model_factory, monkeypatch):
+    """The kernels built for Haswell (the FMA GEMM, decode attention on AVX2): decode steps
+    fused, steps with prefills layer by layer (their tokens go to SDPA there), same bits."""
+    from parashift.layers import kernel_dispatch
+
+    if not MARCHES["haswell"] <= cpu_flags():
+        pytest.skip("this CPU cannot run code built for -march=haswell")
+    folder = tiny_model_factory("llama", **HEAD_64)
+    try:
+        with monkeypatch.context() as m:
+            m.setenv("PARASHIFT_CPU_MARCH", "haswell")
+            kernel_dispatch.cpu_ops.cache_clear()
+            assert kernel_dispatch.cpu_ops().bf16_gemm == "fma"
+            fused, calls = _generate(folder, True, monkeypatch)
+            unfused, _ = _generate(folder, False, monkeypatch)
+    finally:
+        kernel_dispatch.cpu_ops.cache_clear()
+    assert calls and all(not prefills for _, _, prefills in calls)
     assert fused == unfused
 
 

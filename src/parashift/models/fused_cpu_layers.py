@@ -1,12 +1,14 @@
 """A Llama-family model's decoder layers as one call each into the CPU kernels
 (kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
-our own GEMM path (layers/gemm_paths.py "own-bf16"), attention on AVX512-BF16, one
+our own GEMM path (layers/gemm_paths.py "own-bf16"), bf16 decode attention in vector lanes
+(AVX512-BF16 or AVX2), one
 tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
 same order on the same inputs give the same bits as the layers called one by one; what goes is
 the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).
 
 Layer by layer still: steps past a weight's row limit (big prefills, where F.linear takes
-over), and steps under torch.profiler (`bench latency --breakdown` splits the ops)."""
+over), steps with prefills where the attention backend leaves prefill tokens to SDPA (without
+AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown` splits the ops)."""
 
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class FusedCpuLayers:
         from parashift.models.llama import LlamaDecoderLayer, LlamaMLP
 
         ops = cpu_ops()
-        if ops is None or not ops.bf16_dot or len(layers) == 0:
+        if ops is None or not ops.bf16_attention or len(layers) == 0:
             return None
         if not all(isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)
                    and _fusable(layer) for layer in layers):
