@@ -92,17 +92,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
           scores[hq * n + j] = dot;
         }
       }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* sh = scores.data() + hq * n;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sh[j] = fast_exp(sh[j] - top);
-          sum += sh[j];
-        }
-        sums[hq] = sum;
-      }
+      for (int64_t hq = 0; hq < heads; ++hq) sums[hq] = exp_weights(scores.data() + hq * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {  // acc[head] += p[head][j] * v[j][head's kv head]
         if (j + kAhead < n) prefetch_row(value_cache + slot(j + kAhead), row);

@@ -339,15 +339,8 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
   else
     key_scores_avx2<8>(scores.data(), q.data(), key_cache, value_cache, slot, n, kv_heads, group,
                        row);
-  for (int64_t hq = 0; hq < heads; ++hq) {  // exact softmax weights, as the generic loops
-    float* sh = scores.data() + hq * n;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      sh[j] = fast_exp(sh[j] - top);
-      sum += sh[j];
-    }
+  for (int64_t hq = 0; hq < heads; ++hq) {  // fp32 weights, as the generic loops
+    const float sum = exp_weights(scores.data() + hq * n, n);
     inv_sum[hq] = sum > 0.f ? 1.f / sum : 0.f;
   }
   if (head_dim == 64)

@@ -71,6 +71,18 @@ inline float fast_exp(float x) {
 }
 template <class T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
 
+// Softmax weights of n scores in place, exp(s - max s), unnormalized; returns their sum.
+inline float exp_weights(float* s, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = fast_exp(s[j] - top);
+    sum += s[j];
+  }
+  return sum;
+}
+
 // Small ops run on one thread below this many elements: a fork/join costs more than the work.
 // torch's pool spins between regions, so the join is cheap: at 32 decode rows RMSNorm took
 // 12.1 -> 9.8 us and rotary 20.8 -> 15.3 on two threads once 4,096 elements were enough
