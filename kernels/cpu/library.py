@@ -29,18 +29,20 @@ HEADERS = [os.path.join(_HERE, name)
            for name in ("common.h", "entry_points.h", "amx.h", "attention_bf16.h",
                         "bf16_lanes.h", "elementwise_bf16.h", "gemm_amx.h", "gemm_fma.h")]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ["-O3", "-std=c++17", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp",
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
           # flush-to-zero for the whole process (torch included).
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 
-def _arch_flag(march: str | None = None) -> str:
-    """-march=native, or `march` (tests build the kernels for an older x86 too: what runs on
-    other machines runs here, on a CPU with more instructions)."""
-    if march:
-        return f"-march={march}"
-    return "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
+def _target_flags(march: str | None = None) -> list[str]:
+    """-march=native (-mcpu=native on ARM), or `march` (tests build the kernels for an older x86
+    too: what runs on other machines runs here, on a CPU with more instructions). On x86, loops
+    GCC vectorizes itself take 512-bit lanes where the target has AVX-512; ARM's GCC rejects
+    that option."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return [f"-march={march}" if march else "-mcpu=native"]
+    return [f"-march={march or 'native'}", "-mprefer-vector-width=512"]
 
 
 def _cpu_identity() -> str:
@@ -57,7 +59,7 @@ def library_path(build_dir: str, compiler: str, march: str | None = None) -> str
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             texts.append(f.read())
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + [_arch_flag(march)]).encode(),
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + _target_flags(march)).encode(),
                                      compiler.encode(), _cpu_identity().encode()]))
     return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
 
@@ -76,7 +78,7 @@ def build(build_dir: str, march: str | None = None) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [compiler, *_FLAGS, _arch_flag(march), *SOURCES, "-o", tmp]
+            cmd = [compiler, *_FLAGS, *_target_flags(march), *SOURCES, "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")

@@ -14,14 +14,15 @@ from parashift.kernels.cpu import library
 
 from parashift.layers.attention.backend import AttentionStepInputs
 from parashift.layers.attention.torch_backend import TorchAttentionBackend
-from tests.kernels.builds import load_for
+from tests.kernels.builds import MARCHES, load_for
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    return library.load(str(tmp_path_factory.mktemp("cpu-kernels")))
+@pytest.fixture(scope="module", params=list(MARCHES))
+def ops(request, tmp_path_factory):
+    """This CPU's build, and those for older x86 CPUs it can run: each kernel's every path."""
+    return load_for(request.param, tmp_path_factory)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, bf16_atol=0.0):
@@ -111,8 +112,9 @@ def _decode_step(seq_lens, table_width, block_size, blocks, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [
     (4, 4, 16, None), (6, 2, 16, None), (9, 3, 16, None), (6, 3, 16, 5),
-    # head_dim 64 and 128 in bf16 take the AVX512-BF16 path where the CPU has it
-    (9, 3, 64, None), (4, 1, 64, 7), (12, 2, 128, None), (2, 2, 128, None)])
+    # head_dim 64 and 128 in bf16 take the AVX512-BF16 path where the build has it, AVX2's
+    # (any group of query heads, the 8-key tiles' edges) where it has that
+    (9, 3, 64, None), (4, 1, 64, 7), (8, 2, 64, None), (12, 2, 128, None), (2, 2, 128, None)])
 def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_heads,
                                                           head_dim, window):
     from parashift.layers.attention.cpu_backend import CpuAttentionBackend
@@ -129,38 +131,14 @@ def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_
     want = reference.forward(q, k, v, tuple(c.clone() for c in kv_cache),
                              reference.build_metadata(step), 0.25)
     backend = CpuAttentionBackend()
-    assert backend.ops is not None
+    backend.ops = ops
     got = backend.forward(q, k, v, kv_cache, backend.build_metadata(step), 0.25)
     _close(got, want, dtype, bf16_atol=0.02)
 
 
-@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [
-    (9, 3, 64, None), (4, 1, 64, 7), (8, 2, 64, None), (12, 2, 128, None), (2, 2, 128, None)])
-def test_bf16_decode_attention_built_for_an_older_cpu(march, heads, kv_heads, head_dim, window,
-                                                     tmp_path_factory):
-    """The AVX2 path (attention_bf16.h) where AVX512-BF16 is missing: any group of query heads,
-    the 8-key tiles' edges, a sliding window."""
-    from parashift.layers.attention.cpu_backend import CpuAttentionBackend
-
-    older = load_for(march, str(tmp_path_factory.getbasetemp() / f"cpu-kernels-{march}"))
-    torch.manual_seed(0)
-    block_size, blocks = 4, 64
-    step = _decode_step([1, 4, 5, 17, 30, 9], 8, block_size, blocks, window)
-    kv_cache = tuple(torch.randn(blocks, block_size, kv_heads, head_dim).bfloat16()
-                     for _ in range(2))
-    qkv = torch.randn(6, heads + 2 * kv_heads, head_dim).bfloat16()
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    reference = TorchAttentionBackend()
-    want = reference.forward(q, k, v, tuple(c.clone() for c in kv_cache),
-                             reference.build_metadata(step), 0.25)
-    backend = CpuAttentionBackend()
-    backend.ops = older
-    got = backend.forward(q, k, v, kv_cache, backend.build_metadata(step), 0.25)
-    _close(got, want, torch.bfloat16, bf16_atol=0.02)
-
-
 def test_the_build_is_cached_per_cpu_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
+    # unoptimized: three builds in seconds (the caching is under test here, not the code)
+    monkeypatch.setattr(library, "_FLAGS", ["-O0" if f == "-O3" else f for f in library._FLAGS])
     build_dir = str(tmp_path)
     first = library.build(build_dir)
     built_at = os.stat(first).st_mtime_ns

@@ -8,14 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from parashift.kernels.cpu import library
+
+from tests.kernels.builds import load_for
 
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 16, 6, 2, 64
 
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
-    ops = library.load(str(tmp_path_factory.mktemp("cpu-kernels")))
+    ops = load_for("native", tmp_path_factory)
     if not ops.amx:
         pytest.skip("this CPU has no AMX")
     return ops

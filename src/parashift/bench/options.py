@@ -45,8 +45,9 @@ def served_workload(model: str | None, num_prompts: int, input_range: str, outpu
     from parashift.cli_options import fail
 
     try:
+        extra_args = server_args(extra)  # before the model is resolved: a bad flag fails at once
         requests, vocab = random_workload(model, num_prompts, input_range, output_range, seed)
-        return requests, vocab, server_args(extra)
+        return requests, vocab, extra_args
     except ValueError as e:
         fail(str(e))
 
