@@ -4,10 +4,13 @@ requests fail fast, /health turns 503)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -138,7 +141,10 @@ def test_engine_killed_mid_stream(tiny_llama_long):
 
 
 def test_children_die_with_a_killed_launcher(tiny_llama):
-    """SIGKILL leaves the launcher no chance to clean up: its children must go by themselves."""
+    """SIGKILL leaves the launcher no chance to clean up: its children must go by themselves,
+    and take its ipc folder with them."""
+    launch_folders = os.path.join(tempfile.gettempdir(), "parashift-*")
+    before = set(glob.glob(launch_folders))
     with running_server(tiny_llama, *TINY_ARGS) as server:
         tree = server.current_tree()
         children = [p for p in tree if p.pid != server.proc.pid]
@@ -149,3 +155,4 @@ def test_children_die_with_a_killed_launcher(tiny_llama):
         assert server.proc.wait(5) == -signal.SIGKILL
         left = wait_gone(children, 10)
         assert left == [], f"orphans of a killed launcher: {process_names(left)}"
+        assert set(glob.glob(launch_folders)) <= before

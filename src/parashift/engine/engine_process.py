@@ -28,6 +28,7 @@ from parashift.types.outputs import EngineCoreOutput
 from parashift.wire import protocol as p
 from parashift.wire.process_util import (
     die_with_parent,
+    keep_temp_files_in_launch_folder,
     set_process_name,
     setup_child_logging,
     subscriber,
@@ -292,6 +293,7 @@ def run_engine(rank: int, handshake_address: str, log_level: str,
     set_process_name(engine_process_name(rank))
     die_with_parent()
     setup_child_logging(log_level)
+    keep_temp_files_in_launch_folder(handshake_address)
     engine = EngineProcess(rank, handshake_address, placement, handshake_timeout)
 
     def on_term(*_: Any) -> None:

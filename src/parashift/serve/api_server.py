@@ -36,6 +36,7 @@ from parashift.serve.prefix_router import RoutingConfig
 from parashift.wire.process_util import (
     die_with_parent,
     exit_now,
+    remove_launch_folder,
     set_process_name,
     setup_child_logging,
 )
@@ -280,6 +281,9 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     await server.broker.close()
+    # API servers stop only with the whole launch (the launcher stops when one exits). Here,
+    # where a second SIGTERM cannot cut it short.
+    remove_launch_folder(args.request_address)
 
 
 def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -36,6 +38,28 @@ def die_with_parent() -> None:
         libc.prctl(1, 15, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGTERM
     except (OSError, AttributeError):
         pass
+
+
+def _ipc_folder(address: str) -> str | None:
+    """The folder of an ipc:// address (a local launch's private folder); None for tcp."""
+    return os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else None
+
+
+def keep_temp_files_in_launch_folder(address: str) -> None:
+    """In a child of a local launch (`address` one of its ipc:// endpoints): the folders it
+    makes for itself (a multi-worker engine's sockets) go inside the launch's folder, which the
+    launcher removes at its end, also after this process was killed and could not."""
+    folder = _ipc_folder(address)
+    if folder is not None and os.path.isdir(folder):
+        tempfile.tempdir = folder
+
+
+def remove_launch_folder(address: str) -> None:
+    """For an API server at its end, which is the whole launch's end: a launcher killed
+    outright (SIGKILL) cannot remove its ipc folder, so its API servers do."""
+    folder = _ipc_folder(address)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def setup_child_logging(level: str) -> None:
