@@ -33,3 +33,24 @@ def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
 def test_a_dtype_the_kernels_lack_is_refused_naming_the_flag():
     code, text = invoke("cpu-kernels", "--dtype", "float16")
     assert code != 0 and "--dtype 'float16': the CPU kernels run float32 and bfloat16" in text
+
+
+def test_an_unknown_gemm_comparator_is_refused_naming_the_flag():
+    code, text = invoke("cpu-kernels", "--gemm-against", "mkl")
+    assert code != 0 and "--gemm-against 'mkl': choose onednn or inductor" in text
+
+
+@pytest.mark.slow  # a cold compile: about 30 s on two cores
+def test_inductors_compiled_gemm_computes_x_w_transposed(tmp_path, monkeypatch):
+    import torch
+
+    from parashift.bench.inductor_gemm import compile_linear
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no graph of another run
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=g).bfloat16()
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    run, seconds = compile_linear(weight, x)
+    assert seconds > 0
+    torch.testing.assert_close(run().float(), (x.float() @ weight.float().T), rtol=2e-2,
+                               atol=2e-2)

@@ -1,7 +1,8 @@
 """`parashift bench cpu-kernels`: each compiled CPU kernel (`kernels/cpu`) against the torch
 ops it replaces, on this CPU, at a decode step's shapes (the embedded SmolLM2's: 9 query and 3
-kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 on AVX512-BF16 our
-GEMM too, against oneDNN's reordered weight. Each call is timed with the
+kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 our GEMM too, where
+this CPU has one, against oneDNN's reordered weight or (`--gemm-against inductor`) inductor's C++
+GEMM template. Each call is timed with the
 caches flushed first, as in a real step, where every other layer's weights and KV pass through
 the caches between two calls of one layer's kernel."""
 
@@ -36,7 +37,8 @@ def time_cold(fn: Callable[[], Any], reps: int, flush: Any) -> list[float]:
     return times
 
 
-def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
+def cases(batch: int, context: int, dtype: Any, gemm_against: str = "onednn"
+          ) -> list[KernelCase]:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -94,16 +96,29 @@ def cases(batch: int, context: int, dtype: Any) -> list[KernelCase]:
     out.append(KernelCase("greedy argmax", f"{batch} x {VOCAB}", lambda: ops.argmax(logits),
                           lambda: logits.float().argmax(dim=-1), 0, 0.0))
     if dtype == torch.bfloat16 and ops.bf16_gemm is not None:
-        out.extend(_gemm_cases(ops, batch))
+        out.extend(_gemm_cases(ops, batch, gemm_against))
     return out
 
 
-def _gemm_cases(ops, batch: int) -> list[KernelCase]:
-    """Our bf16 GEMM (GEMM path own-bf16) against oneDNN's reordered weight (path onednn; F.linear
-    where this torch has no oneDNN), SmolLM2's weight shapes at the batch's rows."""
+def _reorder(weight: Any) -> Any | None:
+    """oneDNN's reordered bf16 weight; None where its bf16 needs more than this CPU has
+    (AVX-512BW/VL/DQ or AVX-NE-CONVERT: not an AVX2-only Zen 3)."""
+    import torch
+
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError:
+        return None
+
+
+def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
+    """Our bf16 GEMM (GEMM path own-bf16) against oneDNN's reordered weight (path onednn;
+    F.linear where this torch or CPU has no oneDNN bf16) or inductor's compiled GEMM, SmolLM2's
+    weight shapes at the batch's rows."""
     import torch
     import torch.nn.functional as F
 
+    from parashift.bench.inductor_gemm import compile_linear
     from parashift.layers.gemm_paths import can_reorder
 
     cases, kernel = [], GEMM_KERNELS[ops.bf16_gemm]
@@ -113,9 +128,11 @@ def _gemm_cases(ops, batch: int) -> list[KernelCase]:
         weight = (torch.randn(n, k) * 0.05).bfloat16()
         x = torch.randn(batch, k).bfloat16()
         packed = ops.pack_bf16(weight)
-        if can_reorder():
-            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
+        reordered = None if against == "inductor" or not can_reorder() else _reorder(weight)
+        if against == "inductor":
+            reference, seconds = compile_linear(weight, x)
+            typer.echo(f"  (inductor compiled the {name} GEMM in {seconds:.1f} s)")
+        elif reordered is not None:
             def reference(x=x, w=reordered):
                 return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         else:
@@ -132,6 +149,10 @@ def cpu_kernels(
     context: Annotated[int, typer.Option(help="decode context length")] = 256,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
     reps: Annotated[int, typer.Option(help="timed calls per kernel; the median is kept")] = 30,
+    gemm_against: Annotated[str, typer.Option(
+        help="what our GEMM is timed against: onednn (its reordered weight) or inductor "
+             "(torch.compile max-autotune, the weight frozen: its C++ GEMM template)")
+    ] = "onednn",
     save_json: SaveJson = None,
 ) -> None:
     """Each compiled CPU kernel against the torch ops it replaces, on this CPU."""
@@ -142,6 +163,8 @@ def cpu_kernels(
 
     if dtype not in ("float32", "bfloat16"):
         fail(f"--dtype {dtype!r}: the CPU kernels run float32 and bfloat16")
+    if gemm_against not in ("onednn", "inductor"):
+        fail(f"--gemm-against {gemm_against!r}: choose onednn or inductor")
     if cpu_ops() is None:
         fail("the CPU kernels are off (PARASHIFT_CPU_KERNELS=0) or could not be built here "
              "(see the warning above)")
@@ -149,7 +172,7 @@ def cpu_kernels(
     rows = []
     typer.echo(f"{torch.get_num_threads()} threads, {dtype}, caches flushed before each call")
     typer.echo(f"{'kernel':<30}{'shape':<42}{'max err':>9}{'us':>9}{'torch us':>10}{'x':>7}")
-    for case in cases(batch, context, getattr(torch, dtype)):
+    for case in cases(batch, context, getattr(torch, dtype), gemm_against):
         want, got = case.reference(), case.run()  # reference first: rotary works in place
         err = float((got.float() - want.float()).abs().max())
         seconds = statistics.median(time_cold(case.run, reps, flush))
@@ -164,6 +187,7 @@ def cpu_kernels(
         from parashift.bench.report import save_json as write
 
         write(save_json, "bench cpu-kernels", {"batch": batch, "context": context,
-                                               "dtype": dtype, "reps": reps}, {"kernels": rows})
+                                               "dtype": dtype, "reps": reps,
+                                               "gemm_against": gemm_against}, {"kernels": rows})
     if not all(r["ok"] for r in rows):
         raise typer.Exit(1)
