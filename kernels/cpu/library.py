@@ -1,89 +1,19 @@
-"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `gemm.cpp`, `layer.cpp` and
-their headers) into one library for the CPU at hand and calls it through ctypes.
-
-The build is one g++ call (a few seconds: no torch headers) with -march=native, cached per
-source, compiler flags and CPU (model name and instruction-set flags), so a machine with another
-CPU builds its own copy. Processes starting together build it once, under a file lock. OpenMP
-comes from the runtime torch already loaded (the same soname), so the kernels share torch's
-threads instead of starting a second pool."""
+"""Calls the CPU kernels through ctypes, once `build.py` has built them for the CPU at hand.
+OpenMP comes from the runtime torch already loaded (the same soname), so the kernels share
+torch's threads instead of starting a second pool."""
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name)
-           for name in ("elementwise.cpp", "attention.cpp", "prefill_attention.cpp", "gemm.cpp",
-                        "layer.cpp")]
-HEADERS = [os.path.join(_HERE, name)
-           for name in ("common.h", "entry_points.h", "amx.h", "attention_bf16.h",
-                        "bf16_lanes.h", "elementwise_bf16.h", "gemm_amx.h", "gemm_fma.h")]
+from .build import build
+
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-          # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
-          # flush-to-zero for the whole process (torch included).
-          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
-
-
-def _target_flags(march: str | None = None) -> list[str]:
-    """-march=native (-mcpu=native on ARM), or `march` (tests build the kernels for an older x86
-    too: what runs on other machines runs here, on a CPU with more instructions). On x86, loops
-    GCC vectorizes itself take 512-bit lanes where the target has AVX-512; ARM's GCC rejects
-    that option."""
-    if platform.machine() in ("aarch64", "arm64"):
-        return [f"-march={march}" if march else "-mcpu=native"]
-    return [f"-march={march or 'native'}", "-mprefer-vector-width=512"]
-
-
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def library_path(build_dir: str, compiler: str, march: str | None = None) -> str:
-    texts = []
-    for path in SOURCES + HEADERS:
-        with open(path, "rb") as f:
-            texts.append(f.read())
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS + _target_flags(march)).encode(),
-                                     compiler.encode(), _cpu_identity().encode()]))
-    return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
-
-
-def build(build_dir: str, march: str | None = None) -> str:
-    """The path of this CPU's compiled library, built first if need be. Raises RuntimeError
-    (with the compiler's message) when no compiler is found or the build fails."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    os.makedirs(build_dir, exist_ok=True)
-    path = library_path(build_dir, compiler, march)
-    if os.path.exists(path):
-        return path
-    with open(os.path.join(build_dir, "cpu-ops.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if not os.path.exists(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [compiler, *_FLAGS, *_target_flags(march), *SOURCES, "-o", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")
-            os.replace(tmp, path)
-    return path
 
 
 def _profiled(fn):

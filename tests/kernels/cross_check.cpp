@@ -2,12 +2,9 @@
 // value, one per line: test_cpu_kernels_on_arm.py runs it built for ARM (under qemu) and for
 // baseline x86-64 (natively, the build that test_cpu_kernels.py holds to torch), and compares.
 
-#include <cmath>
-#include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <vector>
 
+#include "common.h"  // bf16, to_f, from_f: the kernels' own conversions
 #include "entry_points.h"
 
 namespace {
@@ -19,35 +16,22 @@ float uniform() {  // in [-1, 1)
   return static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
 }
 
-uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-
-float from_bf16(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // A tensor of n values in both dtypes: the same numbers (rounded to bf16 first).
 struct Values {
   std::vector<float> f32;
-  std::vector<uint16_t> bf16;
-  explicit Values(size_t n, float scale = 1.0f) : f32(n), bf16(n) {
+  std::vector<bf16> b16;
+  explicit Values(size_t n, float scale = 1.0f) : f32(n), b16(n) {
     for (size_t i = 0; i < n; ++i) {
-      bf16[i] = to_bf16(uniform() * scale);
-      f32[i] = from_bf16(bf16[i]);
+      b16[i] = from_f<bf16>(uniform() * scale);
+      f32[i] = to_f(b16[i]);
     }
   }
-  void* data(int dtype) { return dtype == 0 ? static_cast<void*>(f32.data()) : bf16.data(); }
+  void* data(int dtype) { return dtype == 0 ? static_cast<void*>(f32.data()) : b16.data(); }
 };
 
 void print(const char* label, int dtype, const Values& v) {
   for (size_t i = 0; i < v.f32.size(); ++i)
-    std::printf("%s %d %.9g\n", label, dtype, dtype == 0 ? v.f32[i] : from_bf16(v.bf16[i]));
+    std::printf("%s %d %.9g\n", label, dtype, dtype == 0 ? v.f32[i] : to_f(v.b16[i]));
 }
 
 void check_kernels(int dtype) {
@@ -78,7 +62,8 @@ void check_kernels(int dtype) {
     const int64_t seqs = 6, heads = 9, kv_heads = 3, block_size = 4, blocks = 64, width = 8;
     const int32_t seq_lens[seqs] = {1, 4, 5, 17, 30, 9};
     std::vector<int32_t> tables(seqs * width);
-    for (int64_t i = 0; i < seqs * width; ++i) tables[i] = static_cast<int32_t>((i * 37 + 5) % blocks);
+    for (int64_t i = 0; i < seqs * width; ++i)
+      tables[i] = static_cast<int32_t>((i * 37 + 5) % blocks);
     Values query(seqs * heads * head_dim), keys(blocks * block_size * kv_heads * head_dim),
         values(blocks * block_size * kv_heads * head_dim), out(seqs * heads * head_dim);
     for (int64_t window : {0, 7}) {

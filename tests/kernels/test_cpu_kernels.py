@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from parashift.kernels.cpu import build as kernel_build
 from parashift.kernels.cpu import library
 
 from parashift.layers.attention.backend import AttentionStepInputs
@@ -138,13 +139,14 @@ def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_
 
 def test_the_build_is_cached_per_cpu_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
     # unoptimized: three builds in seconds (the caching is under test here, not the code)
-    monkeypatch.setattr(library, "_FLAGS", ["-O0" if f == "-O3" else f for f in library._FLAGS])
+    monkeypatch.setattr(kernel_build, "_FLAGS",
+                        ["-O0" if f == "-O3" else f for f in kernel_build._FLAGS])
     build_dir = str(tmp_path)
-    first = library.build(build_dir)
+    first = kernel_build.build(build_dir)
     built_at = os.stat(first).st_mtime_ns
-    assert library.build(build_dir) == first and os.stat(first).st_mtime_ns == built_at
-    monkeypatch.setattr(library, "_cpu_identity", lambda: "another CPU")
-    other = library.build(build_dir)
+    assert kernel_build.build(build_dir) == first and os.stat(first).st_mtime_ns == built_at
+    monkeypatch.setattr(kernel_build, "_cpu_identity", lambda: "another CPU")
+    other = kernel_build.build(build_dir)
     assert other != first and os.path.exists(first)
     with open(other, "wb") as f:
         f.write(b"not a library")
@@ -155,9 +157,9 @@ def test_the_build_is_cached_per_cpu_and_rebuilt_when_corrupt(tmp_path, monkeypa
 def test_no_compiler_means_no_kernels_and_the_torch_path(tmp_path, monkeypatch, caplog):
     from parashift.layers import kernel_dispatch
 
-    monkeypatch.setattr(library.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernel_build.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        library.build(str(tmp_path))
+        kernel_build.build(str(tmp_path))
     monkeypatch.setenv("PARASHIFT_CACHE_DIR", str(tmp_path))
     kernel_dispatch.cpu_ops.cache_clear()
     try:

@@ -8,6 +8,7 @@ the caches between two calls of one layer's kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -100,26 +101,15 @@ def cases(batch: int, context: int, dtype: Any, gemm_against: str = "onednn"
     return out
 
 
-def _reorder(weight: Any) -> Any | None:
-    """oneDNN's reordered bf16 weight; None where its bf16 needs more than this CPU has
-    (AVX-512BW/VL/DQ or AVX-NE-CONVERT: not an AVX2-only Zen 3)."""
-    import torch
-
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    except RuntimeError:
-        return None
-
-
 def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
     """Our bf16 GEMM (GEMM path own-bf16) against oneDNN's reordered weight (path onednn;
     F.linear where this torch or CPU has no oneDNN bf16) or inductor's compiled GEMM, SmolLM2's
     weight shapes at the batch's rows."""
     import torch
-    import torch.nn.functional as F
 
     from parashift.bench.inductor_gemm import compile_linear
-    from parashift.layers.gemm_paths import can_reorder
+    from parashift.layers.gemm import linear
+    from parashift.layers.gemm_paths import can_reorder, prepare
 
     cases, kernel = [], GEMM_KERNELS[ops.bf16_gemm]
     for name, (n, k) in {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
@@ -128,16 +118,17 @@ def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
         weight = (torch.randn(n, k) * 0.05).bfloat16()
         x = torch.randn(batch, k).bfloat16()
         packed = ops.pack_bf16(weight)
-        reordered = None if against == "inductor" or not can_reorder() else _reorder(weight)
         if against == "inductor":
             reference, seconds = compile_linear(weight, x)
             typer.echo(f"  (inductor compiled the {name} GEMM in {seconds:.1f} s)")
-        elif reordered is not None:
-            def reference(x=x, w=reordered):
-                return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         else:
-            def reference(x=x, w=weight):
-                return F.linear(x, w)
+            reordered = None
+            # oneDNN's bf16 needs AVX-512BW/VL/DQ or AVX-NE-CONVERT (not a Zen 3's)
+            with contextlib.suppress(RuntimeError):
+                reordered = prepare(weight, "onednn")[1] if can_reorder() else None
+
+            def reference(x=x, w=weight, p=reordered):  # the GEMM path onednn, or F.linear
+                return linear(x, w, None, p)
         cases.append(KernelCase(f"{name} GEMM ({kernel})", f"{batch} x {k} -> {n}",
                                 lambda x=x, p=packed, n=n: ops.gemm_bf16(x, p, n, None),
                                 reference, 0, 0.1))

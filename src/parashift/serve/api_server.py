@@ -281,9 +281,7 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     await server.broker.close()
-    # API servers stop only with the whole launch (the launcher stops when one exits). Here,
-    # where a second SIGTERM cannot cut it short.
-    remove_launch_folder(args.request_address)
+    remove_launch_folder(args.request_address)  # here, where a 2nd SIGTERM cannot cut it short
 
 
 def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:

@@ -55,8 +55,9 @@ def keep_temp_files_in_launch_folder(address: str) -> None:
 
 
 def remove_launch_folder(address: str) -> None:
-    """For an API server at its end, which is the whole launch's end: a launcher killed
-    outright (SIGKILL) cannot remove its ipc folder, so its API servers do."""
+    """For an API server at its end, which is the whole launch's end (the launcher stops when
+    one exits): a launcher killed outright (SIGKILL) cannot remove its ipc folder, so its API
+    servers do."""
     folder = _ipc_folder(address)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
