@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import socket
-import tempfile
 
 import zmq
 
@@ -62,7 +60,6 @@ class RayExecutor(MultiprocExecutor):
         head_ip = ray.get(self.actors[0].node_ip.remote())
         port = ray.get(self.actors[0].free_port.remote())
         my_ip = ray.util.get_node_ip_address()
-        self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{placement.engine}-workers-")
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
@@ -100,10 +97,10 @@ class RayExecutor(MultiprocExecutor):
         return not done
 
     def _cleanup_call(self) -> tuple:
-        return _kill_actors, self.actors, self.ctx, self.dir
+        return _kill_actors, self.actors, self.ctx
 
 
-def _kill_actors(actors: list, ctx: zmq.Context, folder: str) -> None:
+def _kill_actors(actors: list, ctx: zmq.Context) -> None:
     import ray
 
     for actor in actors:
@@ -112,4 +109,3 @@ def _kill_actors(actors: list, ctx: zmq.Context, folder: str) -> None:
         except Exception as e:  # already gone
             logger.debug("ray.kill: %s", e)
     ctx.destroy(linger=0)
-    shutil.rmtree(folder, ignore_errors=True)
