@@ -16,7 +16,7 @@ import typer
 
 from parashift import env
 from parashift.config import EngineArgs
-from parashift.defaults import ATTENTION_BACKENDS, DTYPE_CHOICES
+from parashift.defaults import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -60,6 +60,9 @@ ModelArg = Annotated[str | None, typer.Argument(
 # its typer option. The defaults are EngineArgs' own (config.py), written nowhere else.
 _ENGINE_FLAGS: dict[str, Any] = {
     "dtype": Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype")],
+    "quantization": Annotated[Literal[QUANTIZATIONS] | None, typer.Option(
+        "--quantization", "-q", help="CPU: weight-only int8 (per channel) or int4 (groups of "
+        "32) for the decoder layers' linear weights")],
     "max_model_len": Annotated[int | None, typer.Option("--max-model-len")],
     "max_num_seqs": Annotated[int, typer.Option("--max-num-seqs")],
     "max_num_batched_tokens": Annotated[int | None, typer.Option("--max-num-batched-tokens")],

@@ -35,6 +35,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # weight-only int8 / int4 of the linear layers, CPU
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
@@ -73,6 +74,7 @@ class ModelConfig:
     max_model_len: int
     tokenizer_path: str
     seed: int = 0
+    quantization: str | None = None  # layers/quantization.py
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -40,3 +40,4 @@ DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks
 
 # --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU: layers/quantization.py

@@ -17,6 +17,7 @@ from parashift.bench.kernels import kernels
 from parashift.bench.moe import moe
 from parashift.bench.options import Plot, SaveJson, Seed
 from parashift.bench.pipeline import pipeline
+from parashift.bench.quantization import quantization
 from parashift.bench.routing import routing
 from parashift.bench.serve_cli import serve, sweep
 from parashift.bench.serving_vs_offline import serving_vs_offline
@@ -113,3 +114,4 @@ bench_app.command()(soak)
 bench_app.command()(kernels)
 bench_app.command()(cpu_kernels)
 bench_app.command()(routing)
+bench_app.command()(quantization)

@@ -18,7 +18,7 @@ def step_costs(model: str | None, dtype: str, batches: tuple[int, ...], steps: i
     import torch
 
     from parashift import LLM, SamplingParams
-    from parashift.layers.gemm import linear
+    from parashift.layers.gemm import gemm_weight_bytes, linear
 
     torch.set_num_threads(1)
     llm = LLM(model, dtype=dtype, num_threads=1)
@@ -36,7 +36,7 @@ def step_costs(model: str | None, dtype: str, batches: tuple[int, ...], steps: i
                 step[batch] = min(ms, step.get(batch, ms))
         gemms = [m for m in llm.engine.executor.worker.model.modules()
                  if hasattr(m, "packed_weight")]
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in gemms)
+        weight_bytes = sum(gemm_weight_bytes(m) for m in gemms)
         floor = float("inf")
         with torch.inference_mode():
             for _ in range(5):

@@ -18,6 +18,7 @@ from parashift.config import (
 )
 from parashift.defaults import ATTENTION_BACKENDS, default_max_num_batched_tokens
 from parashift.layers.kernel_dispatch import has_triton
+from parashift.layers.quantization import check_quantization
 from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.pipeline import parse_partition
@@ -69,8 +70,9 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
         args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
+    check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
-                        args.seed)
+                        args.seed, args.quantization)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(args.max_num_seqs)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests)

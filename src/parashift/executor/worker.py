@@ -17,6 +17,7 @@ from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner, StageStats
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm import prepare_gemm_weights
+from parashift.layers.quantization import QuantizedWeight
 from parashift.models.loader import load_model
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -47,7 +48,8 @@ class Worker:
         # Peak resident memory the load added (a tp shard must read only its slice), before
         # the GEMM paths are timed and prepared.
         self.load_peak_rss = _peak_rss() - rss_before
-        for note in prepare_gemm_weights(self.model, self.device):  # after: it may time GEMMs
+        for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
+                                         mc.quantization):
             logger.info(note)
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
                                   self.device, self.parallel.group("pp"))
@@ -93,9 +95,12 @@ class Worker:
         return self.load_peak_rss
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied weight once): what `plan` predicts."""
-        seen = {id(p): p for p in self.model.parameters()}
-        return sum(p.numel() * p.element_size() for p in seen.values())
+        """Bytes of this rank's parameters (a tied weight once; a quantized one as stored):
+        what `plan` predicts."""
+        seen = {id(p): p for p in self.model.parameters() if not p.is_meta}
+        return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
+            m.packed_weight.nbytes for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), QuantizedWeight))
 
     def take_comm_stats(self) -> dict[str, float]:
         """The tp group's all-reduce cost since the last call (then reset)."""

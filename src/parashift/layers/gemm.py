@@ -18,6 +18,7 @@ from torch import nn
 
 from parashift.layers.gemm_paths import GemmPaths, OwnBf16Weight, prepare
 from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.layers.quantization import QuantizedWeight, quantize, quantized_linear
 
 
 def onednn_rows(rows: int) -> int:
@@ -61,8 +62,11 @@ def _own_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | OwnBf16Weight | None = None) -> torch.Tensor:
+           packed: torch.Tensor | OwnBf16Weight | QuantizedWeight | None = None
+           ) -> torch.Tensor:
     """x: [num_tokens, in] -> [num_tokens, out], in x's dtype."""
+    if isinstance(packed, QuantizedWeight):  # the float weight is gone
+        return quantized_linear(x, packed, bias)
     xw = x.to(weight.dtype) if weight.dtype != x.dtype else x
     if isinstance(packed, OwnBf16Weight):
         y = _own_bf16_linear(xw, weight, bias, packed)
@@ -76,16 +80,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.to(x.dtype) if y.dtype != x.dtype else y
 
 
-def prepare_gemm_weights(model: nn.Module, device: torch.device) -> list[str]:
+def gemm_weight_bytes(module: nn.Module) -> int:
+    """Bytes a GEMM module's weight takes as its GEMM reads it (quantized or not)."""
+    if isinstance(module.packed_weight, QuantizedWeight):
+        return module.packed_weight.nbytes
+    return module.weight.numel() * module.weight.element_size()
+
+
+def prepare_gemm_weights(model: nn.Module, device: torch.device,
+                         quantization: str | None = None) -> list[str]:
     """Give every module with a `packed_weight` slot the GEMM path chosen for its weight on
-    this CPU. Returns what was done, for the load log."""
+    this CPU, or its quantized weight (`quantization`, what layers/quantization.py names).
+    Returns what was done, for the load log."""
     if device.type != "cpu":
         return []
+    notes = quantize_weights(model, quantization) if quantization else []
     paths = GemmPaths()
     counts: dict[str, int] = {}
     limits: dict[str, int] = {}  # our own kernel's most rows -> how many weights
     for m in model.modules():
-        if not hasattr(m, "packed_weight"):
+        if not hasattr(m, "packed_weight") or isinstance(m.packed_weight, QuantizedWeight):
             continue
         path = paths.choose(m.weight.dtype, *m.weight.shape)
         weight, m.packed_weight = prepare(m.weight.data, path)
@@ -103,5 +117,24 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device) -> list[str]:
     timed = f" ({len(paths.timed)} timings now)" if paths.timed else ""
     above = ("; own-bf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
              + ", F.linear above" if limits else "")
-    return [f"GEMM paths on this CPU{timed}: "
+    return [*notes, f"GEMM paths on this CPU{timed}: "
             + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())) + above]
+
+
+def quantize_weights(model: nn.Module, method: str) -> list[str]:
+    """The decoder layers' linear weights -> `method`, the float weights dropped (see
+    layers/quantization.py for what stays as it is)."""
+    from parashift.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    before = after = count = 0
+    for m in model.modules():
+        if not isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            continue
+        m.packed_weight = quantize(m.weight.data, method)
+        before += m.weight.numel() * m.weight.element_size()
+        after += m.packed_weight.nbytes
+        # the float weight's shape and dtype stay, on no memory
+        m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+        count += 1
+    return [f"{method} weights: {count} linear layers, {before / 2**20:.0f} MiB -> "
+            f"{after / 2**20:.0f} MiB"]
