@@ -163,6 +163,9 @@ def run(
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API until SIGINT/SIGTERM."""
     setup_logging()
+    from parashift.runtime import child_processes
+
+    child_processes.start_early()  # its imports beside ours
     resolve_auto_strategy(engine_args, objective)
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")

@@ -45,7 +45,7 @@ def test_the_command_prints_and_saves_accuracy_memory_and_speed(tiny_llama, tmp_
 ])
 def test_bad_flags_are_named(tiny_llama, args, message):
     done = bench(tiny_llama, *ENGINE, *args)
-    assert done.exit_code == 2 and message in done.output, done.output
+    assert done.exit_code == 2 and message in done.stderr, done.output
 
 
 @pytest.mark.slow

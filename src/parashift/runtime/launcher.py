@@ -20,6 +20,7 @@ from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.models.gguf import DEFAULT_MODEL_NAME
+from parashift.runtime import child_processes
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener, tcp_url
 from parashift.runtime.errors import StartupError
@@ -95,7 +96,7 @@ class Launcher:
         else:
             logger.info("strategy %s on Ray: one placement group per rank, bundles %s",
                         self.spec, self.engines.bundles)
-        mp = multiprocessing.get_context("spawn")
+        mp = child_processes.context()
         self.listener = bind_listener(self.args.host, self.args.port)
         self.handshake = self.ctx.socket(zmq.ROUTER)
         self.handshake.setsockopt(zmq.LINGER, 0)

@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 
 from parashift.engine.engine_process import run_engine
+from parashift.runtime import child_processes
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
 from parashift.strategies.mesh import EnginePlacement
 from parashift.wire.process_util import exit_after, join_within
@@ -27,7 +28,7 @@ class LocalEngines(RestartPolicy):
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
         self.procs: dict[int, multiprocessing.Process] = {}
-        self._mp = multiprocessing.get_context("spawn")
+        self._mp = child_processes.context()
 
     def start(self) -> None:
         for rank in self.ranks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.forkserver
 import os
 import shutil
 import socket
@@ -32,12 +33,21 @@ def set_process_name(name: str) -> None:
 
 
 def die_with_parent() -> None:
-    """Linux: get SIGTERM if the launcher dies without cleaning up (even by SIGKILL)."""
+    """Linux: get SIGTERM if the launcher dies without cleaning up (even by SIGKILL). A child
+    of the launch's fork server (runtime/child_processes.py) has that server for parent, which
+    exits once the launcher and its children have all closed its "alive" pipe: multiprocessing
+    hands each child the pipe's write end (so that it could fork through the server too), and
+    the server would then live as long as its children, and they, dying with it, as long as
+    the server. None of ours uses it: closed here."""
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(1, 15, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGTERM
     except (OSError, AttributeError):
         pass
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _ipc_folder(address: str) -> str | None:

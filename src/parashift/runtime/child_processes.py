@@ -1,0 +1,31 @@
+"""How a launch starts its children (engine cores, API servers, the DP coordinator): forked
+from a fork server that imported, once, what they all import.
+
+Spawned, each child imported torch, transformers and the engine or serving stack again: ~4 s
+of CPU each on the 2-core machines here, most of a small model's start-up, and in parallel
+with nothing else to do. The fork server is a clean single-threaded process that only imports
+(it never runs a torch op nor touches CUDA), so its children start as spawned ones do (their
+arguments pickled, nothing else of the launcher's inherited: no threads, sockets or CUDA
+state), minus the imports. It is started as soon as `parashift run` begins, so that its imports
+overlap the launcher's own; it exits with the launcher (multiprocessing closes its pipe)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+from multiprocessing.context import BaseContext
+
+PRELOAD = ["torch", "transformers", "parashift.engine.engine_process",
+           "parashift.serve.api_server", "parashift.runtime.coordinator"]
+
+
+def context() -> BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_early() -> None:
+    """Start the fork server now (its imports run beside the caller's)."""
+    context()
+    multiprocessing.forkserver.ensure_running()
