@@ -29,6 +29,7 @@ from parashift.defaults import QUANTIZATIONS
 
 INT4_GROUP = 32  # input features per int4 group (a Q4_1 block)
 INT4_INNER_K_TILES = 2  # the packed layout's k tiling, as torch's CPU kernel reads it
+INT4_ROWS = 16  # the packed layout's output features come in blocks of 16
 ACTIVATIONS = torch.bfloat16
 TINY = torch.finfo(ACTIVATIONS).tiny  # the scale of an all-zero row or group
 
@@ -75,14 +76,16 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
         if in_features % INT4_GROUP:
             raise ValueError(f"int4 quantization needs input features divisible by "
                              f"{INT4_GROUP}, not {in_features}")
-        groups = w.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        rows = -(-out_features // INT4_ROWS) * INT4_ROWS  # zero rows pad what the layout needs
+        w = torch.cat([w, w.new_zeros(rows - out_features, in_features)])
+        groups = w.reshape(rows, in_features // INT4_GROUP, INT4_GROUP)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scales = _kept(((high - low) / 15).clamp(min=TINY))
         offsets = _kept(low + 8 * scales)  # torch's kernel computes (q - 8) * scale + offset
         low = offsets - 8 * scales
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
         packed = torch._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).reshape(out_features, in_features), INT4_INNER_K_TILES)
+            q.to(torch.int32).reshape(rows, in_features), INT4_INNER_K_TILES)
         scales_and_offsets = torch.stack([scales.t(), offsets.t()], dim=-1).contiguous()
         return QuantizedWeight(method, packed, scales_and_offsets.to(ACTIVATIONS), out_features,
                                in_features)
@@ -102,7 +105,7 @@ def dequantize(q: QuantizedWeight) -> torch.Tensor:
     # torch's packed int4 layout is its own: read back through its kernel, in float32
     eye = torch.eye(q.in_features)
     return torch._weight_int4pack_mm_for_cpu(eye, q.qweight, INT4_GROUP, q.scales.float()
-                                             ).t().contiguous()
+                                             )[:, :q.out_features].t().contiguous()
 
 
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
@@ -116,6 +119,8 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | N
         y = torch._weight_int8pack_mm(a, q.qweight, q.scales)
     else:
         y = torch._weight_int4pack_mm_for_cpu(a, q.qweight, INT4_GROUP, q.scales)
+        if y.shape[-1] != q.out_features:  # the padding rows
+            y = y[:, :q.out_features]
     if bias is not None:
         y = y + bias.to(y.dtype)
     y = y.to(x.dtype) if y.dtype != x.dtype else y
