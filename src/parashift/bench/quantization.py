@@ -8,6 +8,7 @@ bytes."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,6 +20,8 @@ from parashift.defaults import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from parashift.config import EngineArgs
+
+logger = logging.getLogger(__name__)
 
 NUM_TOP = 20  # alternatives returned per position: the reference's token is looked up in them
 PROMPTS = (  # varied registers; the model's chat template is applied when it has one
@@ -94,15 +97,22 @@ def compare(engine_args: EngineArgs, methods: list[str], prompts: tuple[str, ...
     results: dict[str, Any] = {}
     reference: list[tuple[list[int], list[int], list[float]]] = []  # prompt, tokens, logprobs
     for method in [None, *methods]:
+        label = method or "unquantized"
+        logger.info("%s: loading", label)
         llm = LLM.from_engine_args(dataclasses.replace(engine_args, quantization=method))
         try:
             if method is None:
+                logger.info("%s: %d greedy continuations", label, len(prompts))
                 reference = greedy_runs(llm, [chat(llm, p) for p in prompts], output_len)
                 row: dict[str, Any] = {}
             else:
+                logger.info("%s: %d positions teacher-forced", label, len(prompts) * output_len)
                 row = accuracy(llm, reference)
             row["weight_bytes"] = llm.engine.executor.worker.weight_bytes()
-            row["decode_tok_s"] = {b: decode_speed(llm, b, output_len) for b in batches}
+            row["decode_tok_s"] = {}
+            for batch in batches:
+                logger.info("%s: decode speed at batch %d", label, batch)
+                row["decode_tok_s"][batch] = decode_speed(llm, batch, output_len)
         finally:
             llm.shutdown()
         results[method or "none"] = row

@@ -136,5 +136,5 @@ def quantize_weights(model: nn.Module, method: str) -> list[str]:
         # the float weight's shape and dtype stay, on no memory
         m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         count += 1
-    return [f"{method} weights: {count} linear layers, {before / 2**20:.0f} MiB -> "
-            f"{after / 2**20:.0f} MiB"]
+    return [f"{method} weights: {count} linear layers, {before / 2**20:.1f} MiB -> "
+            f"{after / 2**20:.1f} MiB"]
