@@ -124,6 +124,16 @@ def tiny_split_by_3(tiny_model_factory) -> str:
                               intermediate_size=192)
 
 
+def cli_in_process(*args: str):
+    """`parashift ARGS` through the same typer app in this process: for flags refused before
+    anything runs (a subprocess spends ~6 s on imports first). exit_code, stdout, stderr."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
 def plan_json(model: str, strategy: str, *flags: str) -> dict:
     """`parashift plan MODEL --strategy S --device cpu --json FLAGS`."""
     import json

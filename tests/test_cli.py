@@ -9,6 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import cli_in_process
 
 from parashift.cli_options import parse_size
 
@@ -16,14 +17,6 @@ from parashift.cli_options import parse_size
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "parashift.cli", *args], capture_output=True,
                           text=True, timeout=300)
-
-
-def run_in_process(*args: str):
-    from typer.testing import CliRunner
-
-    from parashift.cli import app
-
-    return CliRunner().invoke(app, list(args))
 
 
 def run_both(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
@@ -69,13 +62,13 @@ def test_generate_batch_prints_every_prompt(tiny_llama):
     (["--strategy", "pp3"], "pp3 needs at least 3 layers, the model has 2"),
 ])
 def test_bad_flags_are_named(tiny_llama, args, message):
-    result = run_in_process("generate", tiny_llama, "--prompt", "x", *args)
+    result = cli_in_process("generate", tiny_llama, "--prompt", "x", *args)
     assert result.exit_code == 2
     assert message in result.stderr
 
 
 def test_missing_prompt():
-    result = run_in_process("generate")
+    result = cli_in_process("generate")
     assert result.exit_code == 2 and "--prompt" in result.stderr
 
 

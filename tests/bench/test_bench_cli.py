@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 from PIL import Image
 
 from tests.serve.conftest import TINY_ARGS, running_server
@@ -21,15 +22,6 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "parashift.cli", "bench", *args],
                           capture_output=True, text=True, timeout=timeout)
-
-
-def bench_in_process(*args: str):
-    """Flags refused before anything runs: the same typer app, without a subprocess's imports."""
-    from typer.testing import CliRunner
-
-    from parashift.cli import app
-
-    return CliRunner().invoke(app, ["bench", *args])
 
 
 def test_serve_writes_a_consistent_json_and_a_png(tiny_llama, tmp_path):
@@ -185,12 +177,12 @@ def test_bench_moe_compares_ep_with_replicated_experts(tiny_model_factory, tmp_p
     (["--baseline", "vllm"], "--baseline 'vllm'"),
 ])
 def test_bad_throughput_input_names_the_flag(tiny_llama, args, message):
-    done = bench_in_process("throughput", tiny_llama, *ENGINE, *args)
+    done = cli_in_process("bench", "throughput", tiny_llama, *ENGINE, *args)
     assert done.exit_code == 2 and message in done.stderr, done.output[-2000:]
 
 
 def test_latency_batch_above_max_num_seqs_names_both_flags(tiny_llama):
-    done = bench_in_process("latency", tiny_llama, *ENGINE, "--batch-size", "9",
+    done = cli_in_process("bench", "latency", tiny_llama, *ENGINE, "--batch-size", "9",
                             "--max-num-seqs", "8")
     assert done.exit_code == 2
     assert "--batch-size 9 is above --max-num-seqs 8" in done.stderr, done.output[-2000:]

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
+from conftest import cli_in_process
 
 from parashift.bench.quantization import PROMPTS, compare
-from parashift.cli import app
 from parashift.config import EngineArgs
 
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB"]
 
 
 def bench(*args: str):
-    return CliRunner().invoke(app, ["bench", "quantization", *args])
+    return cli_in_process("bench", "quantization", *args)
 
 
 def test_the_command_prints_and_saves_accuracy_memory_and_speed(tiny_llama, tmp_path):
