@@ -20,10 +20,30 @@ constexpr int64_t kTile = 4;  // 16-column blocks per tile of the packed weight
 //   tile_offset(n / 64) + ((k / 2) * width + (n % 64) / 16) * 32 + (n % 16) * 2 + k % 2.
 inline int64_t tile_offset(int64_t tile, int64_t k2) { return tile * k2 * kTile * 32; }
 
+// W [n, k] (row stride w_stride, k even) -> the packed layout, zeros in the last block's
+// missing columns.
+template <class E>
+void pack(E* dst, const E* w, int64_t w_stride, int64_t n, int64_t k, int num_threads) {
+  const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t tile = blk / kTile, j = blk % kTile;
+    const int64_t width = std::min(kTile, blocks - tile * kTile);
+    E* base = dst + tile_offset(tile, k2) + j * 32;
+    for (int64_t kp = 0; kp < k2; ++kp)
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t row = blk * 16 + c;
+        for (int64_t h = 0; h < 2; ++h)
+          base[kp * width * 32 + c * 2 + h] = row < n ? w[row * w_stride + 2 * kp + h] : E{0};
+      }
+  }
+}
+
 }  // namespace
 
 #include "gemm_amx.h"
 #include "gemm_fma.h"
+#include "gemm_int8.h"
 
 #ifdef PARASHIFT_BF16_DOT
 namespace {
@@ -143,21 +163,43 @@ int parashift_cpu_bf16_gemm() {
 // packed [ceil(n / 16) * 16 * k] <- W [n, k] bf16, k even (row stride w_stride), zero-padded to whole 16-column blocks.
 void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int64_t n,
                          int64_t k, int num_threads) {
-  const int64_t k2 = k / 2, blocks = (n + 15) / 16;
-  uint16_t* dst = static_cast<uint16_t*>(packed);
-  const uint16_t* w = static_cast<const uint16_t*>(weight);
-#pragma omp parallel for num_threads(num_threads)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t tile = blk / kTile, j = blk % kTile;
-    const int64_t width = std::min(kTile, blocks - tile * kTile);
-    uint16_t* base = dst + tile_offset(tile, k2) + j * 32;
-    for (int64_t kp = 0; kp < k2; ++kp)
-      for (int64_t c = 0; c < 16; ++c) {
-        const int64_t row = blk * 16 + c;
-        for (int64_t h = 0; h < 2; ++h)
-          base[kp * width * 32 + c * 2 + h] = row < n ? w[row * w_stride + 2 * kp + h] : 0;
-      }
-  }
+  pack(static_cast<uint16_t*>(packed), static_cast<const uint16_t*>(weight), w_stride, n, k,
+       num_threads);
+}
+
+// The same layout for an int8 weight (gemm_int8.h), a byte an element.
+void parashift_pack_int8(void* packed, const void* weight, int64_t w_stride, int64_t n,
+                         int64_t k, int num_threads) {
+  pack(static_cast<int8_t*>(packed), static_cast<const int8_t*>(weight), w_stride, n, k,
+       num_threads);
+}
+
+// 1 where parashift_gemm_int8 runs here (AMX tiles, where the OS allows them), else 0.
+int parashift_cpu_int8_gemm() {
+#if defined(PARASHIFT_AMX)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// out [m, n] bf16 (row stride out_stride) <- (x [m, k] bf16 (row stride x_stride) Q^T) * scale
+// + bias: Q packed by parashift_pack_int8, scale [n] and bias [n] (or null) bf16, k a multiple
+// of 32; next_packed [next_n, next_k] (or null): the int8 weight the caller's next GEMM takes,
+// fetched as this one ends. Needs parashift_cpu_int8_gemm().
+void parashift_gemm_int8(void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                         const void* packed, const void* scale, const void* bias, int64_t m,
+                         int64_t n, int64_t k, const void* next_packed, int64_t next_n,
+                         int64_t next_k, int num_threads) {
+#if defined(PARASHIFT_AMX)
+  const int64_t blocks = (n + 15) / 16;
+  const int threads = static_cast<int>(std::min<int64_t>(
+      blocks, threads_for(m * n * k / 64, num_threads)));
+  gemm_int8_amx(static_cast<uint16_t*>(out), out_stride, static_cast<const uint16_t*>(x),
+                x_stride, static_cast<const int8_t*>(packed),
+                static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(bias), m, n,
+                k, threads, static_cast<const int8_t*>(next_packed), next_n, next_k);
+#endif
 }
 
 // out [m, n] (row stride out_stride) <- x [m, k] (row stride x_stride) W^T + bias (bias [n] or

@@ -18,16 +18,21 @@
 
 namespace {
 
-// C tile -> bf16 rows of out (+ bias), `cols` of its 16 columns.
+// 16 bf16 values (the first `mask` lanes, zeros after) in fp32 lanes.
+inline __m512 load_bf16_lanes(__mmask16 mask, const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// C tile -> bf16 rows of out (x scale, + bias), `cols` of its 16 columns.
 inline void store_tile_rows(const float* c, int rows, uint16_t* out, int64_t out_stride,
-                            const uint16_t* bias, int64_t cols) {
+                            const uint16_t* bias, int64_t cols, const uint16_t* scale = nullptr) {
   const __mmask16 mask = first_lanes(cols);
-  __m512 add = _mm512_setzero_ps();
-  if (bias)
-    add = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+  const __m512 add = bias ? load_bf16_lanes(mask, bias) : _mm512_setzero_ps();
+  const __m512 mul = scale ? load_bf16_lanes(mask, scale) : _mm512_set1_ps(1.f);
   for (int i = 0; i < rows; ++i) {
-    const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + 16 * i), add));
+    const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * i), mul, add);
+    const __m256bh y = _mm512_cvtneps_pbh(v);
     _mm256_mask_storeu_epi16(out + i * out_stride, mask, (__m256i)y);
   }
 }
@@ -83,41 +88,52 @@ std::pair<const char*, const char*> block_range(const PackedWeight& p, int64_t f
           base + (tile_offset(last_tile, k2) + k2 * end_width * 32) * 2};
 }
 
-// One register block: `rt` row tiles (1 or 2) x bw.nb 16-column blocks (up to 4 with one row
-// tile, 2 with two), k in chunks of 32 -> fp32 C tiles into c (tile r * 2 + j with two row
-// tiles, j with one). The branches are the same every chunk: predicted, and a TDPBF16PS takes
-// 16 cycles. stream (null on later passes over the same weight): advanced by as many lines
-// per chunk as the block brings in.
-void amx_block(const uint16_t* x, int64_t x_stride, int rt, const BlockWeight& bw, float* c,
-               Stream* stream) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t xs = x_stride * 2, step = 16 * bw.stride, b_stride = bw.stride;
-  const int nb = bw.nb;
-  const uint16_t* x1 = x + 16 * x_stride;
-  for (int64_t ch = 0; ch < bw.chunks; ++ch) {
-    const char* bc = bw.b + ch * step;
-    if (stream) stream->fetch(16 * nb);
-    _tile_loadd(4, x + 32 * ch, xs);
-    _tile_loadd(6, bc, b_stride);
-    if (rt == 2) _tile_loadd(5, x1 + 32 * ch, xs);
-    _tile_dpbf16ps(0, 4, 6);
-    if (rt == 2) _tile_dpbf16ps(2, 5, 6);
-    if (nb > 1) {
-      _tile_loadd(7, bc + 64, b_stride);
-      _tile_dpbf16ps(1, 4, 7);
-      if (rt == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-    if (nb > 2) {
-      _tile_loadd(6, bc + 128, b_stride);
-      _tile_dpbf16ps(2, 4, 6);
-    }
-    if (nb > 3) {
-      _tile_loadd(7, bc + 192, b_stride);
-      _tile_dpbf16ps(3, 4, 7);
-    }
+// One chunk of 32 k of a register block into C tiles 0-3: rows a0 (and a1 with rt == 2) of x
+// times the chunk's B tiles at b, its k pairs b_stride bytes apart, the blocks 64 bytes apart.
+// The branches are the same every chunk: predicted, and a TDPBF16PS takes 16 cycles.
+inline void multiply_chunk(const uint16_t* a0, const uint16_t* a1, int64_t xs, int rt,
+                           const char* b, int64_t b_stride, int nb) {
+  _tile_loadd(4, a0, xs);
+  _tile_loadd(6, b, b_stride);
+  if (rt == 2) _tile_loadd(5, a1, xs);
+  _tile_dpbf16ps(0, 4, 6);
+  if (rt == 2) _tile_dpbf16ps(2, 5, 6);
+  if (nb > 1) {
+    _tile_loadd(7, b + 64, b_stride);
+    _tile_dpbf16ps(1, 4, 7);
+    if (rt == 2) _tile_dpbf16ps(3, 5, 7);
   }
+  if (nb > 2) {
+    _tile_loadd(6, b + 128, b_stride);
+    _tile_dpbf16ps(2, 4, 6);
+  }
+  if (nb > 3) {
+    _tile_loadd(7, b + 192, b_stride);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+inline void zero_c_tiles() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+
+inline void store_c_tiles(float* c) {
   _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
   _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+
+// One register block: `rt` row tiles (1 or 2) x bw.nb 16-column blocks (up to 4 with one row
+// tile, 2 with two), k in chunks of 32 -> fp32 C tiles into c (tile r * 2 + j with two row
+// tiles, j with one). stream (null on later passes over the same weight): advanced by as many
+// lines per chunk as the block brings in.
+void amx_block(const uint16_t* x, int64_t x_stride, int rt, const BlockWeight& bw, float* c,
+               Stream* stream) {
+  zero_c_tiles();
+  const int64_t xs = x_stride * 2, step = 16 * bw.stride;
+  const uint16_t* x1 = x + 16 * x_stride;
+  for (int64_t ch = 0; ch < bw.chunks; ++ch) {
+    if (stream) stream->fetch(16 * bw.nb);
+    multiply_chunk(x + 32 * ch, x1 + 32 * ch, xs, rt, bw.b + ch * step, bw.stride, bw.nb);
+  }
+  store_c_tiles(c);
 }
 
 // gemm.cpp's product on AMX (k a multiple of 32). Threads split the 16-column blocks as there;

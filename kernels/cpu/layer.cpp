@@ -9,9 +9,10 @@
 
 extern "C" {
 
-// One layer's weights (packed by parashift_pack_bf16; the column-parallel biases may be null:
-// the row-parallel ones are added after the GEMM in Python, a rounding of their own, so a
-// layer with them does not come here) and KV cache.
+// One layer's weights (packed by parashift_pack_bf16, or by parashift_pack_int8 with a scale
+// per output column under `--quantization int8`; the column-parallel biases may be null: the
+// row-parallel ones are added after the GEMM in Python, a rounding of their own, so a layer with
+// them does not come here) and KV cache.
 struct ParashiftLayerWeights {
   const void* input_norm;
   const void* post_norm;
@@ -23,7 +24,12 @@ struct ParashiftLayerWeights {
   const void* down;
   void* key_cache;
   void* value_cache;
-  const void* next_qkv;  // the following layer's (null for the last): fetched ahead
+  const void* next_qkv;  // the following layer's, of the same kind (null: none): fetched ahead
+  // int8 weights' scales [n] bf16 (null: the weights are bf16)
+  const void* qkv_scale;
+  const void* o_scale;
+  const void* gate_up_scale;
+  const void* down_scale;
 };
 
 // What every layer of one step shares: shapes, the step's tables and scratch buffers.
@@ -54,6 +60,23 @@ struct ParashiftLayerStep {
   const int32_t* chunk_seq_lens;
 };
 
+namespace {
+
+// One of the layer's GEMMs: int8 where its weight has scales, else bf16, naming the weight the
+// layer multiplies by next (of the same kind) so that it starts coming in as this one ends.
+void gemm(void* out, int64_t out_stride, const void* x, int64_t x_stride, const void* w,
+          const void* scale, const void* bias, int64_t m, int64_t n, int64_t k,
+          const void* next, int64_t next_n, int64_t next_k, int threads) {
+  if (scale)
+    parashift_gemm_int8(out, out_stride, x, x_stride, w, scale, bias, m, n, k, next, next_n,
+                        next_k, threads);
+  else
+    parashift_gemm_bf16_then(out, out_stride, x, x_stride, w, bias, m, n, k, next, next_n,
+                             next_k, threads);
+}
+
+}  // namespace
+
 // hidden [tokens, hidden] <- the layer's output, residual [tokens, hidden] <- the new residual,
 // both in place. `first`: the model's first layer, where the residual starts as the input.
 void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftLayerStep* s,
@@ -73,8 +96,8 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
   }
   const int64_t i2 = 2 * s->intermediate, attn_width = s->heads * d;
   // each GEMM names the next, whose weight it starts fetching as it ends
-  parashift_gemm_bf16_then(s->qkv, qkv_width, s->normed, h, w->qkv, w->qkv_bias, t, qkv_width, h,
-                           w->o, h, attn_width, th);
+  gemm(s->qkv, qkv_width, s->normed, h, w->qkv, w->qkv_scale, w->qkv_bias, t, qkv_width, h, w->o,
+       h, attn_width, th);
   char* qkv = static_cast<char*>(s->qkv);
   parashift_rotary(kBf16, qkv, qkv_width, s->cos, s->sin, t, s->heads + s->kv_heads, d, th);
   parashift_write_kv(kBf16, w->key_cache, w->value_cache, qkv + s->heads * d * 2,
@@ -94,15 +117,15 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
                                      w->value_cache, s->block_tables, s->table_width, s->seq_lens,
                                      queries, s->heads, s->kv_heads, d, s->block_size, s->window,
                                      s->scale, th);
-  parashift_gemm_bf16_then(s->o, h, s->attn, attn_width, w->o, nullptr, t, h, attn_width,
-                           w->gate_up, i2, h, th);
+  gemm(s->o, h, s->attn, attn_width, w->o, w->o_scale, nullptr, t, h, attn_width, w->gate_up, i2,
+       h, th);
   parashift_rms_norm(kBf16, s->normed, residual, s->o, h, residual, h, w->post_norm, t, h, s->eps,
                      th);
-  parashift_gemm_bf16_then(s->gate_up, i2, s->normed, h, w->gate_up, w->gate_up_bias, t, i2, h,
-                           w->down, h, s->intermediate, th);
+  gemm(s->gate_up, i2, s->normed, h, w->gate_up, w->gate_up_scale, w->gate_up_bias, t, i2, h,
+       w->down, h, s->intermediate, th);
   parashift_silu_and_mul(kBf16, s->act, s->gate_up, i2, t, s->intermediate, th);
-  parashift_gemm_bf16_then(hidden, h, s->act, s->intermediate, w->down, nullptr, t, h,
-                           s->intermediate, w->next_qkv, qkv_width, h, th);
+  gemm(hidden, h, s->act, s->intermediate, w->down, w->down_scale, nullptr, t, h, s->intermediate,
+       w->next_qkv, qkv_width, h, th);
 }
 
 }  // extern "C"

@@ -40,12 +40,13 @@ class LayerWeights(Structure):
 
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down",
-        "key_cache", "value_cache", "next_qkv")]
+        "key_cache", "value_cache", "next_qkv", "qkv_scale", "o_scale", "gate_up_scale",
+        "down_scale")]
 
     @classmethod
     def of(cls, *tensors: torch.Tensor | None) -> LayerWeights:
-        """The fields' tensors in order (None: a null pointer; next_qkv, the following layer's
-        packed QKV weight, may be left out)."""
+        """The fields' tensors in order (None: a null pointer; the fields from next_qkv on, the
+        following layer's packed QKV weight and int8 weights' scales, may be left out)."""
         return cls(*(_ptr(t) for t in tensors))
 
 
@@ -82,6 +83,9 @@ class CpuOps:
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
             "parashift_pack_bf16": [ptr, ptr, i64, i64, i64, c_int],
             "parashift_gemm_bf16": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
+            "parashift_pack_int8": [ptr, ptr, i64, i64, i64, c_int],
+            "parashift_gemm_int8": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
+                                    i64, c_int],
             "parashift_llama_layer_bf16": [POINTER(LayerWeights), POINTER(LayerStep), ptr, ptr,
                                            c_int],
             "parashift_prefill_attention_bf16": [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr,
@@ -101,6 +105,8 @@ class CpuOps:
         # (tiles, k a multiple of 32, where the OS allows them), or None: no such GEMM here
         self.bf16_gemm = {1: "fma", 2: "dpbf16", 3: "amx"}.get(lib.parashift_cpu_bf16_gemm())
         self.amx = self.bf16_gemm == "amx"
+        # gemm_int8 runs here (AMX)
+        self.int8_gemm = bool(lib.parashift_cpu_int8_gemm())
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]
@@ -126,6 +132,32 @@ class CpuOps:
         self._lib.parashift_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0),
                                       packed.data_ptr(), _ptr(bias), rows, n, k,
                                       torch.get_num_threads())
+        return out
+
+    def pack_int8(self, q: torch.Tensor) -> torch.Tensor:
+        """An int8 weight [n, k] (k a multiple of 32) in `gemm_int8`'s layout: pack_bf16's, a
+        byte an element, [ceil(n / 16), k / 2, 32]. RuntimeError where this CPU cannot take it."""
+        n, k = q.shape
+        if not self.int8_gemm or q.dtype != torch.int8 or k % 32:
+            raise RuntimeError(f"no int8 GEMM of ours for a {q.dtype} [{n}, {k}] weight on this "
+                               f"CPU (it needs AMX and k a multiple of 32)")
+        q = q.contiguous()
+        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.int8)
+        self._lib.parashift_pack_int8(packed.data_ptr(), q.data_ptr(), k, n, k,
+                                      torch.get_num_threads())
+        return packed
+
+    @_profiled
+    def gemm_int8(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, k] bf16 (rows may be strided) -> (x Q^T) * scale + bias [rows, n] bf16, Q
+        packed by `pack_int8`, scale [n] and bias [n] bf16."""
+        rows, k = x.shape
+        n = scale.shape[0]
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        self._lib.parashift_gemm_int8(out.data_ptr(), n, x.data_ptr(), x.stride(0),
+                                      packed.data_ptr(), scale.data_ptr(), _ptr(bias), rows, n, k,
+                                      None, 0, 0, torch.get_num_threads())
         return out
 
     def llama_layer_bf16(self, weights: LayerWeights, step: LayerStep, hidden: torch.Tensor,

@@ -16,6 +16,7 @@ from parashift.layers.quantization import (
     QuantizedWeight,
     check_quantization,
     dequantize,
+    own_int8_kernel,
     quantize,
     quantized_linear,
 )
@@ -40,6 +41,21 @@ def test_the_kernel_multiplies_by_the_dequantized_weight(method, out_features, i
         reference = x.bfloat16().double() @ weight.t() + bias.double()
         err = (out.double() - reference).abs().max() / reference.abs().max()
         assert err < 1e-2, (rows, float(err))
+
+
+def test_our_int8_gemm_and_torchs_hold_the_same_weight():
+    """Where our int8 GEMM runs (AMX), its packed layout keeps torch's values exactly, and the
+    two kernels agree within the bf16 rounding of their results."""
+    if not own_int8_kernel(576):
+        pytest.skip("our int8 GEMM does not run on this CPU (it needs AMX)")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 576, generator=g) * 0.05
+    ours, torchs = quantize(weight, "int8"), quantize(weight, "int8", own_kernel=False)
+    assert ours.own_kernel and not torchs.own_kernel and ours.nbytes >= torchs.nbytes
+    assert torch.equal(dequantize(ours), dequantize(torchs))
+    x = torch.randn(33, 576, generator=g).bfloat16()
+    torch.testing.assert_close(linear(x, torch.empty(0), None, ours),
+                               linear(x, torch.empty(0), None, torchs), rtol=2**-7, atol=1e-2)
 
 
 def test_a_3d_input_keeps_its_leading_dimensions():

@@ -1,7 +1,8 @@
 """The decoder layers as one CPU kernel call each (models/fused_cpu_layers.py) against the same
 layers called one by one: the same kernels in the same order, so greedy tokens and logprobs
 agree exactly, through decodes, prefills, chunked prefills mixed with decodes, a q/k/v bias
-and a sliding window; and where the fused path is not taken."""
+and a sliding window, with bf16 or int8 weights (`--quantization int8` on our int8 GEMM); and
+where the fused path is not taken."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.layers.quantization import own_int8_kernel
 from parashift.models.fused_cpu_layers import FusedCpuLayers
 from tests.kernels.builds import MARCHES, cpu_flags
 
@@ -19,7 +21,8 @@ HEAD_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=256)
 
 
-def _generate(folder: str, fused: bool, monkeypatch) -> tuple[list, list]:
+def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = None
+              ) -> tuple[list, list]:
     """(tokens and logprobs per prompt, the fused calls' (tokens, decodes, prefills))."""
     from parashift import LLM, SamplingParams
     from parashift.layers import gemm_paths
@@ -40,7 +43,7 @@ def _generate(folder: str, fused: bool, monkeypatch) -> tuple[list, list]:
         if not fused:
             m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, layers: None))
         llm = LLM(folder, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
-                  max_num_batched_tokens=64, seed=0)
+                  max_num_batched_tokens=64, seed=0, quantization=quantization)
         try:
             # 64 tokens a step: the long prompts are chunked and share steps with decodes
             prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
@@ -62,6 +65,20 @@ def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_fac
     unfused, none = _generate(folder, False, monkeypatch)
     assert not none
     assert fused == unfused
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_int8_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_factory, arch,
+                                                                        monkeypatch):
+    if not own_int8_kernel(HEAD_64["hidden_size"]):
+        pytest.skip("our int8 GEMM does not run on this CPU (it needs AMX)")
+    folder = tiny_model_factory(arch, **HEAD_64)
+    fused, calls = _generate(folder, True, monkeypatch, "int8")
+    assert any(decodes and prefills for _, decodes, prefills in calls)
+    unfused, none = _generate(folder, False, monkeypatch, "int8")
+    assert not none
+    assert fused == unfused
+    assert fused != _generate(folder, True, monkeypatch)[0]  # the weights were int8
 
 
 def test_fused_decode_steps_built_for_avx2(tiny_model_factory, monkeypatch):

@@ -2,7 +2,8 @@
 ops it replaces, on this CPU, at a decode step's shapes (the embedded SmolLM2's: 9 query and 3
 kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 our GEMM too, where
 this CPU has one, against oneDNN's reordered weight or (`--gemm-against inductor`) inductor's C++
-GEMM template. Each call is timed with the
+GEMM template, and our weight-only int8 GEMM (`--quantization int8`, where the CPU has AMX)
+against torch's `_weight_int8pack_mm`. Each call is timed with the
 caches flushed first, as in a real step, where every other layer's weights and KV pass through
 the caches between two calls of one layer's kernel."""
 
@@ -98,7 +99,34 @@ def cases(batch: int, context: int, dtype: Any, gemm_against: str = "onednn"
                           lambda: logits.float().argmax(dim=-1), 0, 0.0))
     if dtype == torch.bfloat16 and ops.bf16_gemm is not None:
         out.extend(_gemm_cases(ops, batch, gemm_against))
+    if dtype == torch.bfloat16 and ops.int8_gemm:
+        out.extend(_int8_gemm_cases(batch))
     return out
+
+
+GEMM_SHAPES = {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
+               "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),
+               "LM head": (VOCAB, HIDDEN)}
+
+
+def _int8_gemm_cases(batch: int) -> list[KernelCase]:
+    """Our int8 GEMM against torch's on the same int8 weight (SmolLM2's decoder shapes: the LM
+    head stays unquantized)."""
+    import torch
+
+    from parashift.layers.quantization import quantize, quantized_linear
+
+    cases = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        if name == "LM head":
+            continue
+        weight = torch.randn(n, k) * 0.05
+        ours, torchs = quantize(weight, "int8"), quantize(weight, "int8", own_kernel=False)
+        x = torch.randn(batch, k).bfloat16()
+        cases.append(KernelCase(f"{name} int8 GEMM (AMX)", f"{batch} x {k} -> {n}",
+                                lambda x=x, q=ours: quantized_linear(x, q, None),
+                                lambda x=x, q=torchs: quantized_linear(x, q, None), 0, 0.1))
+    return cases
 
 
 def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
@@ -112,9 +140,7 @@ def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
     from parashift.layers.gemm_paths import can_reorder, prepare
 
     cases, kernel = [], GEMM_KERNELS[ops.bf16_gemm]
-    for name, (n, k) in {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, HIDDEN),
-                         "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),
-                         "LM head": (VOCAB, HIDDEN)}.items():
+    for name, (n, k) in GEMM_SHAPES.items():
         weight = (torch.randn(n, k) * 0.05).bfloat16()
         x = torch.randn(batch, k).bfloat16()
         packed = ops.pack_bf16(weight)

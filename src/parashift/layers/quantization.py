@@ -1,16 +1,17 @@
 """Weight-only quantization of the linear layers' weights on CPU (`--quantization`), opt-in.
 
-- int8: one scale per output channel, symmetric (q in [-127, 127]), torch's
-  `_weight_int8pack_mm`.
+- int8: one scale per output channel, symmetric (q in [-127, 127]); our own GEMM where the CPU
+  has AMX (kernels/cpu/gemm_int8.h: the weight widened to bf16 in cache, exactly, on its way to
+  the tiles), else torch's `_weight_int8pack_mm`.
 - int4: groups of `INT4_GROUP` input features along each output channel, each with its own
   scale and offset (asymmetric, 16 levels); torch's `_weight_int4pack_mm_for_cpu` reads its
   packed layout. The embedded SmolLM2 comes from a Q4_1 GGUF, blocks of 32 with a scale and a
   minimum: int4 in groups of 32 puts those values back almost exactly.
 
-Both kernels take the activations in bfloat16 here, whatever the model's dtype: in float32
-they ran 35-90x slower (scalar code) on a Xeon with AMX. Measured there, at 32 rows both are
-2.5-5x slower than our own bf16 GEMM, at 1 row 1.4-3x faster (docs/BENCHMARKS.md): they serve
-memory and single-stream latency, not batched throughput.
+The kernels take the activations in bfloat16 here, whatever the model's dtype: torch's ran
+35-90x slower (scalar code) in float32 on a Xeon with AMX. Measured there, at 32 rows torch's
+are 2.5-5x slower than our own bf16 GEMM, at 1 row 1.4-3x faster; our int8 GEMM is faster
+than our bf16 one at both (it streams half the bytes; docs/BENCHMARKS.md).
 
 Quantized: the attention and MLP projections of every decoder layer (what a step streams
 most). Left as they are: the embedding and the LM head (tied in small models, and where an
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from parashift.defaults import QUANTIZATIONS
+from parashift.layers.kernel_dispatch import cpu_ops
 
 INT4_GROUP = 32  # input features per int4 group (a Q4_1 block)
 INT4_INNER_K_TILES = 2  # the packed layout's k tiling, as torch's CPU kernel reads it
@@ -36,15 +38,16 @@ TINY = torch.finfo(ACTIVATIONS).tiny  # the scale of an all-zero row or group
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A linear layer's weight in its quantized layout: `qweight` (int8 [out, in], or int4
-    packed by torch) and `scales` (int8: [out]; int4: [in / group, out, 2], scale and offset),
-    in bfloat16, the kernels' activation dtype."""
+    """A linear layer's weight in its quantized layout: `qweight` (int8 [out, in], packed for
+    our GEMM where `own_kernel`, or int4 packed by torch) and `scales` (int8: [out]; int4:
+    [in / group, out, 2], scale and offset), in bfloat16, the kernels' activation dtype."""
 
     method: str
     qweight: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    own_kernel: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -64,14 +67,24 @@ def check_quantization(method: str | None, device: str) -> None:
                          f"kernels there), not on {device}")
 
 
-def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    """`weight` [out, in] -> its quantized layout."""
+def own_int8_kernel(in_features: int) -> bool:
+    """Whether our int8 GEMM runs here for this width (AMX, k a multiple of 32)."""
+    ops = cpu_ops()
+    return ops is not None and ops.int8_gemm and in_features % 32 == 0
+
+
+def quantize(weight: torch.Tensor, method: str, own_kernel: bool | None = None
+             ) -> QuantizedWeight:
+    """`weight` [out, in] -> its quantized layout; int8 packed for our own GEMM where it runs
+    here (`own_kernel` None) or where asked."""
     out_features, in_features = weight.shape
     w = weight.float()
     if method == "int8":
         scales = _kept((w.abs().amax(dim=1) / 127).clamp(min=TINY))
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(method, q, scales.to(ACTIVATIONS), out_features, in_features)
+        own = own_int8_kernel(in_features) if own_kernel is None else own_kernel
+        return QuantizedWeight(method, cpu_ops().pack_int8(q) if own else q,
+                               scales.to(ACTIVATIONS), out_features, in_features, own)
     if method == "int4":
         if in_features % INT4_GROUP:
             raise ValueError(f"int4 quantization needs input features divisible by "
@@ -101,11 +114,25 @@ def _kept(values: torch.Tensor) -> torch.Tensor:
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [out, in] that `q` stands for, exactly (for the checks)."""
     if q.method == "int8":
-        return q.qweight.float() * q.scales.float()[:, None]
+        values = _unpack_int8(q) if q.own_kernel else q.qweight
+        return values.float() * q.scales.float()[:, None]
     # torch's packed int4 layout is its own: read back through its kernel, in float32
     eye = torch.eye(q.in_features)
     return torch._weight_int4pack_mm_for_cpu(eye, q.qweight, INT4_GROUP, q.scales.float()
                                              )[:, :q.out_features].t().contiguous()
+
+
+def _unpack_int8(q: QuantizedWeight) -> torch.Tensor:
+    """Our GEMM's packed int8 (kernels/cpu/gemm.cpp's layout) -> [out, in]: tiles of up to 4
+    blocks of 16 columns, each k pair's columns side by side."""
+    flat, k2 = q.qweight.reshape(-1), q.in_features // 2
+    blocks, tiles, start = q.qweight.shape[0], [], 0
+    for first in range(0, blocks, 4):
+        width = min(4, blocks - first)
+        tile = flat[start:start + k2 * width * 32].reshape(k2, width * 16, 2)
+        tiles.append(tile.permute(1, 0, 2).reshape(width * 16, 2 * k2))
+        start += k2 * width * 32
+    return torch.cat(tiles)[:q.out_features]
 
 
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
@@ -115,7 +142,11 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | N
     a = flat.to(ACTIVATIONS) if flat.dtype != ACTIVATIONS else flat
     if not a.is_contiguous():
         a = a.contiguous()
-    if q.method == "int8":
+    if q.own_kernel:  # the bias added in fp32, before the one rounding
+        y = cpu_ops().gemm_int8(a, q.qweight, q.scales, None if bias is None
+                                else bias.to(ACTIVATIONS))
+        bias = None
+    elif q.method == "int8":
         y = torch._weight_int8pack_mm(a, q.qweight, q.scales)
     else:
         y = torch._weight_int4pack_mm_for_cpu(a, q.qweight, INT4_GROUP, q.scales)

@@ -1,6 +1,7 @@
 """A Llama-family model's decoder layers as one call each into the CPU kernels
 (kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
-our own GEMM path (layers/gemm_paths.py "own-bf16"), bf16 decode attention in vector lanes
+our own GEMM path (layers/gemm_paths.py "own-bf16") or int8 weights on our int8 GEMM
+(`--quantization int8` with AMX), bf16 activations, bf16 decode attention in vector lanes
 (AVX512-BF16 or AVX2), one
 tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
 same order on the same inputs give the same bits as the layers called one by one; what goes is
@@ -13,6 +14,7 @@ AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown` splits
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 import torch
@@ -21,11 +23,32 @@ from torch import nn
 from parashift.layers.attention.cpu_backend import CpuAttentionBackend
 from parashift.layers.gemm_paths import OwnBf16Weight
 from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.layers.quantization import QuantizedWeight
 
 
-def _own(linear: nn.Module) -> OwnBf16Weight | None:
+OwnWeight = OwnBf16Weight | QuantizedWeight
+
+
+def _own(linear: nn.Module) -> OwnWeight | None:
+    """The linear's weight where one of our GEMMs takes it (bf16, or int8 on our kernel)."""
     packed = getattr(linear, "packed_weight", None)
-    return packed if isinstance(packed, OwnBf16Weight) else None
+    if isinstance(packed, OwnBf16Weight) or (isinstance(packed, QuantizedWeight)
+                                             and packed.own_kernel):
+        return packed
+    return None
+
+
+def _packed(w: OwnWeight) -> torch.Tensor:
+    return w.packed if isinstance(w, OwnBf16Weight) else w.qweight
+
+
+def _scale(w: OwnWeight) -> torch.Tensor | None:
+    return w.scales if isinstance(w, QuantizedWeight) else None
+
+
+def _max_rows(w: OwnWeight) -> int:
+    """Past it F.linear takes a bf16 GEMM; int8 weights have no float weight to give it."""
+    return w.max_rows if isinstance(w, OwnBf16Weight) else sys.maxsize
 
 
 def _fusable(layer: nn.Module) -> bool:
@@ -33,6 +56,7 @@ def _fusable(layer: nn.Module) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
                getattr(mlp, "down_proj", None))
     return (all(m is not None and _own(m) is not None for m in linears)
+            and len({type(_own(m)) for m in linears}) == 1
             and attn.q_norm is None and attn.qkv_proj.tp_size == 1
             and attn.o_proj.bias is None and mlp.down_proj.bias is None
             and isinstance(attn.attn.backend, CpuAttentionBackend)
@@ -55,20 +79,23 @@ class FusedCpuLayers:
         self.intermediate = mlp.down_proj.weight.shape[1]
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
         self.block_size = attn.attn.kv_cache[0].shape[1]
-        self.max_rows = min(_own(m).max_rows for layer in layers
+        self.max_rows = min(_max_rows(_own(m)) for layer in layers
                             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
         self.weights = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             key_cache, value_cache = attn.attn.kv_cache
+            qkv, o, gate_up, down = (_own(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                       mlp.gate_up_proj, mlp.down_proj))
             self.weights.append(LayerWeights.of(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                _own(attn.qkv_proj).packed, attn.qkv_proj.bias, _own(attn.o_proj).packed,
-                _own(mlp.gate_up_proj).packed, mlp.gate_up_proj.bias, _own(mlp.down_proj).packed,
-                key_cache, value_cache))
+                _packed(qkv), attn.qkv_proj.bias, _packed(o), _packed(gate_up),
+                mlp.gate_up_proj.bias, _packed(down), key_cache, value_cache, None,
+                _scale(qkv), _scale(o), _scale(gate_up), _scale(down)))
         for layer, following in itertools.pairwise(self.weights):
-            layer.next_qkv = following.qkv  # fetched while the layer's last GEMM ends
+            if bool(layer.qkv_scale) == bool(following.qkv_scale):  # of the same kind
+                layer.next_qkv = following.qkv  # fetched while the layer's last GEMM ends
 
     @classmethod
     def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
