@@ -25,7 +25,6 @@ from parashift.layers.gemm_paths import OwnBf16Weight
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.layers.quantization import QuantizedWeight
 
-
 OwnWeight = OwnBf16Weight | QuantizedWeight
 
 
