@@ -136,6 +136,8 @@ def test_auto_skips_what_does_not_fit():
      "strategy dp4xtp2 needs 8 devices; --devices is 4"),
     (["Llama-3.1-8B", "--device", "tpu-v9"], "--device 'tpu-v9': known devices are"),
     (["Llama-3.1-8B", "--strategy", "tp3"], "tp3 needs num_attention_heads (32) divisible"),
+    (["Llama-3.1-8B", "-q", "int8", "--device", "h100-80g"],
+     "--quantization int8 runs on --device cpu, not on h100-80g"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     done = run_cli(*args)

@@ -56,3 +56,22 @@ def test_moe_models_offline(tiny_model_factory, arch, strategy, workers):
     """Routed experts (split by columns, or whole per rank under ep), the router, Qwen2-MoE's
     gated shared expert and its dense layer: as the engine allocates them."""
     _check_offline_strategy(tiny_model_factory(arch), strategy, workers)
+
+
+@pytest.mark.parametrize("arch,method", [("llama", "int8"), ("llama", "int4"),
+                                         ("qwen2_moe", "int8")])
+def test_quantized_weights_offline(tiny_model_factory, arch, method):
+    """`-q`: the projections at the format's bytes a value (int4's scales and offsets
+    included: exact), the rest in the model's dtype. int8's per-row scales and our int8 GEMM's
+    padding to blocks of 16 rows are left out: within 1% on these narrow models."""
+    model = tiny_model_factory(arch)
+    blocks, weights = predicted(plan_json(model, "dp1", "-q", method))
+    assert weights < predicted(plan_json(model, "dp1"))[1]
+    llm = LLM(model, quantization=method)
+    try:
+        assert llm.engine.num_blocks == blocks  # the KV budget on CPU is apart from the weights
+        (engine,) = llm.engine.weight_bytes
+        assert abs(engine - weights) <= (0.01 if method == "int8" else 0) * engine, (engine,
+                                                                                 weights)
+    finally:
+        llm.shutdown()

@@ -17,6 +17,7 @@ from parashift.defaults import (
     DTYPE_ALIASES,
     DTYPE_BYTES,
     DTYPE_CHOICES,
+    QUANTIZATIONS,
     resolve_dtype_name,
 )
 
@@ -84,6 +85,9 @@ def plan(
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     dtype: Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(
         help="auto: the engine's choice for this checkpoint and device")] = "auto",
+    quantization: Annotated[Literal[QUANTIZATIONS] | None, typer.Option(
+        "--quantization", "-q", help="CPU: the decoder layers' projections weight-only int8 "
+        "or int4, as `run -q` loads them")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")
                                       ] = DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_memory: Annotated[str | None, typer.Option(
@@ -116,6 +120,8 @@ def plan(
         fail(f"--inter-node {inter_node!r}: use {' | '.join(INTER_NODE)}")
     if nodes < 1:
         fail("--nodes must be >= 1")
+    if quantization is not None and DEVICES[device].is_gpu:
+        fail(f"--quantization {quantization} runs on --device cpu, not on {device}")
     if prompt_len < 1:
         fail("--prompt-len must be >= 1")
     if output_len < 1:
@@ -146,7 +152,8 @@ def plan(
             block_size, max_num_seqs,
             # CPU: this machine's cores, as `parashift run` would place the ranks on them
             cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))),
-            concurrency=levels, prompt_len=prompt_len, output_len=output_len)
+            concurrency=levels, prompt_len=prompt_len, output_len=output_len,
+            quantization=quantization)
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()

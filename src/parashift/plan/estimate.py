@@ -48,6 +48,7 @@ class PlanSettings:
     concurrency: tuple[int, ...] = (1, 4, 32)  # running requests the bubble is estimated at
     prompt_len: int = 512  # the prefill bubble's requests: this prompt,
     output_len: int = 1  # and these output tokens
+    quantization: str | None = None  # CPU: weight-only int8 / int4 of the decoder projections
 
     @property
     def devices_per_node(self) -> int:
@@ -154,7 +155,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                     for at in stage_points(spec)]
     stages = []
     for stage, cost in enumerate(costs):
-        weights = cost.weight_params() * s.dtype_bytes
+        weights = cost.weight_bytes(s.dtype_bytes, s.quantization)
         reserve = activation_reserve(cost, shape, s)
         block_bytes = s.block_size * cost.kv_values_per_token() * s.dtype_bytes
         if s.device.is_gpu:
@@ -194,7 +195,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
     plan.estimate = roofline(plan, s)
-    plan.expert_options = expert_options(shape, spec, s.dtype_bytes)
+    plan.expert_options = expert_options(shape, spec, s.dtype_bytes, s.quantization)
     plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency,
                                    s.batched_tokens)
                    if len(costs) > 1 else {})
@@ -257,7 +258,7 @@ def roofline(plan: Plan, s: PlanSettings) -> dict[str, float]:
     def stage_time(tokens: int, kv_tokens: int) -> float:
         worst = 0.0
         for cost in plan.costs:
-            weights = cost.weight_params() * s.dtype_bytes
+            weights = cost.weight_bytes(s.dtype_bytes, s.quantization)
             if shape.is_moe:  # a small batch reads only the experts its tokens pick
                 touched = min(1.0, tokens * shape.num_experts_per_tok / shape.num_experts)
                 weights -= cost.expert_weight_params() * s.dtype_bytes * (1 - touched)

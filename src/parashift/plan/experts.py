@@ -11,8 +11,8 @@ from parashift.strategies.layout import MeshPoint
 from parashift.strategies.spec import StrategySpec
 
 
-def expert_options(shape: ModelShape, spec: StrategySpec, dtype_bytes: int
-                   ) -> dict[str, dict[str, Any]]:
+def expert_options(shape: ModelShape, spec: StrategySpec, dtype_bytes: int,
+                   quantization: str | None = None) -> dict[str, dict[str, Any]]:
     """MoE: the experts replicated on every rank (no ep) and sharded over the dp x tp ranks
     (ep), for this strategy's ranks: experts held by each rank and the bytes of rank 0 (which
     holds the most: the remainder goes to the first ranks)."""
@@ -33,6 +33,6 @@ def expert_options(shape: ModelShape, spec: StrategySpec, dtype_bytes: int
         cost = option.cost(shape.whole_model_cost(), first, shape.as_hf_config())
         out[name] = {"strategy": str(option), "experts_per_rank": [e - f for f, e in held],
                      "expert_bytes_per_rank": cost.expert_weight_params() * dtype_bytes,
-                     "weight_bytes_per_rank": cost.weight_params() * dtype_bytes,
+                     "weight_bytes_per_rank": cost.weight_bytes(dtype_bytes, quantization),
                      "errors": option.model_errors(shape.as_hf_config())}
     return out

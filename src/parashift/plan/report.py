@@ -21,7 +21,7 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "model": plan.shape.name, "strategy": str(plan.spec), "fits": plan.fits,
         "runnable": plan.runnable, "errors": plan.errors, "warnings": plan.warnings,
         "parameters": plan.shape.total_params(), "active_parameters": plan.shape.active_params(),
-        "max_model_len": plan.max_model_len,
+        "max_model_len": plan.max_model_len, "quantization": s.quantization,
         "mesh": [_rank_row(plan, r) for r in mesh.ranks] if mesh else [],
         "api_server_cpus": list(mesh.api_server_cpus) if mesh else [],
         "memory_per_device": [dataclasses.asdict(st) for st in plan.stages],
@@ -69,7 +69,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   + (f", {shape.active_params() / 1e9:.1f} B active" if shape.is_moe else "")
                   + f") as [bold]{plan.spec}[/] on {s.devices} x {s.device.name}"
                   + (f" over {s.nodes} nodes" if s.nodes > 1 else "")
-                  + f", max_model_len {plan.max_model_len}")
+                  + f", max_model_len {plan.max_model_len}"
+                  + (f", weights {s.quantization}" if s.quantization else ""))
     if plan.mesh is not None:
         mesh = plan.mesh
         names = list(mesh.ranks[0].coords) if mesh.ranks else []

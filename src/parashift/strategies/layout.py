@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parashift.defaults import QUANTIZED_PARAM_BYTES
+
 
 @dataclass(frozen=True)
 class MeshAxis:
@@ -129,6 +131,25 @@ class DeviceCost:
         return (self.layers * (self.attention_params() + 2 * h)
                 + dense * 3 * h * self.intermediate_size + self.moe_layers * moe
                 + rows * h + (h if self.has_final_norm else 0))
+
+    def quantized_params(self) -> int:
+        """The parameters `--quantization` quantizes (layers/quantization.py): the decoder
+        layers' attention and MLP projections, a shared expert's too; not the routed experts,
+        the norms, biases, embedding or LM head."""
+        h, d = self.hidden_size, self.head_dim
+        attention = self.mla_attention_params or (
+            (self.num_heads + 2 * self.num_kv_heads) * d * h + self.num_heads * d * h)
+        dense = self.layers - self.moe_layers
+        return (self.layers * attention + dense * 3 * h * self.intermediate_size
+                + self.moe_layers * 3 * h * self.shared_intermediate_size)
+
+    def weight_bytes(self, dtype_bytes: int, quantization: str | None = None) -> int:
+        """The weights' bytes on this device, in the model's dtype or quantized."""
+        full = self.weight_params() * dtype_bytes
+        if quantization is None:
+            return full
+        return int(full - self.quantized_params() * (dtype_bytes
+                                                     - QUANTIZED_PARAM_BYTES[quantization]))
 
     def expert_weight_params(self) -> int:
         return self.moe_layers * self.experts_held * 3 * self.hidden_size * (
