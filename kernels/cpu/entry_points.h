@@ -44,7 +44,6 @@ void parashift_pack_bf16(void* packed, const void* weight, int64_t w_stride, int
 void parashift_gemm_bf16(void* out, int64_t out_stride, const void* x, int64_t x_stride,
                          const void* packed, const void* bias, int64_t m, int64_t n, int64_t k,
                          int num_threads);
-int parashift_cpu_int8_gemm();  // 1: parashift_gemm_int8 runs here (AMX)
 void parashift_pack_int8(void* packed, const void* weight, int64_t w_stride, int64_t n,
                          int64_t k, int num_threads);
 void parashift_gemm_int8(void* out, int64_t out_stride, const void* x, int64_t x_stride,

@@ -7,6 +7,7 @@
 // one sequential stream per tile, the rows' pairs by embedded broadcast, and the threads split
 // the columns, so each weight byte leaves memory once per call.
 
+#include "bf16_lanes.h"
 #include "common.h"
 #include "entry_points.h"
 
@@ -54,7 +55,7 @@ using Operand = uint16_t;  // vdpbf16ps multiplies the rows' bf16 pairs as they 
 template <int MB, int NB>
 void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
            const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
-           int64_t cols, const char* ahead, int64_t ahead_lines) {
+           int64_t cols, const char* ahead, int64_t ahead_lines, const uint16_t* scale) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -77,12 +78,12 @@ void micro(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_strid
   for (int j = 0; j < NB; ++j) {
     const int64_t left = cols - 16 * j;  // the last block of W may be partial
     const __mmask16 mask = first_lanes(left);
-    __m512 add = _mm512_setzero_ps();
-    if (bias)
-      add = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));
+    const __m512 add = bias ? load_bf16(reinterpret_cast<const bf16*>(bias + 16 * j), mask)
+                            : _mm512_setzero_ps();
+    const __m512 mul = scale ? load_bf16(reinterpret_cast<const bf16*>(scale + 16 * j), mask)
+                             : _mm512_set1_ps(1.f);
     for (int i = 0; i < MB; ++i) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], add));
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[i][j], mul, add));
       _mm256_mask_storeu_epi16(out + i * out_stride + 16 * j, mask, (__m256i)y);
     }
   }
@@ -102,8 +103,10 @@ namespace {
 
 constexpr int64_t kPanel = 384;  // rows whose x stays in L2 while a thread's columns pass
 
+// ..., scale: int8 weights' scales of the block's columns (null: bf16 weights)
 using Micro = void (*)(uint16_t*, int64_t, const Operand*, int64_t, const uint16_t*, int64_t,
-                       int64_t, const uint16_t*, int64_t, const char*, int64_t);
+                       int64_t, const uint16_t*, int64_t, const char*, int64_t,
+                       const uint16_t*);
 
 template <int MB>
 constexpr Micro pick(int nb) {
@@ -174,31 +177,64 @@ void parashift_pack_int8(void* packed, const void* weight, int64_t w_stride, int
        num_threads);
 }
 
-// 1 where parashift_gemm_int8 runs here (AMX tiles, where the OS allows them), else 0.
-int parashift_cpu_int8_gemm() {
-#if defined(PARASHIFT_AMX)
-  return amx_permitted() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 // out [m, n] bf16 (row stride out_stride) <- (x [m, k] bf16 (row stride x_stride) Q^T) * scale
-// + bias: Q packed by parashift_pack_int8, scale [n] and bias [n] (or null) bf16, k a multiple
-// of 32; next_packed [next_n, next_k] (or null): the int8 weight the caller's next GEMM takes,
-// fetched as this one ends. Needs parashift_cpu_int8_gemm().
+// + bias: Q packed by parashift_pack_int8, scale [n] and bias [n] (or null) bf16, k even;
+// next_packed [next_n, next_k] (or null): the int8 weight the caller's next GEMM takes, fetched
+// as this one ends (on AMX). On AMX tiles where k % 32 == 0 (gemm_int8.h), else on the bf16
+// GEMM's kernels over widened columns. Needs parashift_cpu_bf16_gemm() > 0.
 void parashift_gemm_int8(void* out, int64_t out_stride, const void* x, int64_t x_stride,
                          const void* packed, const void* scale, const void* bias, int64_t m,
                          int64_t n, int64_t k, const void* next_packed, int64_t next_n,
                          int64_t next_k, int num_threads) {
-#if defined(PARASHIFT_AMX)
-  const int64_t blocks = (n + 15) / 16;
+#ifdef PARASHIFT_OWN_GEMM
+  const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+  uint16_t* y = static_cast<uint16_t*>(out);
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  const int8_t* w = static_cast<const int8_t*>(packed);
+  const uint16_t* ss = static_cast<const uint16_t*>(scale);
+  const uint16_t* bs = static_cast<const uint16_t*>(bias);
   const int threads = static_cast<int>(std::min<int64_t>(
       blocks, threads_for(m * n * k / 64, num_threads)));
-  gemm_int8_amx(static_cast<uint16_t*>(out), out_stride, static_cast<const uint16_t*>(x),
-                x_stride, static_cast<const int8_t*>(packed),
-                static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(bias), m, n,
-                k, threads, static_cast<const int8_t*>(next_packed), next_n, next_k);
+#ifdef PARASHIFT_AMX
+  if (k % 32 == 0 && amx_permitted()) {
+    gemm_int8_amx(y, out_stride, xs, x_stride, w, ss, bs, m, n, k, threads,
+                  static_cast<const int8_t*>(next_packed), next_n, next_k);
+    return;
+  }
+#endif
+  // The bf16 kernels' split and register blocks: each thread's block of columns widened once
+  // into a buffer laid out as a packed tile of its width, then multiplied by every row.
+  int64_t a_stride;
+  const Operand* a = operands(xs, x_stride, m, k, threads, a_stride);
+#pragma omp parallel num_threads(threads)
+  {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t first = blocks * tid / nth, last = blocks * (tid + 1) / nth;
+    thread_local std::vector<uint16_t> wide;
+    wide.resize(k2 * kTile * 32);
+    for (int64_t blk = first; blk < last;) {
+      const int64_t tile = blk / kTile, j = blk % kTile;
+      const int64_t width = std::min(kTile, blocks - tile * kTile);
+      const int nb = static_cast<int>(std::min(width - j, last - blk));
+      const int8_t* src = w + tile_offset(tile, k2) + j * 32;
+      const int64_t row = nb * 32;  // values of a k pair
+      for (int64_t kp = 0; kp < k2; ++kp)  // exact: |q| <= 127 fits bf16's 8 bits
+        for (int64_t i = 0; i < row; ++i) {
+          const float f = src[kp * width * 32 + i];
+          uint32_t u;
+          std::memcpy(&u, &f, 4);
+          wide[kp * row + i] = static_cast<uint16_t>(u >> 16);
+        }
+      const int64_t col = blk * 16;
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kRows, m - r));
+        kernel(mb, nb)(y + r * out_stride + col, out_stride, a + r * a_stride, a_stride,
+                       wide.data(), row, k2, bs ? bs + col : nullptr, n - col, nullptr, 0,
+                       ss + col);
+      }
+      blk += nb;
+    }
+  }
 #endif
 }
 
@@ -265,7 +301,7 @@ void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int6
           const int64_t count = std::min(next_lines, from + lines_per_pass) - from;
           kernel(mb, nb)(y + r * out_stride + col, out_stride, a + r * a_stride, a_stride, b,
                          width * 32, k2, bs ? bs + col : nullptr, cols,
-                         next_b ? next_b + from * 64 : nullptr, count);
+                         next_b ? next_b + from * 64 : nullptr, count, nullptr);
         }
         blk += nb;
       }

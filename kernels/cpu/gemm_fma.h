@@ -37,7 +37,7 @@ inline void widen_pair(const uint16_t* b, __m512& even, __m512& odd) {
 template <int MB, int NB>
 void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
            const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
-           int64_t cols, const char* ahead, int64_t ahead_lines) {
+           int64_t cols, const char* ahead, int64_t ahead_lines, const uint16_t* scale) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -59,9 +59,11 @@ void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
     const __mmask16 mask = first_lanes(cols - 16 * j);
     const __m512 add = bias ? load_bf16(reinterpret_cast<const bf16*>(bias + 16 * j), mask)
                             : _mm512_setzero_ps();
+    const __m512 mul = scale ? load_bf16(reinterpret_cast<const bf16*>(scale + 16 * j), mask)
+                             : _mm512_set1_ps(1.f);
     for (int i = 0; i < MB; ++i)
       store_bf16(reinterpret_cast<bf16*>(out + i * out_stride + 16 * j), mask,
-                 _mm512_add_ps(acc[i][j], add));
+                 _mm512_fmadd_ps(acc[i][j], mul, add));
   }
 }
 
@@ -77,8 +79,8 @@ constexpr int kFmaRows = 6;  // 6 rows x 2 accumulators, 2 widened pairs, a broa
 // registers).
 template <int MB>
 void half_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
-               const uint16_t* b, int64_t b_stride, int64_t k2, const float* add, int64_t cols,
-               const char* ahead, int64_t ahead_lines) {
+               const uint16_t* b, int64_t b_stride, int64_t k2, const float* mul,
+               const float* add, int64_t cols, const char* ahead, int64_t ahead_lines) {
   __m256 acc[MB][2];  // per row: columns 0-1|4-5 and 2-3|6-7, each as even and odd sums
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -100,21 +102,27 @@ void half_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stri
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
     store_bf16_8(out + i * out_stride,
-                     _mm256_add_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_load_ps(add)),
-                     std::min<int64_t>(8, cols));
+                 _mm256_fmadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_load_ps(mul),
+                                 _mm256_load_ps(add)),
+                 std::min<int64_t>(8, cols));
 }
 
 template <int MB>
 void block_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
                 const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
-                int64_t cols, const char* ahead, int64_t ahead_lines) {
+                int64_t cols, const char* ahead, int64_t ahead_lines, const uint16_t* scale) {
   alignas(32) float add[16] = {};  // the bias of the block's columns
-  if (bias)
-    for (int64_t c = 0; c < std::min<int64_t>(16, cols); ++c) add[c] = to_f(bf16{bias[c]});
-  half_avx2<MB>(out, out_stride, x, x_stride, b, b_stride, k2, add, cols, ahead, ahead_lines);
+  alignas(32) float mul[16] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                               1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // int8's scales
+  for (int64_t c = 0; c < std::min<int64_t>(16, cols); ++c) {
+    if (bias) add[c] = to_f(bf16{bias[c]});
+    if (scale) mul[c] = to_f(bf16{scale[c]});
+  }
+  half_avx2<MB>(out, out_stride, x, x_stride, b, b_stride, k2, mul, add, cols, ahead,
+                ahead_lines);
   if (cols > 8)
-    half_avx2<MB>(out + 8, out_stride, x, x_stride, b + 16, b_stride, k2, add + 8, cols - 8,
-                  nullptr, 0);
+    half_avx2<MB>(out + 8, out_stride, x, x_stride, b + 16, b_stride, k2, mul + 8, add + 8,
+                  cols - 8, nullptr, 0);
 }
 
 // NB blocks one after another (the packed tile's blocks sit 32 values apart per k pair); the
@@ -122,11 +130,11 @@ void block_avx2(uint16_t* out, int64_t out_stride, const float* x, int64_t x_str
 template <int MB, int NB>
 void micro(uint16_t* out, int64_t out_stride, const float* x, int64_t x_stride,
            const uint16_t* b, int64_t b_stride, int64_t k2, const uint16_t* bias,
-           int64_t cols, const char* ahead, int64_t ahead_lines) {
+           int64_t cols, const char* ahead, int64_t ahead_lines, const uint16_t* scale) {
   for (int j = 0; j < NB; ++j)
     block_avx2<MB>(out + 16 * j, out_stride, x, x_stride, b + 32 * j, b_stride, k2,
                    bias ? bias + 16 * j : nullptr, cols - 16 * j, j == 0 ? ahead : nullptr,
-                   j == 0 ? ahead_lines : 0);
+                   j == 0 ? ahead_lines : 0, scale ? scale + 16 * j : nullptr);
 }
 #endif
 

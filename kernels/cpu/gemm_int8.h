@@ -31,7 +31,7 @@ std::pair<const char*, const char*> int8_range(const int8_t* w, int64_t n, int64
 // k pairs [kp0, kp1) of nb blocks' int8 columns (k pairs `src_stride` bytes apart, each nb x
 // 16 columns x 2 k side by side) -> bf16 at `wide`, a packed tile nb blocks wide; 32 at a time
 // (one 256-bit load, widened in two halves).
-inline void widen(const int8_t* src, int64_t src_stride, int64_t kp0, int64_t kp1, int nb,
+inline void widen_int8(const int8_t* src, int64_t src_stride, int64_t kp0, int64_t kp1, int nb,
                   uint16_t* wide) {
   const int64_t row = nb * 32;  // bytes of a k pair
   for (int64_t kp = kp0; kp < kp1; ++kp) {
@@ -58,7 +58,7 @@ void amx_block_int8(const uint16_t* x, int64_t x_stride, int rt, const int8_t* s
   for (int64_t ch = 0; ch < chunks; ++ch) {
     stream.fetch(8 * nb);
     uint16_t* b = buf + (ch & 1) * half;
-    widen(src, src_stride, 16 * ch, 16 * ch + 16, nb, b);
+    widen_int8(src, src_stride, 16 * ch, 16 * ch + 16, nb, b);
     multiply_chunk(x + 32 * ch, x1 + 32 * ch, xs, rt, reinterpret_cast<const char*>(b),
                    nb * 64, nb);
   }
@@ -108,7 +108,7 @@ void gemm_int8_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x
         if (!decode) {  // widened once, multiplied by every row block of the panel
           for (int64_t kp = 0; kp < k2; kp += 16) {
             stream.fetch(8 * nb);
-            widen(src, width * 32, kp, kp + 16, nb, wide.data() + kp * nb * 32);
+            widen_int8(src, width * 32, kp, kp + 16, nb, wide.data() + kp * nb * 32);
           }
         }
         for (int64_t r = row0; r < panel_end; r += 32) {

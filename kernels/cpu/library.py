@@ -105,8 +105,8 @@ class CpuOps:
         # (tiles, k a multiple of 32, where the OS allows them), or None: no such GEMM here
         self.bf16_gemm = {1: "fma", 2: "dpbf16", 3: "amx"}.get(lib.parashift_cpu_bf16_gemm())
         self.amx = self.bf16_gemm == "amx"
-        # gemm_int8 runs here (AMX)
-        self.int8_gemm = bool(lib.parashift_cpu_int8_gemm())
+        # gemm_int8 runs on the same kernels (AMX where k % 32 == 0), its weight widened
+        self.int8_gemm = self.bf16_gemm is not None
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]
@@ -135,12 +135,13 @@ class CpuOps:
         return out
 
     def pack_int8(self, q: torch.Tensor) -> torch.Tensor:
-        """An int8 weight [n, k] (k a multiple of 32) in `gemm_int8`'s layout: pack_bf16's, a
-        byte an element, [ceil(n / 16), k / 2, 32]. RuntimeError where this CPU cannot take it."""
+        """An int8 weight [n, k] (k even) in `gemm_int8`'s layout: pack_bf16's, a byte an
+        element, [ceil(n / 16), k / 2, 32]. RuntimeError where this CPU or the weight cannot take
+        it."""
         n, k = q.shape
-        if not self.int8_gemm or q.dtype != torch.int8 or k % 32:
+        if not self.int8_gemm or q.dtype != torch.int8 or k % 2:
             raise RuntimeError(f"no int8 GEMM of ours for a {q.dtype} [{n}, {k}] weight on this "
-                               f"CPU (it needs AMX and k a multiple of 32)")
+                               f"CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
         q = q.contiguous()
         packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.int8)
         self._lib.parashift_pack_int8(packed.data_ptr(), q.data_ptr(), k, n, k,

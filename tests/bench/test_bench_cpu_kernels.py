@@ -21,9 +21,10 @@ def test_every_kernel_matches_torch_and_is_timed(dtype, tmp_path):
     assert "FAIL" not in text
     rows = json.loads(out.read_text())["results"]["kernels"]
     ops = cpu_ops()
-    gemms = ([f"{name} GEMM ({GEMM_KERNELS[ops.bf16_gemm]})"
-              for name in ("QKV", "O", "gate_up", "down", "LM head")]
-             if dtype == "bfloat16" and ops is not None and ops.bf16_gemm else [])
+    kernel = GEMM_KERNELS.get(ops.bf16_gemm) if ops is not None else None
+    gemms = ([f"{name} GEMM ({kernel})" for name in ("QKV", "O", "gate_up", "down", "LM head")]
+             + [f"{name} int8 GEMM ({kernel})" for name in ("QKV", "O", "gate_up", "down")]
+             if dtype == "bfloat16" and kernel else [])
     assert [r["kernel"] for r in rows] == ["decode attention + KV write", "RMSNorm + residual",
                                            "rotary (neox, in place)", "SiLU and mul",
                                            "greedy argmax", *gemms]

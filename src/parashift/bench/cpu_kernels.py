@@ -2,8 +2,8 @@
 ops it replaces, on this CPU, at a decode step's shapes (the embedded SmolLM2's: 9 query and 3
 kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 our GEMM too, where
 this CPU has one, against oneDNN's reordered weight or (`--gemm-against inductor`) inductor's C++
-GEMM template, and our weight-only int8 GEMM (`--quantization int8`, where the CPU has AMX)
-against torch's `_weight_int8pack_mm`. Each call is timed with the
+GEMM template, and our weight-only int8 GEMM (`--quantization int8`) against torch's
+`_weight_int8pack_mm`. Each call is timed with the
 caches flushed first, as in a real step, where every other layer's weights and KV pass through
 the caches between two calls of one layer's kernel."""
 
@@ -100,7 +100,7 @@ def cases(batch: int, context: int, dtype: Any, gemm_against: str = "onednn"
     if dtype == torch.bfloat16 and ops.bf16_gemm is not None:
         out.extend(_gemm_cases(ops, batch, gemm_against))
     if dtype == torch.bfloat16 and ops.int8_gemm:
-        out.extend(_int8_gemm_cases(batch))
+        out.extend(_int8_gemm_cases(batch, GEMM_KERNELS[ops.bf16_gemm]))
     return out
 
 
@@ -109,7 +109,7 @@ GEMM_SHAPES = {"QKV": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "O": (HIDDEN, 
                "LM head": (VOCAB, HIDDEN)}
 
 
-def _int8_gemm_cases(batch: int) -> list[KernelCase]:
+def _int8_gemm_cases(batch: int, kernel: str) -> list[KernelCase]:
     """Our int8 GEMM against torch's on the same int8 weight (SmolLM2's decoder shapes: the LM
     head stays unquantized)."""
     import torch
@@ -123,7 +123,7 @@ def _int8_gemm_cases(batch: int) -> list[KernelCase]:
         weight = torch.randn(n, k) * 0.05
         ours, torchs = quantize(weight, "int8"), quantize(weight, "int8", own_kernel=False)
         x = torch.randn(batch, k).bfloat16()
-        cases.append(KernelCase(f"{name} int8 GEMM (AMX)", f"{batch} x {k} -> {n}",
+        cases.append(KernelCase(f"{name} int8 GEMM ({kernel})", f"{batch} x {k} -> {n}",
                                 lambda x=x, q=ours: quantized_linear(x, q, None),
                                 lambda x=x, q=torchs: quantized_linear(x, q, None), 0, 0.1))
     return cases

@@ -1,8 +1,9 @@
 """Weight-only quantization of the linear layers' weights on CPU (`--quantization`), opt-in.
 
-- int8: one scale per output channel, symmetric (q in [-127, 127]); our own GEMM where the CPU
-  has AMX (kernels/cpu/gemm_int8.h: the weight widened to bf16 in cache, exactly, on its way to
-  the tiles), else torch's `_weight_int8pack_mm`.
+- int8: one scale per output channel, symmetric (q in [-127, 127]); our own GEMM wherever our
+  bf16 one runs (AVX2 and up: the weight widened to bf16 in cache, exactly, on its way to the
+  AMX tiles of kernels/cpu/gemm_int8.h or the bf16 GEMM's register blocks), else torch's
+  `_weight_int8pack_mm`.
 - int4: groups of `INT4_GROUP` input features along each output channel, each with its own
   scale and offset (asymmetric, 16 levels); torch's `_weight_int4pack_mm_for_cpu` reads its
   packed layout. The embedded SmolLM2 comes from a Q4_1 GGUF, blocks of 32 with a scale and a
@@ -68,9 +69,9 @@ def check_quantization(method: str | None, device: str) -> None:
 
 
 def own_int8_kernel(in_features: int) -> bool:
-    """Whether our int8 GEMM runs here for this width (AMX, k a multiple of 32)."""
+    """Whether our int8 GEMM runs here for this width (our bf16 GEMM's CPUs, k even)."""
     ops = cpu_ops()
-    return ops is not None and ops.int8_gemm and in_features % 32 == 0
+    return ops is not None and ops.int8_gemm and in_features % 2 == 0
 
 
 def quantize(weight: torch.Tensor, method: str, own_kernel: bool | None = None
