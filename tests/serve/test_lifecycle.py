@@ -63,6 +63,7 @@ def test_sigterm_drains_and_exits_cleanly(server):
     names = process_names(tree)
     assert any("parashift-api-0" in n for n in names), names
     assert any("parashift-engine-dp0" in n for n in names), names
+    assert any("parashift-forkserver" in n for n in names), names  # the children's fork server
     client = server.client()
     stream = client.completions.create(
         model=server.model_name, prompt="hi", max_tokens=200, temperature=0, stream=True,

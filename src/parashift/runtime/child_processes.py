@@ -15,8 +15,9 @@ import multiprocessing
 import multiprocessing.forkserver
 from multiprocessing.context import BaseContext
 
-PRELOAD = ["torch", "transformers", "parashift.engine.engine_process",
-           "parashift.serve.api_server", "parashift.runtime.coordinator"]
+PRELOAD = ["parashift.runtime.fork_server_name", "torch", "transformers",
+           "parashift.engine.engine_process", "parashift.serve.api_server",
+           "parashift.runtime.coordinator"]
 
 
 def context() -> BaseContext:
