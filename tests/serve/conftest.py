@@ -137,9 +137,9 @@ class Server:
         return None if m is None else float(m.group(1))
 
 
-def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | None = None
-           ) -> Server:
-    port = free_port()
+def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | None = None,
+           port: int | None = None) -> Server:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1",
            "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -164,9 +164,9 @@ def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | N
             stop(server)
             pytest.fail(f"`{' '.join(cmd)}` {why}; output:\n{server.output()}")
     server.tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    # "is serving" can come before the API server has heard that the engine is ready (see
-    # test_lifecycle.py::test_health_is_ok_once_is_serving_is_printed): keep the first answer
-    # for that test, and give the others a server that really is ready.
+    # Keep the first answer after "is serving" for
+    # test_lifecycle.py::test_health_is_ok_once_is_serving_is_printed; the others get a server
+    # that really is ready even if that ever regresses.
     try:
         server.health_at_start = server.request("GET", "/health", timeout=60)
     except OSError as e:
@@ -208,9 +208,10 @@ def stop(server: Server) -> int | None:
 
 @contextlib.contextmanager
 def running_server(model: str, *args: str, model_name: str | None = None,
-                   env: dict[str, str] | None = None) -> Iterator[Server]:
+                   env: dict[str, str] | None = None, port: int | None = None
+                   ) -> Iterator[Server]:
     name = model_name or os.path.basename(model.rstrip("/"))
-    server = _start(model, list(args), name, env)
+    server = _start(model, list(args), name, env, port)
     try:
         yield server
     finally:

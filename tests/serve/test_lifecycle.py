@@ -13,12 +13,22 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import psutil
 import pytest
 
-from .conftest import LONG_ARGS, SHUTDOWN_TIMEOUT, TINY_ARGS, live, running_server, wait_gone
+from .conftest import (
+    LONG_ARGS,
+    SHUTDOWN_TIMEOUT,
+    TINY_ARGS,
+    free_port,
+    live,
+    running_server,
+    wait_gone,
+)
 
 # tiny_llama with a tokenizer that takes seconds to load: only the API server loads it, so the
 # engine is ready first and the API server learns it late, every time.
@@ -56,6 +66,41 @@ def process_names(procs: list[psutil.Process]) -> list[str]:
 def test_health_is_ok_once_is_serving_is_printed(server):
     status, body = server.health_at_start
     assert status == 200, body
+
+
+def test_requests_sent_during_start_up_wait_for_the_engines(tiny_llama):
+    """The API servers accept only once every engine is ready (vLLM's behaviour): a client
+    that calls from the launch on waits in the listener's backlog and is answered 200, never
+    503 "not ready yet"."""
+    port = free_port()
+    answers: dict[str, tuple[int, bytes]] = {}
+    name = os.path.basename(tiny_llama.rstrip("/"))
+    body = json.dumps({"model": name, "prompt": "hi", "max_tokens": 2}).encode()
+
+    def call(path: str, data: bytes | None) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    answers[path] = (r.status, r.read())
+                return
+            except urllib.error.HTTPError as e:
+                answers[path] = (e.code, e.read())
+                return
+            except OSError:  # the launcher has not bound the port yet
+                time.sleep(0.01)
+
+    callers = [threading.Thread(target=call, args=("/health", None)),
+               threading.Thread(target=call, args=("/v1/completions", body))]
+    for t in callers:
+        t.start()
+    with running_server(tiny_llama, *TINY_ARGS, port=port):
+        for t in callers:
+            t.join(120)
+    assert answers["/health"][0] == 200, answers
+    assert answers["/v1/completions"][0] == 200, answers
 
 
 def test_sigterm_drains_and_exits_cleanly(server):

@@ -267,15 +267,24 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.SockSite(runner, sock)
-    await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    shutdown = asyncio.create_task(server.broker.shutdown_requested.wait())
-    await asyncio.wait([asyncio.create_task(stop.wait()), shutdown],
-                       return_when=asyncio.FIRST_COMPLETED)
-    # Stop accepting, let in-flight requests drain within the timeout, then abort the rest.
-    await site.stop()
+    ended = [asyncio.create_task(stop.wait()),
+             asyncio.create_task(server.broker.shutdown_requested.wait())]
+    # Accept only once every engine is ready, as vLLM does: until then a client's connection
+    # waits in the listener's backlog, so that a client polling /v1/models (or /health) is
+    # answered when its requests can run, not with a 503 during the engines' start-up.
+    ready = asyncio.create_task(server.broker.all_ready.wait())
+    await asyncio.wait([ready, *ended], return_when=asyncio.FIRST_COMPLETED)
+    serving = ready.done()
+    ready.cancel()
+    if serving:
+        await site.start()
+        await server.broker.tell_launcher_ready()
+        await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+        # Stop accepting, let in-flight requests drain within the timeout, abort the rest.
+        await site.stop()
     deadline = time.monotonic() + server.broker.shutdown_timeout
     while server.broker.queues and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -64,7 +64,8 @@ class Broker:
         self.load_in = None
         if coordinator_address is not None:
             self.load_in = subscriber(self.ctx, coordinator_address)
-        self._told_launcher = False
+        # Set once every engine has been ready: the API server accepts connections from then on.
+        self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
         self._calls: dict[int, asyncio.Future] = {}
@@ -240,9 +241,8 @@ class Broker:
             msg = p.decode(frame, p.Control)
             if isinstance(msg, p.EngineReady):
                 self.on_ready(msg)
-                if len(self.ready) == self.num_engines and not self._told_launcher:
-                    self._told_launcher = True
-                    await self._tell_launcher_ready()
+                if len(self.ready) == self.num_engines:
+                    self.all_ready.set()
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
             elif isinstance(msg, p.Shutdown):
@@ -259,7 +259,7 @@ class Broker:
         else:
             logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
 
-    async def _tell_launcher_ready(self) -> None:
+    async def tell_launcher_ready(self) -> None:
         # The launcher's connection may still be completing its handshake: retry briefly.
         msg = [b"launcher", p.encode(p.ApiServerReady(self.client_index))]
         for _ in range(200):
