@@ -112,15 +112,8 @@ class CpuOps:
         """A bf16 weight [n, k] (k even) in `gemm_bf16`'s layout: [ceil(n / 16), k / 2, 32]
         (tiles of 64 columns, each k pair's columns side by side; see gemm.cpp). RuntimeError
         where this CPU or the weight cannot take it."""
-        n, k = weight.shape
-        if self.bf16_gemm is None or weight.dtype != torch.bfloat16 or k % 2:
-            raise RuntimeError(f"no bf16 GEMM of ours for a {weight.dtype} [{n}, {k}] weight "
-                               f"on this CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
-        weight = weight.contiguous()
-        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.bfloat16)
-        self._lib.parashift_pack_bf16(packed.data_ptr(), weight.data_ptr(), k, n, k,
-                                      torch.get_num_threads())
-        return packed
+        return self._pack(weight, torch.bfloat16, "bf16", self.bf16_gemm is not None,
+                          self._lib.parashift_pack_bf16)
 
     @_profiled
     def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -138,14 +131,17 @@ class CpuOps:
         """An int8 weight [n, k] (k even) in `gemm_int8`'s layout: pack_bf16's, a byte an
         element, [ceil(n / 16), k / 2, 32]. RuntimeError where this CPU or the weight cannot take
         it."""
-        n, k = q.shape
-        if not self.int8_gemm or q.dtype != torch.int8 or k % 2:
-            raise RuntimeError(f"no int8 GEMM of ours for a {q.dtype} [{n}, {k}] weight on this "
-                               f"CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
-        q = q.contiguous()
-        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=torch.int8)
-        self._lib.parashift_pack_int8(packed.data_ptr(), q.data_ptr(), k, n, k,
-                                      torch.get_num_threads())
+        return self._pack(q, torch.int8, "int8", self.int8_gemm, self._lib.parashift_pack_int8)
+
+    def _pack(self, weight: torch.Tensor, dtype: torch.dtype, name: str, available: bool,
+              entry) -> torch.Tensor:
+        n, k = weight.shape
+        if not available or weight.dtype != dtype or k % 2:
+            raise RuntimeError(f"no {name} GEMM of ours for a {weight.dtype} [{n}, {k}] "
+                               f"weight on this CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
+        weight = weight.contiguous()
+        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=dtype)
+        entry(packed.data_ptr(), weight.data_ptr(), k, n, k, torch.get_num_threads())
         return packed
 
     @_profiled
