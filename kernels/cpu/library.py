@@ -137,8 +137,10 @@ class CpuOps:
               entry) -> torch.Tensor:
         n, k = weight.shape
         if not available or weight.dtype != dtype or k % 2:
+            why = ("it needs AVX2 with FMA" if not available else
+                   f"it takes {dtype}" if weight.dtype != dtype else "k must be even")
             raise RuntimeError(f"no {name} GEMM of ours for a {weight.dtype} [{n}, {k}] "
-                               f"weight on this CPU (it needs AVX2 with FMA: {self.bf16_gemm})")
+                               f"weight on this CPU ({why})")
         weight = weight.contiguous()
         packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=dtype)
         entry(packed.data_ptr(), weight.data_ptr(), k, n, k, torch.get_num_threads())

@@ -45,6 +45,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_request(method: str, url: str, body: Any = None,
+                 headers: dict[str, str] | None = None, timeout: float = 30.0
+                 ) -> tuple[int, bytes]:
+    """Status and body of one plain HTTP call (an HTTP error is an answer, not an exception)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def live(procs: list[psutil.Process]) -> list[psutil.Process]:
     """Those still running; a zombie has exited (and pid 1 here may never reap orphans)."""
     out = []
@@ -113,15 +127,7 @@ class Server:
     def request(self, method: str, path: str, body: Any = None,
                 headers: dict[str, str] | None = None, timeout: float = 30.0
                 ) -> tuple[int, bytes]:
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return http_request(method, self.url + path, body, headers, timeout)
 
     def get_json(self, path: str) -> tuple[int, Any]:
         status, raw = self.request("GET", path)
@@ -164,22 +170,12 @@ def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | N
             stop(server)
             pytest.fail(f"`{' '.join(cmd)}` {why}; output:\n{server.output()}")
     server.tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    # Keep the first answer after "is serving" for
-    # test_lifecycle.py::test_health_is_ok_once_is_serving_is_printed; the others get a server
-    # that really is ready even if that ever regresses.
+    # The API servers accept only once every engine is ready, and the URL is printed after
+    # that: /health answers 200 at once (test_lifecycle.py checks this first answer).
     try:
         server.health_at_start = server.request("GET", "/health", timeout=60)
     except OSError as e:
         server.health_at_start = (0, repr(e).encode())
-    deadline = time.monotonic() + 30
-    status = server.health_at_start[0]
-    while status != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(server)
-            pytest.fail(f"/health never became 200 after 'is serving'; output:\n"
-                        f"{server.output()}")
-        time.sleep(0.05)
-        status = server.request("GET", "/health")[0]
     return server
 
 

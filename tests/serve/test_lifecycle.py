@@ -13,8 +13,6 @@ import socket
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import psutil
@@ -25,6 +23,7 @@ from .conftest import (
     SHUTDOWN_TIMEOUT,
     TINY_ARGS,
     free_port,
+    http_request,
     live,
     running_server,
     wait_gone,
@@ -77,23 +76,18 @@ def test_requests_sent_during_start_up_wait_for_the_engines(tiny_llama):
     name = os.path.basename(tiny_llama.rstrip("/"))
     body = json.dumps({"model": name, "prompt": "hi", "max_tokens": 2}).encode()
 
-    def call(path: str, data: bytes | None) -> None:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    def call(method: str, path: str, data: bytes | None) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    answers[path] = (r.status, r.read())
-                return
-            except urllib.error.HTTPError as e:
-                answers[path] = (e.code, e.read())
+                answers[path] = http_request(method, f"http://127.0.0.1:{port}{path}", data,
+                                             timeout=120)
                 return
             except OSError:  # the launcher has not bound the port yet
                 time.sleep(0.01)
 
-    callers = [threading.Thread(target=call, args=("/health", None)),
-               threading.Thread(target=call, args=("/v1/completions", body))]
+    callers = [threading.Thread(target=call, args=("GET", "/health", None)),
+               threading.Thread(target=call, args=("POST", "/v1/completions", body))]
     for t in callers:
         t.start()
     with running_server(tiny_llama, *TINY_ARGS, port=port):

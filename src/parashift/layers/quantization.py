@@ -11,8 +11,9 @@
 
 The kernels take the activations in bfloat16 here, whatever the model's dtype: torch's ran
 35-90x slower (scalar code) in float32 on a Xeon with AMX. Measured there, at 32 rows torch's
-are 2.5-5x slower than our own bf16 GEMM, at 1 row 1.4-3x faster; our int8 GEMM is faster
-than our bf16 one at both (it streams half the bytes; docs/BENCHMARKS.md).
+are 2.5-5x slower than our own bf16 GEMM, at 1 row 1.4-3x faster. Our int8 GEMM streams half
+the bytes: 1.1-1.2x faster than our bf16 one at 1 and 32 rows there, but level at 1 row and
+slower at 32 on a Zen 4 without AMX, where those rows are bound by compute (docs/BENCHMARKS.md).
 
 Quantized: the attention and MLP projections of every decoder layer (what a step streams
 most). Left as they are: the embedding and the LM head (tied in small models, and where an
@@ -64,8 +65,8 @@ def check_quantization(method: str | None, device: str) -> None:
         raise ValueError(f"--quantization {method!r} is unknown; known: "
                          f"{', '.join(QUANTIZATIONS)}")
     if device != "cpu":
-        raise ValueError(f"--quantization {method} runs on --device cpu (torch's weight-only "
-                         f"kernels there), not on {device}")
+        raise ValueError(f"--quantization {method} runs on --device cpu (weight-only CPU "
+                         f"kernels), not on {device}")
 
 
 def own_int8_kernel(in_features: int) -> bool:

@@ -1,7 +1,7 @@
 """A Llama-family model's decoder layers as one call each into the CPU kernels
 (kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
 our own GEMM path (layers/gemm_paths.py "own-bf16") or int8 weights on our int8 GEMM
-(`--quantization int8` with AMX), bf16 activations, bf16 decode attention in vector lanes
+(`--quantization int8`), bf16 activations, bf16 decode attention in vector lanes
 (AVX512-BF16 or AVX2), one
 tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
 same order on the same inputs give the same bits as the layers called one by one; what goes is
