@@ -11,6 +11,7 @@ from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
 
 import torch
 
+from . import huge_pages
 from .build import build
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -142,7 +143,7 @@ class CpuOps:
             raise RuntimeError(f"no {name} GEMM of ours for a {weight.dtype} [{n}, {k}] "
                                f"weight on this CPU ({why})")
         weight = weight.contiguous()
-        packed = torch.empty(((n + 15) // 16, k // 2, 32), dtype=dtype)
+        packed = huge_pages.zeros(((n + 15) // 16, k // 2, 32), dtype)  # streamed every step
         entry(packed.data_ptr(), weight.data_ptr(), k, n, k, torch.get_num_threads())
         return packed
 

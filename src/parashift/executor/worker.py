@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -181,9 +182,14 @@ class Worker:
         shape = (num_blocks, self.config.cache.block_size, layers[0].num_kv_heads,
                  layers[0].head_dim)
         dtype = self.config.model.dtype
-        # Zeroed, not empty: masked-out padding positions must never hold NaNs.
-        kv = [(torch.zeros(shape, dtype=dtype, device=self.device),
-               torch.zeros(shape, dtype=dtype, device=self.device)) for _ in layers]
+        # Zeroed, not empty: masked-out padding positions must never hold NaNs. On CPU in huge
+        # pages: a decode step reads every sequence's blocks, scattered over the cache.
+        if self.device.type == "cpu":
+            from parashift.kernels.cpu import huge_pages
+            zeros = functools.partial(huge_pages.zeros, shape, dtype)
+        else:
+            zeros = functools.partial(torch.zeros, shape, dtype=dtype, device=self.device)
+        kv = [(zeros(), zeros()) for _ in layers]
         self.runner.bind_kv_cache(kv)
 
     @property
