@@ -229,7 +229,8 @@ class CpuOps:
         own K/V written first): out [tokens, heads, head_dim] contiguous, query likewise (tokens
         strided); chunk i is tokens query_starts[i]:query_starts[i + 1] (int32, from 0), the
         last of seq_lens[i] keys; block_tables [seqs, width] int32. False, writing nothing,
-        where this CPU or shape has no such kernel (AMX, bf16, head_dim 64, here)."""
+        where this CPU or shape has no such kernel (it takes bf16, head_dim 64, on AMX or
+        AVX512-BF16)."""
         seqs = seq_lens.shape[0]
         _, heads, head_dim = query.shape
         _, block_size, kv_heads, _ = key_cache.shape

@@ -12,7 +12,10 @@ MARCHES = {"native": set(),
            "x86-64": {"sse2"},
            "haswell": {"avx2", "fma", "bmi2", "f16c", "movbe"},
            "skylake-avx512": {"avx2", "fma", "bmi2", "f16c", "movbe", "avx512f", "avx512bw",
-                              "avx512vl", "avx512dq", "avx512cd"}}
+                              "avx512vl", "avx512dq", "avx512cd"},
+           # AVX512-BF16 without AMX: the vdpbf16ps paths, even on a CPU with AMX
+           "cooperlake": {"avx2", "fma", "bmi2", "f16c", "movbe", "avx512f", "avx512bw",
+                          "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16"}}
 
 
 def cpu_flags() -> set[str]:

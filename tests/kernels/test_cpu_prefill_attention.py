@@ -1,4 +1,5 @@
-"""The tiled prefill attention kernel (kernels/cpu/prefill_attention.cpp, AMX) against a float64
+"""The tiled prefill attention kernel (kernels/cpu/prefill_attention.cpp: AMX tiles, or
+vdpbf16ps register blocks without them) against a float64
 causal softmax over the same paged cache: chunks after a cached prefix, lengths around its
 16-token blocks and 32-key tiles, keys scattered over the cache's blocks; and where it is not
 taken (it writes nothing then)."""
@@ -14,11 +15,11 @@ from tests.kernels.builds import load_for
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 16, 6, 2, 64
 
 
-@pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    ops = load_for("native", tmp_path_factory)
-    if not ops.amx:
-        pytest.skip("this CPU has no AMX")
+@pytest.fixture(scope="module", params=["native", "cooperlake"])  # AMX where it is; not
+def ops(request, tmp_path_factory):
+    ops = load_for(request.param, tmp_path_factory)
+    if not ops.bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
     return ops
 
 

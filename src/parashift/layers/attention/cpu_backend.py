@@ -4,9 +4,9 @@ gathering each sequence's blocks into a fresh padded tensor for SDPA in every la
 go into their slots in one pass over the strided projections. Where the kernel runs on
 AVX512-BF16 dot products (bf16, head_dim 64 or 128) prefill tokens take it too, each token a
 query over its own prefix in the cache (2-3x torch's flash SDPA at 140-256 causal rows), or,
-on AMX (head_dim 64, no sliding window), the tiled prefill kernel, 16 tokens of a chunk at a
-time (2.5x the per-token kernel on a Xeon); elsewhere prefill chunks are the torch backend's
-SDPA calls.
+with head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chunk at a time
+(on AMX tiles, 2.5x the per-token kernel on a Xeon; on vdpbf16ps register blocks elsewhere);
+without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
 Without the kernels (PARASHIFT_CPU_KERNELS=0, or no compiler here) it is the torch backend."""
 
@@ -74,7 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tokens = _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
                                step.sliding_window)
         chunks = None
-        if self.ops.amx and step.sliding_window is None:
+        if step.sliding_window is None:  # the tiled kernel's (head_dim 64: it checks)
             query_starts = (step.query_start_loc[nd:] - step.query_start_loc[nd]).astype(np.int32)
             seq_lens = np.ascontiguousarray(step.seq_lens[nd:], dtype=np.int32)
             chunks = _PrefillChunks(torch.from_numpy(chunk_tables), torch.from_numpy(query_starts),
