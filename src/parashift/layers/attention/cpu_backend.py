@@ -74,7 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tokens = _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
                                step.sliding_window)
         chunks = None
-        if step.sliding_window is None:  # the tiled kernel's (head_dim 64: it checks)
+        if step.sliding_window is None:  # the tiled kernel takes them (it checks head_dim)
             query_starts = (step.query_start_loc[nd:] - step.query_start_loc[nd]).astype(np.int32)
             seq_lens = np.ascontiguousarray(step.seq_lens[nd:], dtype=np.int32)
             chunks = _PrefillChunks(torch.from_numpy(chunk_tables), torch.from_numpy(query_starts),

@@ -1,0 +1,83 @@
+// The tiled prefill attention's block on AVX512-BF16 dot products, for CPUs without AMX
+// (prefill_attention.cpp): S in register blocks of 8 rows x 32 keys, each query's dim pair
+// broadcast against 16 keys' pairs; O in blocks of 4 rows x 64 dims, each weight's key pair
+// broadcast against 16 dims' pairs of two keys.
+
+#pragma once
+
+#include "prefill_blocks.h"
+
+#ifdef PARASHIFT_BF16_DOT
+namespace {
+
+// scores rows [R][padded] <- R query rows against `groups` groups of 32 packed keys.
+template <int R>
+void dot_scores(float* scores, int64_t padded, const uint16_t* q, int64_t q_stride,
+                const uint32_t* keys_t, int64_t groups) {
+  const int32_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = reinterpret_cast<const int32_t*>(q + i * q_stride);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* kt = keys_t + g * 1024;  // two 16-key blocks, a dim pair's keys 16 apart
+    __m512 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int r = 0; r < kDim / 2; ++r) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + 16 * r);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + 512 + 16 * r);
+      for (int i = 0; i < R; ++i) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(rows[i][r]);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, k0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, k1);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      _mm512_storeu_ps(scores + i * padded + 32 * g, acc[i][0]);
+      _mm512_storeu_ps(scores + i * padded + 32 * g + 16, acc[i][1]);
+    }
+  }
+}
+
+// o [R][kDim] <- R rows of weights [padded] bf16 times the packed values (padded / 32 groups).
+template <int R>
+void dot_values(float* o, const uint16_t* weights, int64_t padded, const uint32_t* values) {
+  const int32_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = reinterpret_cast<const int32_t*>(weights + i * padded);
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < padded / 2; ++kp) {  // key pairs; 16 per group of 32 keys
+    const uint32_t* v = values + (kp / 16) * 1024 + (kp % 16) * 16;
+    __m512bh vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + 256 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(rows[i][kp]);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, vv[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * kDim + 16 * c, acc[i][c]);
+}
+
+void attend_block_dot(const Block& b, const SequenceKeys& p, float scale,
+                      std::vector<float>& scores, std::vector<uint16_t>& weights) {
+  const int64_t padded = start_block(b, scores, weights), groups = padded / 32;
+  float* s = scores.data();
+  int i = 0;
+  for (; i + 8 <= b.rows; i += 8)
+    dot_scores<8>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride, p.keys_t.data(),
+                  groups);
+  for (; i < b.rows; ++i)
+    dot_scores<1>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride, p.keys_t.data(),
+                  groups);
+  float sums[16];
+  softmax_rows(s, weights.data(), padded, b.rows, b.first_keys, scale, sums);
+  alignas(64) float o[16 * kDim];
+  const uint16_t* w = weights.data();
+  i = 0;
+  for (; i + 4 <= b.rows; i += 4)
+    dot_values<4>(o + i * kDim, w + i * padded, padded, p.values.data());
+  for (; i < b.rows; ++i) dot_values<1>(o + i * kDim, w + i * padded, padded, p.values.data());
+  finish_rows(b.out, b.out_stride, o, sums, b.rows);
+}
+
+}  // namespace
+#endif
