@@ -5,6 +5,7 @@
 #include "attention_bf16.h"
 #include "common.h"
 #include "entry_points.h"
+#include "row_stream.h"
 
 namespace {
 
@@ -33,11 +34,10 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> q(heads * head_dim), acc(heads * head_dim), row_f(row), scores, sums(heads);
-    std::vector<int64_t> offsets, next_offsets;
     std::vector<uint32_t> pairs;  // bf16 weights of key pairs (the AVX512-BF16 path)
     // Each thread a run of consecutive sequences holding an even share of the keys (not a
-    // sequence at a time from a shared counter): it knows which sequence comes next, and its
-    // prefetches run on into that one's keys before this one ends.
+    // sequence at a time from a shared counter): it knows which sequences come next, and its
+    // fetches run on into their rows before this one ends.
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
     int64_t begin = seqs, end = seqs;
     for (int64_t s = 0, before = 0; s < seqs; before += keys(s), ++s) {
@@ -50,29 +50,30 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
     }
     // Where each key's row starts, block by block: a division per key and use (a runtime
     // block size) had cost as much as the dot products.
-    auto fill_offsets = [&](int64_t s, std::vector<int64_t>& into) {
+    RowStream<T> stream(key_cache, value_cache, row);
+    int64_t rows = 0;
+    for (int64_t s = begin; s < end; ++s) rows += keys(s);
+    stream.reserve(end - begin, rows);
+    for (int64_t s = begin; s < end; ++s) {
       const int64_t len = seq_lens[s], lo = len - keys(s);
       const int32_t* table = block_tables + s * table_width;
-      into.resize(len - lo);
+      int64_t* into = stream.add_sequence(len - lo);
       for (int64_t pos = lo, j = 0; pos < len;) {
         const int64_t base = static_cast<int64_t>(table[pos / block_size]) * block_size;
         for (int64_t in = pos % block_size; in < block_size && pos < len; ++in, ++pos)
           into[j++] = (base + in) * row;
       }
-    };
-    if (begin < end) fill_offsets(begin, next_offsets);
+    }
+    stream.start();
     for (int64_t s = begin; s < end; ++s) {
-      offsets.swap(next_offsets);
-      if (s + 1 < end) fill_offsets(s + 1, next_offsets);
-      else next_offsets.clear();
-      const int64_t n = static_cast<int64_t>(offsets.size());
+      const int64_t* offsets = stream.offsets(s - begin);
+      const int64_t n = stream.rows(s - begin);
       auto slot = [&](int64_t j) { return offsets[j]; };
 #if defined(PARASHIFT_BF16_DOT) || defined(PARASHIFT_BF16_ATTENTION_AVX2)
       if constexpr (std::is_same_v<T, bf16>) {
         if (decode_one_bf16(out + s * heads * head_dim, query + s * query_stride, key_cache,
                             value_cache, slot, n, heads, kv_heads, head_dim, scale, scores,
-                            pairs, sums, next_offsets.data(),
-                            static_cast<int64_t>(next_offsets.size())))
+                            pairs, sums, stream))
           continue;
       }
 #endif
@@ -81,7 +82,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       scores.resize(heads * n);
       for (int64_t j = 0; j < n; ++j) {  // scores[head][j] = q[head] . k[j][head's kv head]
         if (j + kAhead < n) prefetch_row(key_cache + slot(j + kAhead), row);
-        if (j + kFar < n) prefetch_row<2>(key_cache + slot(j + kFar), row);
+        stream.read(1);
         const T* k = key_cache + slot(j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(k[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {
@@ -96,7 +97,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {  // acc[head] += p[head][j] * v[j][head's kv head]
         if (j + kAhead < n) prefetch_row(value_cache + slot(j + kAhead), row);
-        if (j + kFar < n) prefetch_row<2>(value_cache + slot(j + kFar), row);
+        stream.read(1);
         const T* v = value_cache + slot(j);
         for (int64_t i = 0; i < row; ++i) row_f[i] = to_f(v[i]);
         for (int64_t hq = 0; hq < heads; ++hq) {

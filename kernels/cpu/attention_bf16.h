@@ -5,6 +5,7 @@
 
 #include "bf16_lanes.h"
 #include "common.h"
+#include "row_stream.h"
 
 namespace {
 
@@ -35,26 +36,19 @@ inline __m512 fold16(__m512* part) {
 
 // scores[hq * n + j] = scale * q[hq] . k[j], NV32 = head_dim / 32.
 template <int NV32, class Slot>
-void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache,
-                     const bf16* value_cache, Slot slot, int64_t n, int64_t heads, int64_t group,
-                     float scale, int64_t row) {
+void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache, Slot slot,
+                     int64_t n, int64_t heads, int64_t group, float scale, int64_t row,
+                     RowStream<bf16>& stream) {
   constexpr int64_t head_dim = 32 * NV32;
   const bf16* rows[kTile];
   __m512 part[kTile];
-  // The far prefetches run over the key rows, then on into the value rows (which the value
-  // sums read next): without that the first kFar value rows came from memory on demand.
-  auto far = [&](int64_t pos) {
-    if (pos < n) prefetch_row<2>(key_cache + slot(pos), row);
-    else if (pos < 2 * n) prefetch_row<2>(value_cache + slot(pos - n), row);
-  };
-  for (int64_t pos = 0; pos < kFar; ++pos) far(pos);
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t tile = std::min(kTile, n - j0);
     for (int64_t t = 0; t < tile; ++t) {
       rows[t] = key_cache + slot(j0 + t);
       if (j0 + t + kTile < n) prefetch_row(key_cache + slot(j0 + t + kTile), row);
-      far(j0 + t + kFar);
     }
+    stream.read(tile);
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t offset = (hq / group) * head_dim;
       __m512i qv[NV32];  // the query head's bf16 pairs
@@ -68,10 +62,9 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache,
                 (__m512bh)_mm512_loadu_si512(rows[t] + offset + 32 * c));
         part[t] = acc;
       }
-      __m512 v = _mm512_mul_ps(fold16(part), _mm512_set1_ps(scale));
-      float folded[kTile];
-      _mm512_storeu_ps(folded, v);
-      std::memcpy(scores + hq * n + j0, folded, tile * sizeof(float));
+      // a masked store: memcpy of a variable size became `rep movs`, 7% of the kernel's time
+      _mm512_mask_storeu_ps(scores + hq * n + j0, first_lanes(tile),
+                            _mm512_mul_ps(fold16(part), _mm512_set1_ps(scale)));
     }
   }
 }
@@ -85,8 +78,7 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache,
 template <int NV32, int GC, class Slot>
 void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float* inv_sum,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t kv_heads,
-                     int64_t group, const bf16* key_cache, const int64_t* next_offsets,
-                     int64_t next_n) {
+                     int64_t group, RowStream<bf16>& stream) {
   constexpr int64_t head_dim = 32 * NV32;
   // unpacklo/hi leave dims in 4-lane groups: lo = dims {0-3, 8-11, 16-19, 24-27} of a 32-dim
   // chunk, hi = {4-7, 12-15, 20-23, 28-31}; these put them back in order.
@@ -101,13 +93,9 @@ void value_sums_bf16(bf16* out, const uint32_t* pairs, int64_t half, const float
         for (int c = 0; c < 2 * NV32; ++c) acc[g][c] = _mm512_setzero_ps();
       for (int64_t jp = 0; jp < half; ++jp) {
         const int64_t j = 2 * jp;
-        for (int64_t t = j; t < std::min(j + 2, n); ++t) {
+        for (int64_t t = j; t < std::min(j + 2, n); ++t)
           if (t + kTile < n) prefetch_row(value_cache + slot(t + kTile) + h * head_dim, head_dim);
-          if (h == 0 && t + kFar < n)  // the whole row, every kv head's part
-            prefetch_row<2>(value_cache + slot(t + kFar), kv_heads * head_dim);
-          else if (h == 0 && t + kFar - n < next_n)  // on into the next sequence's keys
-            prefetch_row<2>(key_cache + next_offsets[t + kFar - n], kv_heads * head_dim);
-        }
+        if (h == 0 && g0 == 0) stream.read(std::min<int64_t>(2, n - j));
         const bf16* v0 = value_cache + slot(j) + h * head_dim;
         const bf16* v1 = j + 1 < n ? value_cache + slot(j + 1) + h * head_dim : nullptr;
         __m512i w[2 * NV32];
@@ -170,16 +158,14 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, float scale, std::vector<float>& scores,
                      std::vector<uint32_t>& pairs, std::vector<float>& inv_sum,
-                     const int64_t* next_offsets, int64_t next_n) {
+                     RowStream<bf16>& stream) {
   if (head_dim != 64 && head_dim != 128) return false;
   const int64_t group = heads / kv_heads, row = kv_heads * head_dim;
   scores.resize(heads * n);
   if (head_dim == 64)
-    key_scores_bf16<2>(scores.data(), query, key_cache, value_cache, slot, n, heads, group, scale,
-                       row);
+    key_scores_bf16<2>(scores.data(), query, key_cache, slot, n, heads, group, scale, row, stream);
   else
-    key_scores_bf16<4>(scores.data(), query, key_cache, value_cache, slot, n, heads, group, scale,
-                       row);
+    key_scores_bf16<4>(scores.data(), query, key_cache, slot, n, heads, group, scale, row, stream);
   const int64_t half = (n + 1) / 2;
   pairs.resize(heads * half);
   for (int64_t hq = 0; hq < heads; ++hq) {
@@ -188,10 +174,10 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
   }
   if (head_dim == 64)
     value_sums_bf16<2, 4>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
-                          kv_heads, group, key_cache, next_offsets, next_n);
+                          kv_heads, group, stream);
   else
     value_sums_bf16<4, 2>(out, pairs.data(), half, inv_sum.data(), value_cache, slot, n,
-                          kv_heads, group, key_cache, next_offsets, next_n);
+                          kv_heads, group, stream);
   return true;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -219,24 +205,18 @@ inline __m256 fold8(const __m256* part) {
 // scores[hq * n + j] = q[hq] . k[j] (q already scaled and widened as the keys are), NC =
 // head_dim / 16.
 template <int NC, class Slot>
-void key_scores_avx2(float* scores, const float* q, const bf16* key_cache,
-                     const bf16* value_cache, Slot slot, int64_t n, int64_t kv_heads,
-                     int64_t group, int64_t row) {
+void key_scores_avx2(float* scores, const float* q, const bf16* key_cache, Slot slot, int64_t n,
+                     int64_t kv_heads, int64_t group, int64_t row, RowStream<bf16>& stream) {
   constexpr int64_t head_dim = 16 * NC;
   const bf16* rows[kKeys];
   alignas(32) __m256 part[kHeads][kKeys];
-  auto far = [&](int64_t pos) {  // on into the value rows, as the AVX512-BF16 path
-    if (pos < n) prefetch_row<2>(key_cache + slot(pos), row);
-    else if (pos < 2 * n) prefetch_row<2>(value_cache + slot(pos - n), row);
-  };
-  for (int64_t pos = 0; pos < kFar; ++pos) far(pos);
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int64_t tile = std::min(kKeys, n - j0);
     for (int64_t t = 0; t < tile; ++t) {
       rows[t] = key_cache + slot(j0 + t);
       if (j0 + t + kKeys < n) prefetch_row(key_cache + slot(j0 + t + kKeys), row);
-      far(j0 + t + kFar);
     }
+    stream.read(tile);
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
         const int count = static_cast<int>(std::min<int64_t>(kHeads, group - g0));
@@ -256,11 +236,10 @@ void key_scores_avx2(float* scores, const float* q, const bf16* key_cache,
             }
           for (int g = 0; g < count; ++g) part[g][t] = acc[g];
         }
-        for (int g = 0; g < count; ++g) {
-          alignas(32) float folded[kKeys];
-          _mm256_store_ps(folded, fold8(part[g]));
-          std::memcpy(scores + (h * group + g0 + g) * n + j0, folded, tile * sizeof(float));
-        }
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tile)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int g = 0; g < count; ++g)
+          _mm256_maskstore_ps(scores + (h * group + g0 + g) * n + j0, lanes, fold8(part[g]));
       }
     }
   }
@@ -271,7 +250,7 @@ void key_scores_avx2(float* scores, const float* q, const bf16* key_cache,
 template <int NC, class Slot>
 void value_sums_avx2(bf16* out, const float* p, const float* inv_sum, const bf16* value_cache,
                      Slot slot, int64_t n, int64_t kv_heads, int64_t group,
-                     const bf16* key_cache, const int64_t* next_offsets, int64_t next_n) {
+                     RowStream<bf16>& stream) {
   constexpr int64_t head_dim = 16 * NC;
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
@@ -284,10 +263,7 @@ void value_sums_avx2(bf16* out, const float* p, const float* inv_sum, const bf16
         for (int64_t j = 0; j < n; ++j) {
           if (c0 == 0) {
             if (j + kKeys < n) prefetch_row(value_cache + slot(j + kKeys) + h * head_dim, head_dim);
-            if (h == 0 && g0 == 0 && j + kFar < n)  // the whole row, every kv head's part
-              prefetch_row<2>(value_cache + slot(j + kFar), kv_heads * head_dim);
-            else if (h == 0 && g0 == 0 && j + kFar - n < next_n)  // the next sequence's keys
-              prefetch_row<2>(key_cache + next_offsets[j + kFar - n], kv_heads * head_dim);
+            if (h == 0 && g0 == 0) stream.read(1);
           }
           const bf16* v = value_cache + slot(j) + h * head_dim + 16 * c0;
           __m256 w[4];
@@ -320,7 +296,7 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
                      const bf16* value_cache, Slot slot, int64_t n, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, float scale, std::vector<float>& scores,
                      std::vector<uint32_t>&, std::vector<float>& inv_sum,
-                     const int64_t* next_offsets, int64_t next_n) {
+                     RowStream<bf16>& stream) {
   if (head_dim != 64 && head_dim != 128) return false;
   const int64_t group = heads / kv_heads, row = kv_heads * head_dim;
   thread_local std::vector<float> q;  // scaled, widened as the keys are
@@ -334,21 +310,19 @@ bool decode_one_bf16(bf16* out, const bf16* query, const bf16* key_cache,
   }
   scores.resize(heads * n);
   if (head_dim == 64)
-    key_scores_avx2<4>(scores.data(), q.data(), key_cache, value_cache, slot, n, kv_heads, group,
-                       row);
+    key_scores_avx2<4>(scores.data(), q.data(), key_cache, slot, n, kv_heads, group, row, stream);
   else
-    key_scores_avx2<8>(scores.data(), q.data(), key_cache, value_cache, slot, n, kv_heads, group,
-                       row);
+    key_scores_avx2<8>(scores.data(), q.data(), key_cache, slot, n, kv_heads, group, row, stream);
   for (int64_t hq = 0; hq < heads; ++hq) {  // fp32 weights, as the generic loops
     const float sum = exp_weights(scores.data() + hq * n, n);
     inv_sum[hq] = sum > 0.f ? 1.f / sum : 0.f;
   }
   if (head_dim == 64)
     value_sums_avx2<4>(out, scores.data(), inv_sum.data(), value_cache, slot, n, kv_heads, group,
-                       key_cache, next_offsets, next_n);
+                       stream);
   else
     value_sums_avx2<8>(out, scores.data(), inv_sum.data(), value_cache, slot, n, kv_heads, group,
-                       key_cache, next_offsets, next_n);
+                       stream);
   return true;
 }
 #endif

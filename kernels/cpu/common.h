@@ -101,11 +101,7 @@ inline __mmask16 first_lanes(int64_t count) {
 
 
 // A row's cache lines, ahead of use: into L1 (Locality 3, the default) for the next rows, into
-// L2 only (Locality 2) for rows kFar ahead, without taking L1's fill buffers from the near ones.
-// A few rows ahead is too close when cache rows stream from memory (a tile's compute is shorter
-// than the trip): decode attention read its KV at 16 GB/s with only near prefetches, 19-21
-// with kFar (64 measured best of 32 / 64 / 128).
-constexpr int64_t kFar = 64;
+// L2 only (Locality 2) for rows far ahead (row_stream.h), without taking L1's fill buffers.
 template <int Locality = 3, class T>
 inline void prefetch_row(const T* p, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(p);
