@@ -1,5 +1,5 @@
 """Zeroed CPU tensors in transparent huge pages (2 MiB), for the memory the CPU kernels stream
-every step: the packed GEMM weights and the KV cache.
+every step: the packed GEMM weights (not the KV cache: see Worker._allocate_cache).
 
 With 4 KiB pages a decode step's ~240 MB of weights cross 60 thousand pages: a TLB miss each,
 and the hardware prefetchers stop at every page's end. Measured on a Zen 4 (2 threads, SmolLM2's
@@ -36,8 +36,7 @@ def available() -> bool:
 
 def _mapping(nbytes: int) -> torch.Tensor:
     """nbytes (a multiple of HUGE_PAGE) of zeros, starting on a huge page, advised, and written
-    once: resident from the start, as torch.zeros would be (what a KV cache reserves is held,
-    and no step pays for faulting it in)."""
+    once: resident from the start, as torch.zeros would be (no step pays for faulting it in)."""
     # private: a shared anonymous mapping is shmem, which THP leaves alone by default
     mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps `mapped` alive

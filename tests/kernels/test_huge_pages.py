@@ -1,4 +1,4 @@
-"""The CPU kernels' streamed memory (packed weights, KV cache) in transparent huge pages."""
+"""The packed GEMM weights in transparent huge pages."""
 
 import itertools
 import re
@@ -57,12 +57,3 @@ def test_packed_weights_live_there():
         pytest.skip("no bf16 GEMM of ours on this CPU")
     packed = ops.pack_bf16(torch.randn(96, 64).bfloat16())
     assert _advised(packed)
-
-
-def test_a_cpu_engine_keeps_its_kv_cache_there(tiny_llama):
-    from parashift import LLM
-
-    llm = LLM(tiny_llama, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
-    layers = llm.engine.executor.worker.model.attention_layers
-    key, value = layers[0].kv_cache
-    assert _advised(key) and _advised(value) and not key.any()
