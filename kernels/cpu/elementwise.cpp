@@ -131,10 +131,12 @@ void argmax_rows(int64_t* out, const T* x, int64_t rows, int64_t cols, int num_t
 
 // The new tokens' K and V into their cache slots; a slot of -1 is skipped (padding).
 // key/value [tokens, kv_heads, head_dim] with a token stride; caches [slots, kv_heads, head_dim].
+// On every thread for a prefill chunk: the cache lines written are read from memory first.
 template <class T>
 void write_kv(T* key_cache, T* value_cache, const T* key, const T* value, int64_t key_stride,
               int64_t value_stride, const int64_t* slot_mapping, int64_t tokens,
-              int64_t row_elements) {
+              int64_t row_elements, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(tokens * row_elements, num_threads))
   for (int64_t t = 0; t < tokens; ++t) {
     int64_t slot = slot_mapping[t];
     if (slot < 0) continue;
@@ -191,15 +193,16 @@ void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows,
 
 void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,
                         const void* value, int64_t key_stride, int64_t value_stride,
-                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements) {
+                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements,
+                        int num_threads) {
   if (dtype == 0)
     write_kv<float>(P(float, key_cache), P(float, value_cache), P(const float, key),
                     P(const float, value), key_stride, value_stride, slot_mapping, tokens,
-                    row_elements);
+                    row_elements, num_threads);
   else
     write_kv<bf16>(P(bf16, key_cache), P(bf16, value_cache), P(const bf16, key),
                    P(const bf16, value), key_stride, value_stride, slot_mapping, tokens,
-                   row_elements);
+                   row_elements, num_threads);
 }
 
 }  // extern "C"

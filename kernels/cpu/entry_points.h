@@ -18,7 +18,8 @@ void parashift_silu_and_mul(int dtype, void* out, const void* x, int64_t x_strid
                             int64_t tokens, int64_t d, int num_threads);
 void parashift_write_kv(int dtype, void* key_cache, void* value_cache, const void* key,
                         const void* value, int64_t key_stride, int64_t value_stride,
-                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements);
+                        const int64_t* slot_mapping, int64_t tokens, int64_t row_elements,
+                        int num_threads);
 void parashift_paged_decode_attention(int dtype, void* out, const void* query,
                                       int64_t query_stride, const void* key_cache,
                                       const void* value_cache, const int32_t* block_tables,

@@ -102,7 +102,7 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
   parashift_rotary(kBf16, qkv, qkv_width, s->cos, s->sin, t, s->heads + s->kv_heads, d, th);
   parashift_write_kv(kBf16, w->key_cache, w->value_cache, qkv + s->heads * d * 2,
                      qkv + (s->heads + s->kv_heads) * d * 2, qkv_width, qkv_width,
-                     s->slot_mapping, t, s->kv_heads * d);
+                     s->slot_mapping, t, s->kv_heads * d, th);
   int64_t queries = t;  // tokens for the decode kernel
   if (s->prefills > 0 &&
       parashift_prefill_attention_bf16(

@@ -79,7 +79,7 @@ class CpuOps:
             "parashift_rotary": [c_int, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
             "parashift_silu_and_mul": [c_int, ptr, ptr, i64, i64, i64, c_int],
             "parashift_argmax_rows": [c_int, ptr, ptr, i64, i64, c_int],
-            "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64],
+            "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, c_int],
             "parashift_paged_decode_attention": [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
             "parashift_pack_bf16": [ptr, ptr, i64, i64, i64, c_int],
@@ -218,7 +218,7 @@ class CpuOps:
         self._lib.parashift_write_kv(
             _DTYPES[key.dtype], key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(),
             value.data_ptr(), key.stride(0), value.stride(0), slot_mapping.data_ptr(), tokens,
-            key.shape[1] * key.shape[2])
+            key.shape[1] * key.shape[2], torch.get_num_threads())
 
     @_profiled
     def prefill_attention(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
