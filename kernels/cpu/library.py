@@ -67,6 +67,24 @@ class LayerStep(Structure):
         ("chunk_table_width", c_int64), ("query_starts", c_void_p), ("chunk_seq_lens", c_void_p)]
 
 
+def _check_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, weight_dtype: torch.dtype,
+                *vectors: torch.Tensor | None) -> None:
+    """What the GEMM kernels read through raw pointers, checked: a wrong shape there is no
+    exception but a read past the end of a buffer."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, not {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    want = ((n + 15) // 16, x.shape[1] // 2, 32)
+    if packed.dtype != weight_dtype or tuple(packed.shape) != want or not packed.is_contiguous():
+        raise ValueError(f"packed weight must be {weight_dtype} {want} for x {tuple(x.shape)} "
+                         f"and n={n}, not {packed.dtype} {tuple(packed.shape)}")
+    for v in vectors:
+        if v is not None and (v.dtype != torch.bfloat16 or tuple(v.shape) != (n,)
+                              or not v.is_contiguous()):
+            raise ValueError(f"bias and scale must be contiguous bfloat16 [{n}], not {v.dtype} "
+                             f"{tuple(v.shape)}")
+
+
 class CpuOps:
     """Tensor-level entry points of the compiled kernels (float32 and bfloat16 CPU tensors)."""
 
@@ -121,6 +139,7 @@ class CpuOps:
                   bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, k] bf16 (rows may be strided) -> x W^T + bias [rows, n] bf16, W packed by
         `pack_bf16`."""
+        _check_gemm(x, packed, n, torch.bfloat16, bias)
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0),
@@ -152,8 +171,9 @@ class CpuOps:
                   bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, k] bf16 (rows may be strided) -> (x Q^T) * scale + bias [rows, n] bf16, Q
         packed by `pack_int8`, scale [n] and bias [n] bf16."""
-        rows, k = x.shape
         n = scale.shape[0]
+        _check_gemm(x, packed, n, torch.int8, scale, bias)
+        rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_int8(out.data_ptr(), n, x.data_ptr(), x.stride(0),
                                       packed.data_ptr(), scale.data_ptr(), _ptr(bias), rows, n, k,

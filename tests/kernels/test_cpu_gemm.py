@@ -86,3 +86,18 @@ def test_no_rows_is_an_empty_result(ops):
 def test_an_odd_k_or_another_dtype_is_refused(ops, weight):
     with pytest.raises(RuntimeError, match="no bf16 GEMM of ours"):
         ops.pack_bf16(weight)
+
+
+def test_mismatched_operands_are_refused_before_the_kernel_reads_them(ops):
+    packed = ops.pack_bf16(torch.randn(40, 8).bfloat16())
+    x = torch.randn(3, 8).bfloat16()
+    with pytest.raises(ValueError, match="packed weight must be"):
+        ops.gemm_bf16(torch.randn(3, 16).bfloat16(), packed, 40, None)  # another k
+    with pytest.raises(ValueError, match="packed weight must be"):
+        ops.gemm_bf16(x, packed, 80, None)  # more columns than packed
+    with pytest.raises(ValueError, match="x must be"):
+        ops.gemm_bf16(x.float(), packed, 40, None)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.gemm_bf16(torch.randn(8, 3).bfloat16().t(), packed, 40, None)  # strided columns
+    with pytest.raises(ValueError, match="bias and scale"):
+        ops.gemm_bf16(x, packed, 40, torch.zeros(39, dtype=torch.bfloat16))

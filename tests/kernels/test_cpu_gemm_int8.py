@@ -61,6 +61,18 @@ def test_no_rows_is_an_empty_result(ops):
     assert out.shape == (0, 40)
 
 
+def test_mismatched_scales_or_weights_are_refused_before_the_kernel_reads_them(ops):
+    packed = ops.pack_int8(torch.ones(40, 32, dtype=torch.int8))
+    x = torch.randn(3, 32).bfloat16()
+    with pytest.raises(ValueError, match="bias and scale"):
+        ops.gemm_int8(x, packed, torch.ones(40), None)  # fp32 scales
+    with pytest.raises(ValueError, match="packed weight must be"):
+        ops.gemm_int8(x, packed, torch.ones(56, dtype=torch.bfloat16), None)  # 4 blocks, not 3
+    with pytest.raises(ValueError, match="packed weight must be"):
+        ops.gemm_int8(x, ops.pack_bf16(torch.ones(40, 32).bfloat16()),
+                      torch.ones(40, dtype=torch.bfloat16), None)  # a bf16 packing
+
+
 @pytest.mark.parametrize("q", [torch.ones(16, 7, dtype=torch.int8), torch.ones(16, 32)])
 def test_an_odd_k_or_another_dtype_is_refused(ops, q):
     with pytest.raises(RuntimeError, match="no int8 GEMM of ours"):

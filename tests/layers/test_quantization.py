@@ -58,6 +58,11 @@ def test_our_int8_gemm_and_torchs_hold_the_same_weight():
                                linear(x, torch.empty(0), None, torchs), rtol=2**-7, atol=1e-2)
 
 
+def test_our_int8_gemm_asked_for_where_it_cannot_run_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="our int8 GEMM does not run here"):
+        quantize(torch.randn(16, 7), "int8", own_kernel=True)  # an odd width, on any CPU
+
+
 def test_a_3d_input_keeps_its_leading_dimensions():
     q = quantize(torch.randn(32, 64), "int8")
     x = torch.randn(2, 3, 64)

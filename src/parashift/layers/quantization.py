@@ -85,6 +85,10 @@ def quantize(weight: torch.Tensor, method: str, own_kernel: bool | None = None
         scales = _kept((w.abs().amax(dim=1) / 127).clamp(min=TINY))
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         own = own_int8_kernel(in_features) if own_kernel is None else own_kernel
+        if own and not own_int8_kernel(in_features):
+            raise RuntimeError(f"our int8 GEMM does not run here for a [{out_features}, "
+                               f"{in_features}] weight (it needs our CPU kernels built with "
+                               f"a bf16 GEMM, and an even input width)")
         return QuantizedWeight(method, cpu_ops().pack_int8(q) if own else q,
                                scales.to(ACTIVATIONS), out_features, in_features, own)
     if method == "int4":
