@@ -11,8 +11,8 @@ namespace {
 
 // Decode attention straight from the paged cache: one query token per sequence. A sequence is
 // a work item: its cached rows (every kv head side by side) are read once each, in order, a
-// block of block_size rows at a time, so the hardware prefetcher streams them; the next row of
-// a new block, elsewhere in memory, is prefetched ahead. Exact softmax (two passes over the
+// block of block_size rows at a time; each thread's rows come into L2 far ahead (RowStream,
+// on into its next sequences) and into L1 a few rows ahead. Exact softmax (two passes over the
 // scores, in float32), the output rounded to T once.
 // query [seqs, heads, head_dim] with a token stride; out [seqs, heads, head_dim] contiguous;
 // caches [blocks, block_size, kv_heads, head_dim]; block_tables [seqs, table_width] int32.
@@ -48,6 +48,7 @@ void paged_decode_attention(T* out, const T* query, int64_t query_stride, const 
         break;
       }
     }
+    begin = std::min(begin, end);  // none of its own: more threads than sequences to share
     // Where each key's row starts, block by block: a division per key and use (a runtime
     // block size) had cost as much as the dot products.
     RowStream<T> stream(key_cache, value_cache, row);

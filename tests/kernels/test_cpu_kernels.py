@@ -137,6 +137,31 @@ def test_paged_decode_attention_matches_the_torch_backend(ops, dtype, heads, kv_
     _close(got, want, dtype, bf16_atol=0.02)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_with_more_threads_than_sequences(ops, dtype):
+    """Threads that get no sequence of their own (5 threads, 2 sequences: the split hands
+    thread 1 none) do nothing; the others' results are whole."""
+    from parashift.layers.attention.cpu_backend import CpuAttentionBackend
+
+    torch.manual_seed(0)
+    step = _decode_step([9, 9], 4, 4, 16, None)
+    kv_cache = tuple(torch.randn(16, 4, 3, 64).to(dtype) for _ in range(2))
+    qkv = torch.randn(2, 15, 64).to(dtype)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    reference = TorchAttentionBackend()
+    want = reference.forward(q, k, v, tuple(c.clone() for c in kv_cache),
+                             reference.build_metadata(step), 0.125)
+    backend = CpuAttentionBackend()
+    backend.ops = ops
+    threads = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        got = backend.forward(q, k, v, kv_cache, backend.build_metadata(step), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    _close(got, want, dtype, bf16_atol=0.02)
+
+
 def test_the_build_is_cached_per_cpu_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
     # unoptimized: three builds in seconds (the caching is under test here, not the code)
     monkeypatch.setattr(kernel_build, "_FLAGS",
