@@ -1,7 +1,8 @@
 // Decode attention straight from the paged KV cache (prefill tokens take it too on
 // AVX512-BF16: see cpu_backend.py); bf16 with head_dim 64 or 128 takes attention_bf16.h's
-// paths on AVX512-BF16 or AVX2.
+// path on AVX512-BF16, attention_avx2.h's on AVX2.
 
+#include "attention_avx2.h"
 #include "attention_bf16.h"
 #include "common.h"
 #include "entry_points.h"
