@@ -56,7 +56,8 @@ class PlanSettings:
 
     @property
     def batched_tokens(self) -> int:
-        return self.max_num_batched_tokens or default_max_num_batched_tokens(self.max_num_seqs)
+        return self.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.max_num_seqs, "cuda" if self.device.is_gpu else "cpu")
 
 
 @dataclass
