@@ -8,6 +8,7 @@
 // the columns, so each weight byte leaves memory once per call.
 
 #include "bf16_lanes.h"
+#include "column_shares.h"
 #include "common.h"
 #include "entry_points.h"
 
@@ -206,16 +207,17 @@ void parashift_gemm_int8(void* out, int64_t out_stride, const void* x, int64_t x
   // into a buffer laid out as a packed tile of its width, then multiplied by every row.
   int64_t a_stride;
   const Operand* a = operands(xs, x_stride, m, k, threads, a_stride);
+  ColumnShares shares(blocks, 1, kTile, threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t first = blocks * tid / nth, last = blocks * (tid + 1) / nth;
+    const int tid = omp_get_thread_num();
     thread_local std::vector<uint16_t> wide;
     wide.resize(k2 * kTile * 32);
-    for (int64_t blk = first; blk < last;) {
-      const int64_t tile = blk / kTile, j = blk % kTile;
+    ColumnChunk c;
+    while (shares.next(tid, c)) {
+      const int64_t blk = c.block, tile = blk / kTile, j = blk % kTile;
       const int64_t width = std::min(kTile, blocks - tile * kTile);
-      const int nb = static_cast<int>(std::min(width - j, last - blk));
+      const int nb = c.blocks;
       const int8_t* src = w + tile_offset(tile, k2) + j * 32;
       const int64_t row = nb * 32;  // values of a k pair
       for (int64_t kp = 0; kp < k2; ++kp)  // exact: |q| <= 127 fits bf16's 8 bits
@@ -232,7 +234,6 @@ void parashift_gemm_int8(void* out, int64_t out_stride, const void* x, int64_t x
                        wide.data(), row, k2, bs ? bs + col : nullptr, n - col, nullptr, 0,
                        ss + col);
       }
-      blk += nb;
     }
   }
 #endif
@@ -270,40 +271,35 @@ void parashift_gemm_bf16_then(void* out, int64_t out_stride, const void* x, int6
 #endif
   int64_t a_stride;
   const Operand* a = operands(xs, x_stride, m, k, threads, a_stride);
+  ColumnShares shares(blocks, (m + kPanel - 1) / kPanel, kTile, threads);
 #pragma omp parallel num_threads(threads)
   {
-    // Each thread its own run of 16-column blocks (not whole tiles: 9 tiles split 5 / 4).
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t first = blocks * tid / nth, last = blocks * (tid + 1) / nth;
-    for (int64_t row0 = 0; row0 < m; row0 += kPanel) {
-      const int64_t rows = std::min(kPanel, m - row0);
+    const int tid = omp_get_thread_num();
+    ColumnChunk c;
+    while (shares.next(tid, c)) {
+      const int64_t row0 = c.panel * kPanel, rows = std::min(kPanel, m - row0);
       const int64_t passes = (rows + kRows - 1) / kRows;
-      for (int64_t blk = first; blk < last;) {
-        const int64_t tile = blk / kTile, j = blk % kTile;
-        const int64_t width = std::min(kTile, blocks - tile * kTile);
-        const int nb = static_cast<int>(std::min(width - j, last - blk));
-        const uint16_t* b = w + tile_offset(tile, k2) + j * 32;
-        const int64_t col = blk * 16, cols = n - col;
-        // The next chunk's weight, into L2 while this one computes (its first row block reads
-        // from memory otherwise, at the speed of a single stream): spread over the row blocks.
-        const int64_t next = blk + nb;
-        int64_t next_lines = 0;
-        const char* next_b = nullptr;
-        if (next < last) {
-          const int64_t next_tile = next / kTile;
-          next_b = reinterpret_cast<const char*>(w + tile_offset(next_tile, k2));
-          next_lines = k2 * std::min(kTile, blocks - next_tile * kTile);  // 64-byte lines
-        }
-        const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
-        for (int64_t r = row0, pass = 0; r < row0 + rows; r += kRows, ++pass) {
-          const int mb = static_cast<int>(std::min<int64_t>(kRows, row0 + rows - r));
-          const int64_t from = std::min(next_lines, pass * lines_per_pass);
-          const int64_t count = std::min(next_lines, from + lines_per_pass) - from;
-          kernel(mb, nb)(y + r * out_stride + col, out_stride, a + r * a_stride, a_stride, b,
-                         width * 32, k2, bs ? bs + col : nullptr, cols,
-                         next_b ? next_b + from * 64 : nullptr, count, nullptr);
-        }
-        blk += nb;
+      const int64_t tile = c.block / kTile, j = c.block % kTile;
+      const int64_t width = std::min(kTile, blocks - tile * kTile);
+      const uint16_t* b = w + tile_offset(tile, k2) + j * 32;
+      const int64_t col = c.block * 16, cols = n - col;
+      // The next chunk's weight, into L2 while this one computes (its first row block reads
+      // from memory otherwise, at the speed of a single stream): spread over the row blocks.
+      int64_t next_lines = 0;
+      const char* next_b = nullptr;
+      if (c.next_block >= 0) {
+        const int64_t next_tile = c.next_block / kTile;
+        next_b = reinterpret_cast<const char*>(w + tile_offset(next_tile, k2));
+        next_lines = k2 * std::min(kTile, blocks - next_tile * kTile);  // 64-byte lines
+      }
+      const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
+      for (int64_t r = row0, pass = 0; r < row0 + rows; r += kRows, ++pass) {
+        const int mb = static_cast<int>(std::min<int64_t>(kRows, row0 + rows - r));
+        const int64_t from = std::min(next_lines, pass * lines_per_pass);
+        const int64_t count = std::min(next_lines, from + lines_per_pass) - from;
+        kernel(mb, c.blocks)(y + r * out_stride + col, out_stride, a + r * a_stride, a_stride,
+                             b, width * 32, k2, bs ? bs + col : nullptr, cols,
+                             next_b ? next_b + from * 64 : nullptr, count, nullptr);
       }
     }
   }

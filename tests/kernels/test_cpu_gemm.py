@@ -76,6 +76,26 @@ def test_strided_rows_and_a_long_k(ops):
     _check(ops, 9, 96, 1536, bias=True, strided=True)
 
 
+def test_the_same_bits_from_any_thread_count_while_threads_take_each_others_columns(ops):
+    """7 threads on this machine's cores lose them to each other all the time, so threads that
+    finish take chunks from the back of another's share (column_shares.h): 23 blocks split
+    unevenly across tiles, three row panels. Each element still comes from one micro-kernel
+    run, so the result is bit for bit the one-thread result."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(23 * 16, 64, generator=g).bfloat16()
+    x = torch.randn(800, 64, generator=g).bfloat16()
+    packed = ops.pack_bf16(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ops.gemm_bf16(x, packed, 23 * 16, None)
+        torch.set_num_threads(7)
+        for _ in range(20):
+            assert torch.equal(ops.gemm_bf16(x, packed, 23 * 16, None), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_no_rows_is_an_empty_result(ops):
     weight = torch.randn(40, 8).bfloat16()
     out = ops.gemm_bf16(torch.empty(0, 8, dtype=torch.bfloat16), ops.pack_bf16(weight), 40, None)

@@ -54,6 +54,24 @@ def test_strided_rows_and_a_long_k(ops, rows):
     _check(ops, rows, 96, 1536, bias=True, strided=True)
 
 
+def test_the_same_bits_from_any_thread_count_while_threads_take_each_others_columns(ops):
+    """As for the bf16 GEMM: 7 threads on this machine's cores, 23 blocks."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-127, 128, (23 * 16, 64), generator=g, dtype=torch.int8)
+    scale = (torch.rand(23 * 16, generator=g) * 0.01 + 1e-3).bfloat16()
+    x = torch.randn(100, 64, generator=g).bfloat16()
+    packed = ops.pack_int8(q)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ops.gemm_int8(x, packed, scale, None)
+        torch.set_num_threads(7)
+        for _ in range(20):
+            assert torch.equal(ops.gemm_int8(x, packed, scale, None), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_no_rows_is_an_empty_result(ops):
     q = torch.ones(40, 32, dtype=torch.int8)
     out = ops.gemm_int8(torch.empty(0, 32, dtype=torch.bfloat16), ops.pack_int8(q),
