@@ -21,9 +21,9 @@ SOURCES = [os.path.join(_HERE, name)
                         "layer.cpp")]
 HEADERS = [os.path.join(_HERE, name)
            for name in ("common.h", "entry_points.h", "amx.h", "attention_avx2.h",
-                        "attention_bf16.h", "bf16_lanes.h", "column_shares.h", "elementwise_bf16.h", "gemm_amx.h",
-                        "gemm_fma.h", "gemm_int8.h", "prefill_blocks.h", "prefill_amx.h",
-                        "prefill_dot.h", "row_stream.h")]
+                        "attention_bf16.h", "bf16_lanes.h", "column_shares.h",
+                        "elementwise_bf16.h", "gemm_amx.h", "gemm_fma.h", "gemm_int8.h",
+                        "prefill_blocks.h", "prefill_amx.h", "prefill_dot.h", "row_stream.h")]
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
           # flush-to-zero for the whole process (torch included).
