@@ -286,7 +286,7 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
         # Stop accepting, let in-flight requests drain within the timeout, abort the rest.
         await site.stop()
     deadline = time.monotonic() + server.broker.shutdown_timeout
-    while server.broker.queues and time.monotonic() < deadline:
+    while server.broker.sinks and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     await server.broker.close()

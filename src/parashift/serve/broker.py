@@ -1,5 +1,5 @@
 """The async ZMQ broker inside each API server process: it owns the sockets to every engine,
-picks the engine for a request, and fans each engine's outputs back to per-request queues.
+picks the engine for a request, and fans each engine's outputs back to each request's sink.
 There is no broker process: one hop less, no single point of failure."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import itertools
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -52,7 +53,8 @@ class Broker:
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
         bind(self.outputs, output_address, bound)
-        self.queues: dict[str, asyncio.Queue] = {}
+        # request id -> where its outputs and its failure go (called in the event loop)
+        self.sinks: dict[str, Callable[[EngineCoreOutput | Exception], None]] = {}
         self.engine_of: dict[str, int] = {}
         self.ready: dict[int, p.EngineReady] = {}
         self.dead: dict[int, str] = {}
@@ -155,18 +157,17 @@ class Broker:
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_id: int | None, rank: int) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+                    eos_token_id: int | None, rank: int,
+                    sink: Callable[[EngineCoreOutput | Exception], None]) -> None:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
         try:
             self._send.send_multipart([str(rank).encode(), p.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
-        self.queues[request_id] = queue
+        self.sinks[request_id] = sink
         self.engine_of[request_id] = rank
         self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
-        return queue
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -184,7 +185,7 @@ class Broker:
                 logger.warning("could not send an abort to engine dp%d", rank)
 
     def _forget(self, request_id: str) -> int | None:
-        self.queues.pop(request_id, None)
+        self.sinks.pop(request_id, None)
         rank = self.engine_of.pop(request_id, None)
         if rank is not None:
             self.in_flight[rank] -= 1
@@ -220,18 +221,18 @@ class Broker:
                     else:
                         future.set_result(msg.result)
             elif isinstance(msg, p.RequestFailed):
-                queue = self.queues.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(RequestFailedError(msg.error, msg.status))
+                sink = self.sinks.get(msg.request_id)
+                if sink is not None:
+                    sink(RequestFailedError(msg.error, msg.status))
                     self._forget(msg.request_id)
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
-        queue = self.queues.get(out.request_id)
-        if queue is None:  # aborted on our side already
+        sink = self.sinks.get(out.request_id)
+        if sink is None:  # aborted on our side already
             return
-        queue.put_nowait(out)
+        sink(out)
         if out.finished:
             self._forget(out.request_id)
 
@@ -293,9 +294,9 @@ class Broker:
         error = EngineDeadError(f"engine dp{rank} died: {reason}")
         for req_id, r in list(self.engine_of.items()):
             if r == rank:
-                queue = self.queues.get(req_id)
-                if queue is not None:
-                    queue.put_nowait(error)
+                sink = self.sinks.get(req_id)
+                if sink is not None:
+                    sink(error)
                 self._forget(req_id)
         for future in self._calls.values():
             if not future.done():

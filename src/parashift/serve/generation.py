@@ -12,6 +12,7 @@ and the rank is gone. A stream that had sent tokens gets the engine's death as i
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -53,8 +54,7 @@ class Generation:
         self.on_failover = on_failover  # hook(outcome): "resent" or "failed", for metrics
         self.timing = Timing()
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._pumps: list[asyncio.Task] = []
-        self._attempt = 0  # items of pumps of an earlier attempt are stale
+        self._attempt = 0  # items of an earlier attempt's requests are stale
         self._shown = False  # a delta with tokens went out to the client
         self._track()
         self.engine = broker.pick_engine(rank, prompts=prompts)
@@ -90,16 +90,12 @@ class Generation:
 
     def _send_all(self) -> None:
         for sample_id, (prompt, params) in self._samples.items():
-            queue = self.broker.add_request(sample_id, prompt, params, self.eos_token_id,
-                                            self.engine)
-            self._pumps.append(asyncio.create_task(self._pump(self._attempt, sample_id, queue)))
+            self.broker.add_request(sample_id, prompt, params, self.eos_token_id, self.engine,
+                                    functools.partial(self._receive, self._attempt, sample_id))
 
-    async def _pump(self, attempt: int, child_id: str, queue: asyncio.Queue) -> None:
-        while True:
-            item = await queue.get()
-            await self._queue.put((attempt, child_id, item))
-            if isinstance(item, Exception) or item.finished:
-                return
+    def _receive(self, attempt: int, child_id: str,
+                 item: EngineCoreOutput | Exception) -> None:
+        self._queue.put_nowait((attempt, child_id, item))
 
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
@@ -117,9 +113,6 @@ class Generation:
                     self._count("failed")
                     raise error from None
                 await asyncio.sleep(0.1)
-        for task in self._pumps:
-            task.cancel()
-        self._pumps.clear()
         self._attempt += 1
         if self.timing.first_token is not None:  # tokens the client never saw: start over
             self.timing.first_token = None
@@ -188,8 +181,6 @@ class Generation:
         return delta
 
     def abort_unfinished(self) -> None:
-        for task in self._pumps:
-            task.cancel()
         pending = self.tracker.unfinished_ids()
         if pending:
             self.broker.abort(pending)
