@@ -34,7 +34,7 @@ class ColumnShares {
   // The next chunk for thread tid: its own front first, then another share's back; false
   // when every share is taken.
   bool next(int tid, ColumnChunk& chunk) {
-    if (take_front(tid, chunk)) return true;
+    if (take(tid, false, chunk)) return true;
     for (;;) {
       int victim = -1;
       int64_t most = 0;
@@ -43,7 +43,7 @@ class ColumnShares {
         if (back(v) - front(v) > most) most = back(v) - front(v), victim = t;
       }
       if (victim < 0) return false;
-      if (take_back(victim, chunk)) return true;
+      if (take(victim, true, chunk)) return true;
     }
   }
 
@@ -66,34 +66,27 @@ class ColumnShares {
     return {u / own, blk, static_cast<int>(n), more ? blk + n : -1};
   }
 
-  bool take_front(int t, ColumnChunk& chunk) {
+  // A chunk of share t: from its front (its owner) or from its back (another thread).
+  bool take(int t, bool from_back, ColumnChunk& chunk) {
     Share& s = shares_[t];
     const int64_t own = last(t) - first(t);
     uint64_t v = s.left.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t f = front(v), b = back(v);
       if (f >= b) return false;
-      const int64_t blk = first(t) + f % own;
-      const int64_t end = std::min({(blk / tile_ + 1) * tile_, last(t), blk + b - f});
-      if (s.left.compare_exchange_weak(v, pack(f + end - blk, b), std::memory_order_acq_rel)) {
-        chunk = chunk_at(t, f, end - blk, b);
-        return true;
+      int64_t u, n;  // the chunk's first unit and its length
+      if (from_back) {
+        const int64_t blk = first(t) + (b - 1) % own;
+        n = blk + 1 - std::max({blk / tile_ * tile_, first(t), blk - (b - 1 - f)});
+        u = b - n;
+      } else {
+        const int64_t blk = first(t) + f % own;
+        n = std::min({(blk / tile_ + 1) * tile_, last(t), blk + b - f}) - blk;
+        u = f;
       }
-    }
-  }
-
-  bool take_back(int t, ColumnChunk& chunk) {
-    Share& s = shares_[t];
-    const int64_t own = last(t) - first(t);
-    uint64_t v = s.left.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t f = front(v), b = back(v);
-      if (f >= b) return false;
-      const int64_t blk = first(t) + (b - 1) % own;
-      const int64_t start = std::max({blk / tile_ * tile_, first(t), blk - (b - 1 - f)});
-      const int64_t n = blk + 1 - start;
-      if (s.left.compare_exchange_weak(v, pack(f, b - n), std::memory_order_acq_rel)) {
-        chunk = chunk_at(t, b - n, n, b - n);  // a stolen chunk prefetches nothing
+      const uint64_t rest = from_back ? pack(f, u) : pack(f + n, b);
+      if (s.left.compare_exchange_weak(v, rest, std::memory_order_acq_rel)) {
+        chunk = chunk_at(t, u, n, from_back ? u : b);  // a stolen chunk prefetches nothing
         return true;
       }
     }

@@ -5,7 +5,7 @@
 // the weight at 7-15 GB/s, half the memory's speed; a decode step is that GEMM 121 times. Here
 // a register block of 6 rows x 64 columns (24 fp32 accumulators) takes each weight pair from
 // one sequential stream per tile, the rows' pairs by embedded broadcast, and the threads split
-// the columns, so each weight byte leaves memory once per call.
+// the columns (in chunks, column_shares.h), so each weight byte leaves memory once per call.
 
 #include "bf16_lanes.h"
 #include "column_shares.h"
