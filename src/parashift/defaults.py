@@ -28,13 +28,15 @@ def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None, device: str) ->
     return "float32"
 
 
-def default_max_num_batched_tokens(max_num_seqs: int, device: str) -> int:
+def default_max_num_batched_tokens(max_num_seqs: int, device: str,
+                                   whole_prompts_of: int | None = None) -> int:
     """The per-step token budget without --max-num-batched-tokens. A CPU's GEMMs are already
     compute-bound at 512 rows (a prefill token cost less in 512-token steps than in 2048-token
     ones), and smaller steps let the running requests' decode tokens ride along with more of a
     burst's prefill, which shortens its decode-only tail (docs/BENCHMARKS.md, "Prefill in
-    512-token steps on CPU")."""
-    return max(512 if device == "cpu" else 2048, max_num_seqs)
+    512-token steps on CPU"). Without chunked prefill a step must hold a whole prompt:
+    `whole_prompts_of` is then --max-model-len."""
+    return max(512 if device == "cpu" else 2048, max_num_seqs, whole_prompts_of or 0)
 
 # --routing and its prefix policy's thresholds (serve/prefix_router.py; measured with
 # `parashift bench routing`, docs/BENCHMARKS.md)

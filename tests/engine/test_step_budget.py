@@ -1,5 +1,6 @@
 """The per-step token budget's default: 512 tokens on CPU, 2048 on a GPU, never below
---max-num-seqs; an explicit --max-num-batched-tokens wins."""
+--max-num-seqs nor, without chunked prefill, --max-model-len; an explicit
+--max-num-batched-tokens wins."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def test_cpu_steps_hold_512_tokens_unless_told(tiny_llama):
     assert budget(tiny_llama, device="cpu") == 512
     assert budget(tiny_llama, device="cpu", max_num_seqs=600) == 600
     assert budget(tiny_llama, device="cpu", max_num_batched_tokens=4096) == 4096
+    # without chunked prefill a step holds a whole prompt
+    assert budget(tiny_llama, device="cpu", enable_chunked_prefill=False,
+                  max_model_len=1024) == 1024
 
 
 def test_gpu_steps_hold_2048_tokens():

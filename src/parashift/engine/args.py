@@ -74,7 +74,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
                         args.seed, args.quantization)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
-        args.max_num_seqs, device_name)
+        args.max_num_seqs, device_name,
+        None if args.enable_chunked_prefill else max_model_len)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
