@@ -42,11 +42,7 @@ void key_scores_avx2(float* scores, const float* q, const bf16* key_cache, Slot 
   alignas(32) __m256 part[kHeads][kKeys];
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int64_t tile = std::min(kKeys, n - j0);
-    for (int64_t t = 0; t < tile; ++t) {
-      rows[t] = key_cache + slot(j0 + t);
-      if (j0 + t + kKeys < n) prefetch_row(key_cache + slot(j0 + t + kKeys), row);
-    }
-    stream.read(tile);
+    gather_key_tile(rows, key_cache, slot, j0, tile, kKeys, n, row, stream);
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
         const int count = static_cast<int>(std::min<int64_t>(kHeads, group - g0));

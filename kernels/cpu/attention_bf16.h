@@ -44,11 +44,7 @@ void key_scores_bf16(float* scores, const bf16* query, const bf16* key_cache, Sl
   __m512 part[kTile];
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t tile = std::min(kTile, n - j0);
-    for (int64_t t = 0; t < tile; ++t) {
-      rows[t] = key_cache + slot(j0 + t);
-      if (j0 + t + kTile < n) prefetch_row(key_cache + slot(j0 + t + kTile), row);
-    }
-    stream.read(tile);
+    gather_key_tile(rows, key_cache, slot, j0, tile, kTile, n, row, stream);
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t offset = (hq / group) * head_dim;
       __m512i qv[NV32];  // the query head's bf16 pairs

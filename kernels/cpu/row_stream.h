@@ -79,4 +79,17 @@ class RowStream {
   int64_t seq_begin_ = 0, seq_end_ = 0;   // the stream positions of sequence seq_ - 1
 };
 
+// A key pass's next tile: rows[t] <- key row j0 + t (t < tile), the same rows one tile of
+// `width` further prefetched into L1, and the stream told that the tile is read.
+template <class T, class Slot>
+inline void gather_key_tile(const T** rows, const T* key_cache, Slot slot, int64_t j0,
+                            int64_t tile, int64_t width, int64_t n, int64_t row,
+                            RowStream<T>& stream) {
+  for (int64_t t = 0; t < tile; ++t) {
+    rows[t] = key_cache + slot(j0 + t);
+    if (j0 + t + width < n) prefetch_row(key_cache + slot(j0 + t + width), row);
+  }
+  stream.read(tile);
+}
+
 }  // namespace
