@@ -9,6 +9,7 @@ a second pass merges the splits by their log-sum-exp."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,6 +25,7 @@ def _decode_split_kernel(
     sliding_window, num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -46,16 +48,20 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_SIZE)
-    for b in range(start, end):
-        block = tl.load(block_tables_ptr + seq * block_table_stride + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        valid = (pos < seq_len) & (pos >= lo)
-        offs = (block * cache_block_stride + n[:, None] * cache_token_stride
+    # A tile is TILE_BLOCKS cache blocks: more bytes in flight per iteration than one block.
+    t = tl.arange(0, TILE_BLOCKS * BLOCK_SIZE)
+    for b0 in range(start, end, TILE_BLOCKS):
+        b = b0 + t // BLOCK_SIZE
+        in_range = b < end
+        block = tl.load(block_tables_ptr + seq * block_table_stride + b, mask=in_range,
+                        other=0).to(tl.int64)
+        pos = b * BLOCK_SIZE + t % BLOCK_SIZE
+        valid = in_range & (pos < seq_len) & (pos >= lo)
+        offs = (block[:, None] * cache_block_stride + (t % BLOCK_SIZE)[:, None] * cache_token_stride
                 + kv_head * HEAD_DIM + d[None, :])
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_SIZE]
+        k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE]
         s = tl.where(valid[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
@@ -91,6 +97,18 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, out_stride_b, out_stride
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a kernel is cut: cache blocks per key tile, warps per program, and the software
+    pipeline's stages (Triton's num_stages)."""
+    tile_blocks: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_LAUNCH = Launch()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get fp32 products (the GPU default would be TF32's 10-bit mantissa)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -107,7 +125,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                            sliding_window: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           launch: Launch = DECODE_LAUNCH) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (keys per
     sequence, the query's own included). Returns [num_seqs, num_heads, head_dim]."""
@@ -129,7 +148,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         key_cache.stride(1), sliding_window or 0, num_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(query.dtype))
+        PRECISION=dot_precision(query.dtype), TILE_BLOCKS=launch.tile_blocks,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))

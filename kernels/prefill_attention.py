@@ -8,12 +8,22 @@ up to its last query's position with an online softmax."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import dot_precision
+from .decode_attention import Launch, dot_precision
 from .online_softmax import online_softmax_step
+
+
+@dataclass(frozen=True)
+class PrefillLaunch(Launch):
+    block_m: int = 64  # query rows per program (16 when no sequence has more new tokens)
+
+
+PREFILL_LAUNCH = PrefillLaunch()
 
 
 @triton.jit
@@ -23,6 +33,7 @@ def _prefill_kernel(
     cache_block_stride, cache_token_stride, sliding_window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -46,15 +57,19 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        n = tl.arange(0, BLOCK_SIZE)
-        for b in range(lo // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
-            block = tl.load(block_tables_ptr + seq * block_table_stride + b).to(tl.int64)
-            k_pos = b * BLOCK_SIZE + n
-            offs = (block * cache_block_stride + n[:, None] * cache_token_stride
+        t = tl.arange(0, TILE_BLOCKS * BLOCK_SIZE)  # a key tile of TILE_BLOCKS cache blocks
+        end = tl.cdiv(last, BLOCK_SIZE)
+        for b0 in range(lo // BLOCK_SIZE, end, TILE_BLOCKS):
+            b = b0 + t // BLOCK_SIZE
+            block = tl.load(block_tables_ptr + seq * block_table_stride + b, mask=b < end,
+                            other=0).to(tl.int64)
+            k_pos = b * BLOCK_SIZE + t % BLOCK_SIZE
+            offs = (block[:, None] * cache_block_stride
+                    + (t % BLOCK_SIZE)[:, None] * cache_token_stride
                     + kv_head * HEAD_DIM + d[None, :])
-            kv_mask = (k_pos < seq_len)[:, None] & (d < HEAD_DIM)[None, :]
+            kv_mask = ((b < end) & (k_pos < seq_len))[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
             seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
             if sliding_window > 0:
                 seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -72,7 +87,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             max_query_len: int, scale: float,
                             sliding_window: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            launch: PrefillLaunch = PREFILL_LAUNCH) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the sequences' new tokens back to back;
     query_start_loc: [num_seqs + 1] offsets into it; seq_lens: [num_seqs] context after this
     step (cached prefix + new tokens); caches as for decode. Returns like query."""
@@ -84,7 +100,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m = 16 if max_query_len <= 16 else 64
+    block_m = 16 if max_query_len <= 16 else launch.block_m
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, scale,
@@ -92,7 +108,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         key_cache.stride(0), key_cache.stride(1), sliding_window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, PRECISION=dot_precision(query.dtype))
+        BLOCK_M=block_m, PRECISION=dot_precision(query.dtype), TILE_BLOCKS=launch.tile_blocks,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 

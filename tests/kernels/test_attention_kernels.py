@@ -8,12 +8,14 @@ import random
 import pytest
 import torch
 from parashift.kernels.decode_attention import (
+    Launch,
     num_splits_for,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
 from parashift.kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from parashift.kernels.prefill_attention import (
+    PrefillLaunch,
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
@@ -48,9 +50,11 @@ def lengths(rng: random.Random, count: int, block_size: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size,group,num_splits,window", [
-    (16, 1, 1, None), (32, 3, 1, None), (16, 8, 3, None), (32, 1, 2, 20), (16, 3, 1, 7)])
-def test_paged_decode_attention(dtype, block_size, group, num_splits, window):
+@pytest.mark.parametrize("block_size,group,num_splits,window,tile_blocks", [
+    (16, 1, 1, None, 1), (32, 3, 1, None, 4), (16, 8, 3, None, 2), (32, 1, 2, 20, 4),
+    (16, 3, 1, 7, 1), (16, 3, 2, 7, 4)])
+def test_paged_decode_attention(dtype, block_size, group, num_splits, window, tile_blocks):
+    """Key tiles of 1 to 4 cache blocks, ending past a split's or a sequence's last block."""
     rng = random.Random(block_size * 100 + group * 10 + num_splits)
     num_kv_heads = 2
     seq_lens = lengths(rng, 5, block_size)
@@ -60,7 +64,7 @@ def test_paged_decode_attention(dtype, block_size, group, num_splits, window):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM ** -0.5
     got = paged_decode_attention(query, key_cache, value_cache, table, lens, scale,
-                                 num_splits, window)
+                                 num_splits, window, launch=Launch(tile_blocks=tile_blocks))
     want = paged_decode_attention_reference(query.cpu(), key_cache.cpu(), value_cache.cpu(),
                                             table.cpu(), lens.cpu(), scale, window)
     assert (got.cpu().float() - want.float()).abs().max() < TOLERANCE[dtype]
@@ -86,9 +90,10 @@ def test_splits_fill_the_gpu_only_where_the_context_is_long():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size,group,window", [
-    (16, 1, None), (32, 3, None), (16, 8, None), (16, 3, 9)])
-def test_paged_prefill_attention_with_cached_prefixes(dtype, block_size, group, window):
+@pytest.mark.parametrize("block_size,group,window,tile_blocks", [
+    (16, 1, None, 1), (32, 3, None, 2), (16, 8, None, 4), (16, 3, 9, 4)])
+def test_paged_prefill_attention_with_cached_prefixes(dtype, block_size, group, window,
+                                                      tile_blocks):
     """Whole prompts, chunks and prefix-cache hits in one batch: a sequence's query tokens are
     its last q_len positions, and everything before them is already in the cache."""
     rng = random.Random(block_size + group)
@@ -102,14 +107,16 @@ def test_paged_prefill_attention_with_cached_prefixes(dtype, block_size, group, 
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM ** -0.5
     got = paged_prefill_attention(query, key_cache, value_cache, table, starts.to(DEVICE),
-                                  lens, max(q_lens), scale, window)
+                                  lens, max(q_lens), scale, window,
+                                  launch=PrefillLaunch(tile_blocks=tile_blocks))
     want = paged_prefill_attention_reference(query.cpu(), key_cache.cpu(), value_cache.cpu(),
                                              table.cpu(), starts, lens.cpu(), scale, window)
     assert (got.cpu().float() - want.float()).abs().max() < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("window", [None, 9])
-def test_paged_prefill_attention_over_several_query_tiles(window):
+@pytest.mark.parametrize("window,launch", [(None, PrefillLaunch()), (9, PrefillLaunch()),
+                                           (9, PrefillLaunch(tile_blocks=4, block_m=32))])
+def test_paged_prefill_attention_over_several_query_tiles(window, launch):
     """More new tokens than one tile of 64 queries, after a cached prefix: the second tile's
     keys start where its own window does, and end at its last query."""
     rng = random.Random(11)
@@ -119,7 +126,7 @@ def test_paged_prefill_attention_over_several_query_tiles(window):
     query = torch.randn(int(starts[-1]), 2, HEAD_DIM, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     got = paged_prefill_attention(query, key_cache, value_cache, table, starts.to(DEVICE),
-                                  lens, max(q_lens), 0.125, window)
+                                  lens, max(q_lens), 0.125, window, launch=launch)
     want = paged_prefill_attention_reference(query.cpu(), key_cache.cpu(), value_cache.cpu(),
                                              table.cpu(), starts, lens.cpu(), 0.125, window)
     assert (got.cpu() - want).abs().max() < TOLERANCE[torch.float32]

@@ -81,12 +81,16 @@ def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
     with torch.inference_mode():
         shared = {}
         inputs = [shared.setdefault((m.weight.shape[1], m.weight.dtype),
-                                    torch.ones(rows, m.weight.shape[1], dtype=m.weight.dtype))
+                                    torch.ones(rows, m.weight.shape[1], dtype=m.weight.dtype,
+                                               device=m.weight.device))
                   for m in gemms]
+        on_gpu = bool(gemms) and gemms[0].weight.is_cuda
         for _ in range(repeat):
             start = time.perf_counter()
             for m, x in zip(gemms, inputs, strict=True):
                 linear(x, m.weight, getattr(m, "bias", None), m.packed_weight)
+            if on_gpu:
+                torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
     return best * 1e3
 

@@ -24,6 +24,8 @@ class KernelCase:
     reference: Callable[[], Any]
     bytes_moved: int  # what the kernel must read and write at least
     tolerance: float
+    flops: int = 0  # the arithmetic it must do at least (0: a memory-bound kernel)
+    timed: Callable[[], Any] | None = None  # what is timed, where `run` adds a copy to check
 
 
 def time_cuda(fn: Callable[[], Any], reps: int) -> list[float]:
@@ -50,6 +52,14 @@ def copy_bandwidth(reps: int) -> float:
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / statistics.median(time_cuda(lambda: dst.copy_(src), reps))
+
+
+def matmul_rate(reps: int) -> float:
+    """FLOP/s of an 8192 x 8192 x 8192 bf16 matrix product on random data."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    return 2 * 8192**3 / statistics.median(time_cuda(lambda: a @ b, reps))
 
 
 def cases(batch: int, context: int) -> list[KernelCase]:
@@ -98,7 +108,9 @@ def cases(batch: int, context: int) -> list[KernelCase]:
                                            new, head_dim**-0.5),
         lambda: pa.paged_prefill_attention_reference(pq, key_cache, value_cache, ptable,
                                                      starts, plens, head_dim**-0.5),
-        2 * pq.numel() * 2 + 2 * num_seqs * (new + cached) * kv_heads * head_dim * 2, 2e-2))
+        2 * pq.numel() * 2 + 2 * num_seqs * (new + cached) * kv_heads * head_dim * 2, 2e-2,
+        # q.k and p.v for every (query, key) pair the causal mask lets through
+        flops=4 * heads * head_dim * num_seqs * sum(cached + i + 1 for i in range(new))))
     tokens = 8192
     k_new = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=dev)
     v_new = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=dev)
@@ -110,7 +122,8 @@ def cases(batch: int, context: int) -> list[KernelCase]:
         or torch.stack([key_cache, value_cache]),
         lambda: kw.write_kv_cache_reference(k_new, v_new, kc, vc, slots)
         or torch.stack([kc, vc]),
-        4 * k_new.numel() * 2, 0.0))
+        4 * k_new.numel() * 2, 0.0,
+        timed=lambda: kw.write_kv_cache(k_new, v_new, key_cache, value_cache, slots)))
     hidden = 4096
     x, res = torch.randn(tokens, hidden, dtype=dt, device=dev), torch.randn(
         tokens, hidden, dtype=dt, device=dev)
@@ -140,7 +153,8 @@ def cases(batch: int, context: int) -> list[KernelCase]:
         f"{h}x{inter}, top-2",
         lambda: fm.fused_moe(mx, w13, w2, tw, ti),
         lambda: fm.fused_moe_reference(mx, w13, w2, tw, ti),
-        (w13.numel() + w2.numel()) * 2, 5e-2))
+        (w13.numel() + w2.numel()) * 2, 5e-2,
+        flops=2 * moe_tokens * 2 * (w13[0].numel() + w2[0].numel())))
     return out
 
 
@@ -148,35 +162,48 @@ def kernels(
     batch: Annotated[int, typer.Option(help="decode sequences")] = 64,
     context: Annotated[int, typer.Option(help="decode context length")] = 2048,
     reps: Annotated[int, typer.Option(help="timed calls per kernel; the median is kept")] = 20,
+    sweep: Annotated[bool, typer.Option(
+        help="also time the attention kernels over their launch configurations")] = False,
     save_json: SaveJson = None,
 ) -> None:
-    """Each Triton kernel against its reference on the GPU, timed against the bandwidth
-    floor."""
+    """Each Triton kernel against its reference on the GPU, timed against its floor: the
+    bytes it must move over the copy bandwidth, or its FLOPs over the bf16 matrix rate,
+    whichever is longer (both measured in the same run)."""
     setup_logging()
     import torch
 
     if not torch.cuda.is_available():
         fail("bench kernels needs a CUDA GPU: on CPU the kernels run only under Triton's "
              "interpreter, which times nothing real (tests/kernels checks them there)")
-    bandwidth = copy_bandwidth(reps)
+    bandwidth, rate = copy_bandwidth(reps), matmul_rate(reps)
     rows = []
-    typer.echo(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    typer.echo(f"{'kernel':<38}{'shape':<52}{'max err':>9}{'us':>9}{'floor us':>10}{'% floor':>9}")
+    typer.echo(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+               f"bf16 matrix product {rate / 1e12:.0f} TFLOP/s")
+    typer.echo(f"{'kernel':<38}{'shape':<52}{'max err':>9}{'us':>9}{'floor us':>10}"
+               f"{'% floor':>9}  bound")
     for case in cases(batch, context):
         got, want = case.run(), case.reference()
         err = float((got.float() - want.float()).abs().max())
-        seconds = statistics.median(time_cuda(case.run, reps))
-        floor = case.bytes_moved / bandwidth
+        seconds = statistics.median(time_cuda(case.timed or case.run, reps))
+        floor = max(case.bytes_moved / bandwidth, case.flops / rate)
+        bound = "compute" if case.flops / rate > case.bytes_moved / bandwidth else "memory"
         ok = err <= case.tolerance
         rows.append({"kernel": case.name, "shape": case.shape, "max_error": err, "ok": ok,
-                     "seconds": seconds, "floor_seconds": floor,
+                     "seconds": seconds, "floor_seconds": floor, "bound": bound,
                      "fraction_of_floor": floor / seconds})
         typer.echo(f"{case.name:<38}{case.shape:<52}{err:>9.1e}{seconds * 1e6:>9.1f}"
-                   f"{floor * 1e6:>10.1f}{100 * floor / seconds:>8.0f}%{'' if ok else '  FAIL'}")
+                   f"{floor * 1e6:>10.1f}{100 * floor / seconds:>8.0f}%  {bound}"
+                   f"{'' if ok else '  FAIL'}")
+    swept = None
+    if sweep:
+        from parashift.bench.kernel_sweep import run_sweep
+
+        swept = run_sweep(reps)
     if save_json:
         from parashift.bench.report import save_json as write
 
         write(save_json, "bench kernels", {"batch": batch, "context": context, "reps": reps},
-              {"copy_bandwidth": bandwidth, "kernels": rows})
+              {"copy_bandwidth": bandwidth, "matmul_rate": rate, "kernels": rows,
+               "sweep": swept})
     if not all(r["ok"] for r in rows):
         raise typer.Exit(1)
