@@ -106,7 +106,14 @@ class Launch:
     num_stages: int = 3
 
 
-DECODE_LAUNCH = Launch()
+def decode_launch(blocks_per_seq: int, num_splits: int) -> Launch:
+    """Tiles of 4 blocks where a program walks many blocks, else 2, both with 2 pipeline
+    stages: chosen with `parashift bench kernels --sweep` on an H200 (docs/BENCHMARKS.md).
+    Against one block a tile and 3 stages, tiles of 4 ran 1.38x at batch 64 x 2k context (128
+    blocks a program) and 1.56x at 16 x 8k in 3 splits, but 0.88x at batch 1 x 4k in 33 splits
+    (8 blocks a program), where tiles of 2 ran 1.19x (and 1.21x at 128 x 1k)."""
+    many = -(-blocks_per_seq // num_splits) >= 96
+    return Launch(tile_blocks=4 if many else 2, num_warps=4, num_stages=2)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -126,7 +133,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                            sliding_window: int | None = None,
                            out: torch.Tensor | None = None,
-                           launch: Launch = DECODE_LAUNCH) -> torch.Tensor:
+                           launch: Launch | None = None) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (keys per
     sequence, the query's own included). Returns [num_seqs, num_heads, head_dim]."""
@@ -138,6 +145,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    launch = launch or decode_launch(block_tables.shape[1], num_splits)
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                           device=query.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)

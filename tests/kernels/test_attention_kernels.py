@@ -9,6 +9,7 @@ import pytest
 import torch
 from parashift.kernels.decode_attention import (
     Launch,
+    decode_launch,
     num_splits_for,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -87,6 +88,12 @@ def test_splits_fill_the_gpu_only_where_the_context_is_long():
     assert num_splits_for(64, 8, 2048, 16) == 1
     assert num_splits_for(1, 2, 2048, 16) == 32
     assert num_splits_for(1, 2, 40, 16) == 1
+
+
+def test_key_tiles_of_4_blocks_only_where_a_program_walks_many():
+    assert decode_launch(128, 1).tile_blocks == 4  # batch 64 x 2k context: one split
+    assert decode_launch(256, 33).tile_blocks == 2  # batch 1 x 4k: 8 blocks a split
+    assert decode_launch(64, 1).tile_blocks == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

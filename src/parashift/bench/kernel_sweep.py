@@ -83,12 +83,13 @@ def sweep_decode(shapes: list[tuple[int, int]], reps: int) -> list[SweepRow]:
         want = da.paged_decode_attention_reference(q, key_cache, value_cache, tables[0], lens,
                                                    HEAD_DIM**-0.5).float()
         shape = f"batch {batch}, context {context}, {splits} splits"
-        for launch in [da.DECODE_LAUNCH] + [x for x in launches if x != da.DECODE_LAUNCH]:
+        default = da.decode_launch(blocks_per_seq, splits)
+        for launch in [default] + [x for x in launches if x != default]:
             calls = [partial(da.paged_decode_attention, q, key_cache, value_cache, t, lens,
                              HEAD_DIM**-0.5, splits, launch=launch) for t in tables]
             err = float((calls[0]().float() - want).abs().max())
             rows.append(SweepRow("paged decode attention", shape, asdict(launch),
-                                 _time_rotating(calls, reps), err, launch == da.DECODE_LAUNCH))
+                                 _time_rotating(calls, reps), err, launch == default))
     return rows
 
 
