@@ -4,7 +4,9 @@ read through the block table.
 One program per (sequence, kv head, split): the query heads that share the kv head (GQA) are
 the rows of one tile, so each key/value block is read once for its whole group. A long context
 is cut into `num_splits` ranges of blocks (split-K) so that a small batch still fills the GPU;
-a second pass merges the splits by their log-sum-exp."""
+a second pass merges the splits by their log-sum-exp. The split count is a run-time argument:
+as contexts grow and batches change, the engine's split counts vary step by step, and each
+compile-time value would be one more JIT compile in the middle of serving."""
 
 from __future__ import annotations
 
@@ -22,10 +24,9 @@ from .online_softmax import online_softmax_step
 def _decode_split_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale, q_stride_b, q_stride_h, block_table_stride, cache_block_stride, cache_token_stride,
-    sliding_window, num_heads,
+    sliding_window, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    TILE_BLOCKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -35,7 +36,7 @@ def _decode_split_kernel(
     lo = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
     first_block = lo // BLOCK_SIZE
     num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks - first_block, NUM_SPLITS)
+    per_split = tl.cdiv(num_blocks - first_block, num_splits)
     start = first_block + split * per_split
     end = tl.minimum(start + per_split, num_blocks)
 
@@ -71,26 +72,26 @@ def _decode_split_kernel(
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    row = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+    row = (seq * num_heads + heads) * num_splits + split  # [BLOCK_G]
     tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
     tl.store(lse_ptr + row, lse, mask=g < GROUP)
 
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, out_stride_b, out_stride_h, num_heads,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                         num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row = (seq * num_heads + head) * NUM_SPLITS + s
-    lse = tl.load(lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    row = (seq * num_heads + head) * num_splits + s
+    lse = tl.load(lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: the output is zero
     weight = tl.exp(lse - top)
     partial = tl.load(partial_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                      mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+                      mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + d,
@@ -153,14 +154,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, partial, lse, scale,
         query.stride(0), query.stride(1), block_tables.stride(0), key_cache.stride(0),
-        key_cache.stride(1), sliding_window or 0, num_heads,
+        key_cache.stride(1), sliding_window or 0, num_heads, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(query.dtype), TILE_BLOCKS=launch.tile_blocks,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, PRECISION=dot_precision(query.dtype),
+        TILE_BLOCKS=launch.tile_blocks, num_warps=launch.num_warps, num_stages=launch.num_stages)
     _merge_splits_kernel[(num_seqs, num_heads)](
-        partial, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+        partial, lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
     return out
 
 
