@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import make_tokenizer  # tests/conftest.py
 
-from parashift.engine.detokenizer import IncrementalDetokenizer
+from parashift.engine.detokenizer import IncrementalDetokenizer, decoder
 from parashift.types.outputs import EngineCoreOutput
 
 TOKENIZER = make_tokenizer()
@@ -55,3 +55,23 @@ def test_finish_flushes_what_was_held_back():
     assert d.apply(out("say ST")).text == "say"
     end = d.apply(out("", finish_reason="length"))
     assert (end.text, end.finish_reason, end.abort) == (" ST", "length", False)
+
+
+def test_the_direct_decode_gives_what_the_tokenizer_decode_gives(smollm2_path):
+    """SmolLM2's tokenizer is asked through `tokenizers` directly (no clean-up of spaces): the
+    same text token by token as through transformers' decode, special tokens and multi-byte
+    characters included; a tokenizer that cleans up spaces keeps its own decode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    assert tok.clean_up_tokenization_spaces is False
+    text = ("Hello, world! Ça coûte 5 € — 日本語のテキスト 🙂.\n  def f(x):\n\treturn x "
+            "<|im_end|> après")
+    token_ids = tok.encode(text)
+    for skip in (True, False):
+        fast = IncrementalDetokenizer(tok, token_ids[:3], skip, [], False)
+        fast.update(token_ids[3:])
+        assert fast.take(finished=True) == tok.decode(token_ids[3:], skip_special_tokens=skip)
+        assert decoder(tok, skip).func == tok._tokenizer.decode
+    tok.clean_up_tokenization_spaces = True
+    assert decoder(tok, True).func == tok.decode

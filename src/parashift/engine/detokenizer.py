@@ -4,6 +4,8 @@ For streaming, `take` hands out only text that no stop string can still claim.""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +20,21 @@ class DetokenizedDelta:
     abort: bool  # a stop string ended the sample before the engine did: abort it there
 
 
+def decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text. A transformers tokenizer backed by `tokenizers` whose decode adds nothing
+    (no clean-up of spaces) is asked directly: its decode wraps the same call in ~4 us of
+    Python, twice per token here (6.0 against 2.3 us a token on SmolLM2's tokenizer)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and \
+            getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
                  stop: list[str], include_stop_str_in_output: bool):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self._decode = decoder(tokenizer, skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         # Decoding restarts a few tokens back so a token's leading space/merge is right.
@@ -33,9 +45,6 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
         self.emitted = 0  # characters handed out by `take`
         self.holdback = max((len(s) for s in stop), default=1) - 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> None:
         """Append tokens (ignored once a stop string has ended the output)."""
