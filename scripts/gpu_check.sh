@@ -21,6 +21,9 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep
 fi
 mkdir -p "$out"
 commit="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+# A device call carries the work tree with the .git of wherever the session began: say so
+# when the tree is not that commit (`unknown` needs GPU_CHECK_COMMIT).
+[ -z "${GPU_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null && commit="$commit+changes"
 num_gpus=$(nvidia-smi -L | grep -c '^GPU')
 echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s)," \
      "$("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tail -1)"
