@@ -25,8 +25,9 @@ commit="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unk
 # when the tree is not that commit (`unknown` needs GPU_CHECK_COMMIT).
 [ -z "${GPU_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null && commit="$commit+changes"
 num_gpus=$(nvidia-smi -L | grep -c '^GPU')
-echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s)," \
-     "$("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tail -1)"
+versions=$("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton",
+                                                  triton.__version__)' 2>&1 | tail -1)
+echo "gpu_check: commit $commit, $(nvidia-smi -L | head -1), $num_gpus GPU(s), $versions"
 
 # Install: parashift itself without its pins (the machine's torch and triton stand), and any
 # wheels carried in .whl for what the image lacks.
@@ -103,18 +104,18 @@ random_model=$(random_05b) ||
     { echo "gpu_check: could not make the random 0.5 B Llama" >&2; exit 3; }
 for mode in eager graphs; do
     flag=(); [ "$mode" = eager ] && flag=(--enforce-eager)
-    step "smollm2-throughput-$mode" "${bench[@]}" throughput ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
-        --num-prompts 256 --input-len 128 --output-len 128 ${flag[@]+"${flag[@]}"} \
-        --save-json "$out/smollm2-$mode.json"
+    step "smollm2-throughput-$mode" "${bench[@]}" throughput ${smollm2[@]+"${smollm2[@]}"} \
+        --dtype bfloat16 --num-prompts 256 --input-len 128 --output-len 128 \
+        ${flag[@]+"${flag[@]}"} --save-json "$out/smollm2-$mode.json"
     # TPOT = (latency of 128 output tokens - latency of 1) / 127: the prefill cancels out
     for n in 1 128; do
-        step "smollm2-latency$n-$mode" "${bench[@]}" latency ${smollm2[@]+"${smollm2[@]}"} --dtype bfloat16 \
-            --batch-size 1 --input-len 32 --output-len $n --iters 5 ${flag[@]+"${flag[@]}"} \
-            --save-json "$out/smollm2-latency$n-$mode.json"
+        step "smollm2-latency$n-$mode" "${bench[@]}" latency ${smollm2[@]+"${smollm2[@]}"} \
+            --dtype bfloat16 --batch-size 1 --input-len 32 --output-len $n --iters 5 \
+            ${flag[@]+"${flag[@]}"} --save-json "$out/smollm2-latency$n-$mode.json"
     done
     step "llama0.5b-throughput-$mode" "${bench[@]}" throughput "$random_model" --dtype bfloat16 \
-        --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 ${flag[@]+"${flag[@]}"} \
-        --save-json "$out/llama0.5b-$mode.json"
+        --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 \
+        ${flag[@]+"${flag[@]}"} --save-json "$out/llama0.5b-$mode.json"
 done
 if [ "$num_gpus" -gt 1 ]; then  # the 0.5 B Llama: SmolLM2's 9 heads do not split over tp2
     for strategy in dp2 tp2; do

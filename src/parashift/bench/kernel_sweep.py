@@ -63,70 +63,76 @@ def _time_rotating(calls: list, reps: int) -> float:
     return statistics.median(time_cuda(one, reps))
 
 
-def sweep_decode(shapes: list[tuple[int, int]], reps: int) -> list[SweepRow]:
+def _time_launches(kernel: str, shape: str, default, launches: list, run, tables: list,
+                   want, reps: int) -> list[SweepRow]:
+    """run(table, launch) -> the kernel's output; the default launch first, then the rest."""
+    rows = []
+    for launch in [default] + [x for x in launches if x != default]:
+        calls = [partial(run, table, launch) for table in tables]
+        err = float((calls[0]().float() - want).abs().max())
+        rows.append(SweepRow(kernel, shape, asdict(launch), _time_rotating(calls, reps), err,
+                             launch == default))
+    return rows
+
+
+def sweep_decode(batch: int, context: int, reps: int) -> list[SweepRow]:
     import torch
 
     from parashift.kernels import decode_attention as da
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks_per_seq = -(-context // BLOCK)
+    count = _rotations(2 * batch * context * KV_HEADS * HEAD_DIM * 2)
+    key_cache, value_cache = _caches(count * batch * blocks_per_seq)
+    tables = _tables(count, batch, blocks_per_seq, key_cache.shape[0])
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    splits = da.num_splits_for(batch, KV_HEADS, context, BLOCK, sms)
+    want = da.paged_decode_attention_reference(q, key_cache, value_cache, tables[0], lens,
+                                               HEAD_DIM**-0.5).float()
+
+    def run(table, launch):
+        return da.paged_decode_attention(q, key_cache, value_cache, table, lens, HEAD_DIM**-0.5,
+                                         splits, launch=launch)
+
     launches = [da.Launch(t, w, s) for t, w, s in itertools.product((1, 2, 4, 8), (4, 8), (2, 3))]
-    rows = []
-    for batch, context in shapes:
-        blocks_per_seq = -(-context // BLOCK)
-        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-        count = _rotations(kv_bytes)
-        key_cache, value_cache = _caches(count * batch * blocks_per_seq)
-        tables = _tables(count, batch, blocks_per_seq, key_cache.shape[0])
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        splits = da.num_splits_for(batch, KV_HEADS, context, BLOCK, sms)
-        want = da.paged_decode_attention_reference(q, key_cache, value_cache, tables[0], lens,
-                                                   HEAD_DIM**-0.5).float()
-        shape = f"batch {batch}, context {context}, {splits} splits"
-        default = da.decode_launch(blocks_per_seq, splits)
-        for launch in [default] + [x for x in launches if x != default]:
-            calls = [partial(da.paged_decode_attention, q, key_cache, value_cache, t, lens,
-                             HEAD_DIM**-0.5, splits, launch=launch) for t in tables]
-            err = float((calls[0]().float() - want).abs().max())
-            rows.append(SweepRow("paged decode attention", shape, asdict(launch),
-                                 _time_rotating(calls, reps), err, launch == default))
-    return rows
+    return _time_launches("paged decode attention",
+                          f"batch {batch}, context {context}, {splits} splits",
+                          da.decode_launch(blocks_per_seq, splits), launches, run, tables, want,
+                          reps)
 
 
-def sweep_prefill(shapes: list[tuple[int, int, int]], reps: int) -> list[SweepRow]:
+def sweep_prefill(num_seqs: int, cached: int, new: int, reps: int) -> list[SweepRow]:
     import torch
 
     from parashift.kernels import prefill_attention as pa
 
+    blocks_per_seq = -(-(cached + new) // BLOCK)
+    count = _rotations(2 * num_seqs * (cached + new) * KV_HEADS * HEAD_DIM * 2)
+    key_cache, value_cache = _caches(count * num_seqs * blocks_per_seq)
+    tables = _tables(count, num_seqs, blocks_per_seq, key_cache.shape[0])
+    q = torch.randn(num_seqs * new, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    starts = torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32, device="cuda")
+    lens = torch.full((num_seqs,), cached + new, dtype=torch.int32, device="cuda")
+    want = pa.paged_prefill_attention_reference(q, key_cache, value_cache, tables[0], starts,
+                                                lens, HEAD_DIM**-0.5).float()
+
+    def run(table, launch):
+        return pa.paged_prefill_attention(q, key_cache, value_cache, table, starts, lens, new,
+                                          HEAD_DIM**-0.5, launch=launch)
+
     launches = [pa.PrefillLaunch(t, w, s, m) for t, w, s, m in
                 itertools.product((1, 2, 4), (4, 8), (2, 3), (64, 128))]
-    rows = []
-    for num_seqs, cached, new in shapes:
-        blocks_per_seq = -(-(cached + new) // BLOCK)
-        count = _rotations(2 * num_seqs * (cached + new) * KV_HEADS * HEAD_DIM * 2)
-        key_cache, value_cache = _caches(count * num_seqs * blocks_per_seq)
-        tables = _tables(count, num_seqs, blocks_per_seq, key_cache.shape[0])
-        q = torch.randn(num_seqs * new, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        starts = torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32, device="cuda")
-        lens = torch.full((num_seqs,), cached + new, dtype=torch.int32, device="cuda")
-        want = pa.paged_prefill_attention_reference(q, key_cache, value_cache, tables[0],
-                                                    starts, lens, HEAD_DIM**-0.5).float()
-        shape = f"{num_seqs} x ({cached} cached + {new} new)"
-        for launch in [pa.PREFILL_LAUNCH] + [x for x in launches if x != pa.PREFILL_LAUNCH]:
-            calls = [partial(pa.paged_prefill_attention, q, key_cache, value_cache, t, starts,
-                             lens, new, HEAD_DIM**-0.5, launch=launch) for t in tables]
-            err = float((calls[0]().float() - want).abs().max())
-            rows.append(SweepRow("varlen prefill attention", shape, asdict(launch),
-                                 _time_rotating(calls, reps), err, launch == pa.PREFILL_LAUNCH))
-    return rows
+    return _time_launches("varlen prefill attention", f"{num_seqs} x ({cached} cached + {new} new)",
+                          pa.PREFILL_LAUNCH, launches, run, tables, want, reps)
 
 
 def run_sweep(reps: int, tolerance: float = 2e-2) -> dict[str, Any]:
     rows = []
     for shape_rows in itertools.chain(
-            (sweep_decode([shape], reps) for shape in ((64, 2048), (128, 1024), (16, 8192),
-                                                       (1, 4096))),
-            (sweep_prefill([shape], reps) for shape in ((4, 512, 512), (1, 0, 2048)))):
+            (sweep_decode(*shape, reps) for shape in ((64, 2048), (128, 1024), (16, 8192),
+                                                      (1, 4096))),
+            (sweep_prefill(*shape, reps) for shape in ((4, 512, 512), (1, 0, 2048)))):
         rows += shape_rows
         default = next(r for r in shape_rows if r.default)
         ranked = sorted((r for r in shape_rows if r.max_error <= tolerance),
