@@ -1,14 +1,15 @@
-"""`parashift bench throughput --roofline`: the best GEMM rate torch reaches on this device
-for the model's own GEMM shapes, and a throughput as a fraction of it (2 x parameters x
-tokens/s, the forward pass's multiply-adds)."""
+"""`parashift bench throughput --roofline`: the best GEMM rate reached on this device for the
+model's own GEMM shapes, by any path the engine may take there (on CPU: torch's, MKL's,
+oneDNN's and our own kernel, bf16 or widened to fp32), and a throughput as a fraction of it
+(2 x parameters x tokens/s, the forward pass's multiply-adds)."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 ROOFLINE_M = (256, 1024, 2048)  # rows: the tokens of a prefill chunk or a large batch
 
@@ -38,29 +39,35 @@ def time_op(fn, device: torch.device, min_time: float = 0.1, trials: int = 5) ->
     return best
 
 
+def gemm_paths(device: torch.device) -> list[str]:
+    """The paths a bf16 weight's GEMM may take on `device` (layers/gemm_paths.py)."""
+    from parashift.layers.gemm_paths import candidates
+
+    return candidates(torch.bfloat16) if device.type == "cpu" else ["linear"]
+
+
 def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: int
                      ) -> dict[str, Any]:
-    """GEMMs of M x K=hidden x N in {intermediate, hidden} on bf16 operands, plain and
-    widened to fp32 (the faster path on CPUs without bf16 dot products); the best rate."""
+    """GEMMs of M x K=hidden x N in {intermediate, hidden} on bf16 operands, by every path of
+    `gemm_paths`: the best rate. A ceiling below a path the engine takes would flatter it."""
+    from parashift.layers.gemm import linear
+    from parashift.layers.gemm_paths import prepare
+
     g = torch.Generator().manual_seed(0)
     k, rows = hidden_size, []
     for m in ROOFLINE_M:
         for n in (intermediate_size, hidden_size):
             x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
             w = torch.randn(n, k, generator=g).to(device, torch.bfloat16)
-            variants = {
-                "bf16": lambda x=x, w=w: F.linear(x, w),
-                "bf16_via_fp32": lambda x=x, w=w: F.linear(x.float(), w.float()).to(
-                    torch.bfloat16),
-            }
-            for name, fn in variants.items():
+            for path in gemm_paths(device):
                 with torch.inference_mode():
-                    seconds = time_op(fn, device)
-                rows.append({"variant": name, "M": m, "K": k, "N": n, "seconds": seconds,
+                    weight, packed = prepare(w, path)
+                    seconds = time_op(partial(linear, x, weight, None, packed), device)
+                rows.append({"path": path, "M": m, "K": k, "N": n, "seconds": seconds,
                              "gflops": 2.0 * m * n * k / seconds / 1e9})
     best = max(rows, key=lambda r: r["gflops"])
     return {"shapes": rows, "best_gflops": best["gflops"],
-            "best": {key: best[key] for key in ("variant", "M", "K", "N")}}
+            "best": {key: best[key] for key in ("path", "M", "K", "N")}}
 
 
 def count_params(hf_config: Any) -> int:

@@ -157,7 +157,7 @@ def _table(rates: dict[str, dict], labels: dict[str, str], with_min: bool,
         lines.append(line)
     if roof:
         b = roof["best"]
-        lines.append(f"roofline: {roof['best_gflops']:.1f} GFLOP/s ({b['variant']} GEMM "
+        lines.append(f"roofline: {roof['best_gflops']:.1f} GFLOP/s ({b['path']} GEMM "
                      f"{b['M']}x{b['K']}x{b['N']}); model {results['num_params'] / 1e6:.1f} M "
                      "parameters")
     return "\n".join(lines)
