@@ -3,6 +3,9 @@ so that the planner answers without loading torch."""
 
 from __future__ import annotations
 
+import functools
+import re
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # KV budget of a CPU worker without --kv-cache-memory
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128
@@ -15,9 +18,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None, device: str) -> str:
-    """`auto` keeps the checkpoint's half precision on GPU; on CPU it uses bfloat16 for half
-    checkpoints (float16 matmuls are slow on CPUs) and float32 otherwise (a GGUF is
-    dequantized to float32)."""
+    """`auto` keeps the checkpoint's half precision on GPU. On CPU it uses bfloat16 for half
+    checkpoints (float16 matmuls are slow on CPUs), and for float32 ones (a GGUF is dequantized
+    to float32) where the CPU multiplies bf16 natively, as vLLM's CPU backend casts them (on
+    every x86); elsewhere float32."""
     if dtype != "auto":
         name = DTYPE_ALIASES.get(dtype, dtype)
         if name not in DTYPE_BYTES:
@@ -25,7 +29,23 @@ def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None, device: str) ->
         return name
     if checkpoint_dtype in ("float16", "bfloat16"):
         return checkpoint_dtype if device != "cpu" else "bfloat16"
-    return "float32"
+    return "bfloat16" if device == "cpu" and cpu_multiplies_bf16() else "float32"
+
+
+# /proc/cpuinfo flags of x86's bf16 dot products (AVX512-BF16, AMX): with them a bf16 model
+# outran float32 2.2-2.7x in its GEMMs on a Zen 4 (docs/BENCHMARKS.md). Without them bf16 gained
+# little or nothing (AVX2: even, by emulation); Arm's BF16 is unmeasured.
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo) as f:
+            m = re.search(r"^flags\s*:\s*(.+)$", f.read(), re.MULTILINE)
+    except OSError:
+        return False
+    return m is not None and any(flag in m.group(1).split() for flag in BF16_DOT_FLAGS)
 
 
 def default_max_num_batched_tokens(max_num_seqs: int, device: str,

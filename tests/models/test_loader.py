@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from parashift import LLM, SamplingParams
+from parashift import LLM, SamplingParams, defaults
+from parashift.defaults import cpu_multiplies_bf16
 from parashift.layers.weights import safetensors_files
 from parashift.models import gguf
 from parashift.models.loader import resolve_model_path
@@ -34,8 +35,10 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_llama, tmp_path):
 @pytest.mark.parametrize("dtype,expected", [("float32", torch.float32),
                                             ("bfloat16", torch.bfloat16),
                                             ("float16", torch.float16),
-                                            ("auto", torch.float32)])
+                                            ("auto", None)])
 def test_dtype_choice(tiny_llama, dtype, expected):
+    if expected is None:  # the tiny model is a float32 checkpoint
+        expected = torch.bfloat16 if cpu_multiplies_bf16() else torch.float32
     llm = LLM(tiny_llama, dtype=dtype)
     assert llm.config.model.dtype == expected
     kv = llm.engine.executor.worker.model.attention_layers[0].kv_cache[0]
@@ -43,6 +46,25 @@ def test_dtype_choice(tiny_llama, dtype, expected):
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4,
                                                        ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_auto_casts_a_float32_checkpoint_to_bf16_where_the_cpu_multiplies_bf16(
+        tmp_path, monkeypatch):
+    zen4, zen3 = tmp_path / "zen4", tmp_path / "zen3"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    zen3.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert defaults.cpu_multiplies_bf16(str(zen4))
+    assert not defaults.cpu_multiplies_bf16(str(zen3))
+    assert not defaults.cpu_multiplies_bf16(str(tmp_path / "no-cpuinfo"))
+    reads = defaults.cpu_multiplies_bf16.__wrapped__  # uncached
+    for cpuinfo, float32_auto in ((zen4, "bfloat16"), (zen3, "float32")):
+        monkeypatch.setattr(defaults, "cpu_multiplies_bf16", lambda c=str(cpuinfo): reads(c))
+        assert defaults.resolve_dtype_name("auto", "float32", "cpu") == float32_auto
+        assert defaults.resolve_dtype_name("auto", None, "cpu") == float32_auto  # a GGUF
+        assert defaults.resolve_dtype_name("auto", "float16", "cpu") == "bfloat16"
+        assert defaults.resolve_dtype_name("auto", "float32", "cuda") == "float32"
+        assert defaults.resolve_dtype_name("auto", "float16", "cuda") == "float16"
+        assert defaults.resolve_dtype_name("fp32", "float32", "cpu") == "float32"
 
 
 def test_unknown_dtype_is_rejected(tiny_llama):

@@ -3,6 +3,9 @@ from --strategy and vLLM's explicit size flags, the model, dtype and limits."""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from parashift import env
@@ -23,6 +26,14 @@ from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.pipeline import parse_partition
 from parashift.strategies.spec import StrategySpec
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache  # once a process: configs are built more than once
+def _say_auto_bf16(path: str) -> None:
+    logger.info("--dtype auto: bfloat16 for the float32 checkpoint %s, as this CPU multiplies "
+                "bf16 natively (--dtype float32 keeps float32)", path)
 
 
 def strategy_spec(args: EngineArgs) -> StrategySpec:
@@ -67,6 +78,9 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
     dtype = resolve_dtype(args.dtype, checkpoint_dtype, device_name)
+    if args.dtype == "auto" and dtype == torch.bfloat16 and checkpoint_dtype not in (
+            torch.float16, torch.bfloat16):
+        _say_auto_bf16(path)
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
         args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
