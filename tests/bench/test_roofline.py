@@ -18,4 +18,3 @@ def test_the_ceiling_times_every_path_the_engine_may_take(monkeypatch):
     best = max(result["shapes"], key=lambda r: r["gflops"])
     assert result["best_gflops"] == best["gflops"]
     assert result["best"] == {k: best[k] for k in ("path", "M", "K", "N")}
-
