@@ -62,7 +62,9 @@ def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: 
             for path in gemm_paths(device):
                 with torch.inference_mode():
                     weight, packed = prepare(w, path)
-                    seconds = time_op(partial(linear, x, weight, None, packed), device)
+                    # best of 3 x 50 ms: a GEMM of these shapes is stable, and there are many
+                    seconds = time_op(partial(linear, x, weight, None, packed), device,
+                                      min_time=0.05, trials=3)
                 rows.append({"path": path, "M": m, "K": k, "N": n, "seconds": seconds,
                              "gflops": 2.0 * m * n * k / seconds / 1e9})
     best = max(rows, key=lambda r: r["gflops"])
