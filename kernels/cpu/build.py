@@ -1,5 +1,5 @@
 """Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `prefill_attention.cpp`,
-`gemm.cpp`, `layer.cpp` and their headers) into one library for the CPU at hand.
+`gemm.cpp`, `layer.cpp`, `sampling.cpp` and their headers) into one library for the CPU at hand.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native (-mcpu=native on
 ARM), cached per source, compiler flags and CPU (model name and instruction-set flags), so a
@@ -18,7 +18,7 @@ import subprocess
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)
            for name in ("elementwise.cpp", "attention.cpp", "prefill_attention.cpp", "gemm.cpp",
-                        "layer.cpp")]
+                        "layer.cpp", "sampling.cpp")]
 HEADERS = [os.path.join(_HERE, name)
            for name in ("common.h", "entry_points.h", "amx.h", "attention_avx2.h",
                         "attention_bf16.h", "bf16_lanes.h", "column_shares.h",

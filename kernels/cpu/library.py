@@ -97,6 +97,8 @@ class CpuOps:
             "parashift_rotary": [c_int, ptr, i64, ptr, ptr, i64, i64, i64, c_int],
             "parashift_silu_and_mul": [c_int, ptr, ptr, i64, i64, i64, c_int],
             "parashift_argmax_rows": [c_int, ptr, ptr, i64, i64, c_int],
+            "parashift_sample_rows": [c_int, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                      c_int],
             "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, c_int],
             "parashift_paged_decode_attention": [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
@@ -227,6 +229,29 @@ class CpuOps:
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.parashift_argmax_rows(_DTYPES[x.dtype], out.data_ptr(), x.data_ptr(), rows,
                                         cols, torch.get_num_threads())
+        return out
+
+    @_profiled
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+               top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits (rows strided, vocab contiguous) -> [rows] int64 token ids:
+        temperature (float32, 0: greedy), top_k (int64, 0: off), top_p (float32, 1: off), min_p
+        (float32, 0: off), one uniform in [0, 1) per row (float64); the filters may be None."""
+        rows, vocab = logits.shape
+        if logits.stride(1) != 1 or logits.stride(0) < vocab:
+            raise ValueError(f"logits rows must be contiguous, not strides {logits.stride()}")
+        columns = ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32),
+                   (min_p, torch.float32), (uniforms, torch.float64))
+        for column, dtype in columns:
+            if column is not None and (column.dtype != dtype or tuple(column.shape) != (rows,)
+                                       or not column.is_contiguous()):
+                raise ValueError(f"sampling columns must be contiguous {dtype} [{rows}], not "
+                                 f"{column.dtype} {tuple(column.shape)}")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.parashift_sample_rows(
+            _DTYPES[logits.dtype], out.data_ptr(), logits.data_ptr(), logits.stride(0), rows,
+            vocab, *(_ptr(c) for c, _ in columns), torch.get_num_threads())
         return out
 
     @_profiled

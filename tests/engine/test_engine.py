@@ -75,7 +75,8 @@ def test_preemption_under_tiny_kv_budget_matches_unconstrained(llm, tiny_llama, 
     prompts = random_prompts([30, 30, 30, 30], seed=11)
     params = [greedy(40), greedy(40, repetition_penalty=1.3, frequency_penalty=0.5),
               SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True),
-              greedy(40)]
+              SamplingParams(temperature=0.8, seed=9, top_k=20, top_p=0.9, min_p=0.02,
+                             presence_penalty=0.5, max_tokens=40, ignore_eos=True)]
     expected = llm.generate(prompts, params, use_tqdm=False)
     got = small.generate(prompts, params, use_tqdm=False)
 

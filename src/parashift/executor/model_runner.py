@@ -17,7 +17,8 @@ from torch.profiler import record_function
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
-from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed
+from parashift.layers.penalties import PenaltyInputs, TokenCounts
+from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
 from parashift.types.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
 
@@ -29,6 +30,17 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    counts: TokenCounts | None = None  # for penalties: kept across steps, only where used
+
+    @classmethod
+    def of(cls, new: NewRequestData) -> RequestState:
+        token_ids = list(new.token_ids)
+        counts = None
+        if new.params.has_penalties:
+            prompt = new.num_prompt_tokens
+            counts = TokenCounts(token_ids[:prompt], token_ids[prompt:])
+        return cls(token_ids, new.num_prompt_tokens, new.params, list(new.block_ids),
+                   new.num_computed_tokens, counts)
 
 
 @dataclass
@@ -77,13 +89,12 @@ class ModelRunner:
         for req_id in out.freed_req_ids:
             self.requests.pop(req_id, None)
         for new in out.new_reqs:
-            self.requests[new.req_id] = RequestState(
-                list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
-                new.num_computed_tokens,
-            )
+            self.requests[new.req_id] = RequestState.of(new)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
+            if state.counts is not None:
+                state.counts.add(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -229,42 +240,32 @@ class ModelRunner:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        temperature = column([0.0 if p.is_greedy else p.temperature for p in params],
-                             torch.float32)
-        all_greedy = all(p.is_greedy for p in params)
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        use_min_p = any(p.min_p > 0.0 for p in params)
+        greedy = [p.is_greedy for p in params]
+        all_greedy = all(greedy)
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         seeds = {
             i: position_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
             for i, (s, p) in enumerate(zip(states, params, strict=True))
-            if p.seed is not None and not p.is_greedy
+            if p.seed is not None and not greedy[i]
         }
-        penalties = any(p.has_penalties for p in params)
+        penalties = None
+        if any(s.counts is not None for s in states):
+            penalties = PenaltyInputs.gather(
+                [s.counts for s in states], [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
+                dev)
+        # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
         return SamplingMetadata(
-            temperature=temperature,
+            temperature=column([0.0 if g else p.temperature
+                                for p, g in zip(params, greedy, strict=True)], torch.float32),
             all_greedy=all_greedy,
-            top_k=column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                         torch.int64) if use_top_k else None,
-            top_p=column([p.top_p for p in params], torch.float32) if use_top_p else None,
-            min_p=column([p.min_p for p in params], torch.float32) if use_min_p else None,
-            seeds=seeds,
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32)
-            if penalties else None,
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)
-            if penalties else None,
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)
-            if penalties else None,
-            prompt_token_ids=self._padded([s.token_ids[: s.num_prompt_tokens] for s in states])
-            if penalties else None,
-            output_token_ids=self._padded([s.token_ids[s.num_prompt_tokens :] for s in states])
-            if penalties else None,
+            top_k=column([max(p.top_k, 0) for p in params], torch.int64)
+            if any(0 < p.top_k < self.vocab_size for p in sampled) else None,
+            top_p=column([p.top_p for p in params], torch.float32)
+            if any(p.top_p < 1.0 for p in sampled) else None,
+            min_p=column([p.min_p for p in params], torch.float32)
+            if any(p.min_p > 0.0 for p in sampled) else None,
+            uniforms=None if all_greedy else row_uniforms(len(states), seeds, dev),
+            penalties=penalties,
             num_logprobs=[p.logprobs for p in params],
         )
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        out = np.full((len(rows), width), self.vocab_size, dtype=np.int64)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        return torch.from_numpy(out).to(self.device)

@@ -1,9 +1,16 @@
-"""Batched sampling: penalties, temperature, min-p, top-k, top-p, then one draw per row.
+"""Batched sampling: penalties, then per row temperature, min-p, top-k, top-p and one draw.
 
-Random rows draw with the exponential-race trick (argmax of probs / Exp(1) noise), which is
-exactly a sample from probs. A seeded row draws its noise from a generator seeded with
-(seed, output position), so its tokens depend on nothing else in the batch and survive
-preemption and recomputation unchanged."""
+The filters are thresholds on the row's scaled logits z = (logit - max) / temperature (vLLM's
+definitions: min-p keeps probabilities >= min_p x the largest; top-k keeps the k largest, ties
+at the k-th value all kept; top-p keeps the most likely tokens until the mass before the next
+reaches top_p, ties at that boundary all kept), and one uniform number per row picks the token
+by the inverse CDF over the kept tokens in vocabulary order. So a row costs passes over its
+logits and work on what survives: no sort of the vocabulary, no random number per token.
+
+On CPU the compiled kernel (kernels/cpu/sampling.cpp) does it all in one call; elsewhere
+`sample_rows` does the same in batched torch ops. A seeded row's uniform comes from
+(seed, output position) alone, so its tokens depend on nothing else in the batch and survive
+preemption and recomputation unchanged; other rows draw theirs from torch's generator."""
 
 from __future__ import annotations
 
@@ -12,25 +19,24 @@ from dataclasses import dataclass
 import torch
 
 from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels
+from parashift.layers.penalties import PenaltyInputs, apply_penalties
 from parashift.types.outputs import TokenLogprobs
 
 _GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_ZERO_BELOW = -87.0  # a weight exp(z) below this is 0 (as the kernel has it)
+_NUCLEUS_CANDIDATES = 1024  # top-p first looks for its tokens among this many largest
 
 
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [num_rows] float32, 0 for greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None  # [num_rows] int64, vocab size where unused
+    top_k: torch.Tensor | None  # [num_rows] int64, 0 where unused
     top_p: torch.Tensor | None  # [num_rows] float32, 1.0 where unused
     min_p: torch.Tensor | None  # [num_rows] float32, 0.0 where unused
-    seeds: dict[int, int]  # row -> per-position seed for seeded random rows
-    # Penalties: None when no row uses any.
-    presence_penalty: torch.Tensor | None  # [num_rows]
-    frequency_penalty: torch.Tensor | None
-    repetition_penalty: torch.Tensor | None
-    prompt_token_ids: torch.Tensor | None  # [num_rows, max_prompt] padded with vocab_size
-    output_token_ids: torch.Tensor | None  # [num_rows, max_output] padded with vocab_size
+    uniforms: torch.Tensor | None  # [num_rows] float64 in [0, 1); None when all greedy
+    penalties: PenaltyInputs | None  # None when no row uses any
     num_logprobs: list[int | None]  # per row: None (not requested) or the top-k count
 
 
@@ -38,80 +44,51 @@ def position_seed(seed: int, position: int) -> int:
     return (seed + (position + 1) * _GOLDEN) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, n] padded ids -> [rows, vocab] counts"""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32,
-                         device=token_ids.device)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
-    return counts[:, :vocab_size]
+def seeded_uniform(seed: int) -> float:
+    """A uniform number in [0, 1) from a 64-bit seed (SplitMix64's finalizer, 53 bits)."""
+    z = (seed + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    output_counts = _token_mask(md.output_token_ids, vocab)
-    seen = (output_counts > 0) | (_token_mask(md.prompt_token_ids, vocab) > 0)
-    rep = md.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - md.frequency_penalty.unsqueeze(1) * output_counts
-    return logits - md.presence_penalty.unsqueeze(1) * (output_counts > 0)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[-1] - top_k).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -float("inf"))
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
-    return sorted_logits.scatter(1, order, sorted_logits)
+def row_uniforms(num_rows: int, seeds: dict[int, int], device: torch.device) -> torch.Tensor:
+    """One uniform per row: from `seeds` (row -> position seed) where given, else torch's RNG."""
+    uniforms = torch.rand(num_rows, dtype=torch.float64)
+    for row, seed in seeds.items():
+        uniforms[row] = seeded_uniform(seed)
+    return uniforms.to(device)
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """[num_rows, vocab] logits -> one token id per row (+ logprobs where asked)."""
-        wants_logprobs = any(n is not None for n in md.num_logprobs)
-        if (md.all_greedy and md.repetition_penalty is None and not wants_logprobs
-                and on_cpu_kernels(logits) and logits.is_contiguous()):
-            return cpu_ops().argmax(logits).tolist(), [None] * len(md.num_logprobs)
-        logits = logits.float()
+        """[num_rows, vocab] logits -> one token id per row (+ logprobs where asked). The
+        logits are left as they are."""
         raw_logprobs = None
-        if wants_logprobs:
-            raw_logprobs = logits.log_softmax(dim=-1)
-        if md.repetition_penalty is not None:
-            logits = apply_penalties(logits, md)
-        tokens = logits.argmax(dim=-1)
-        if not md.all_greedy:
-            tokens = torch.where(md.temperature == 0, tokens, self._sample(logits, md))
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(raw_logprobs, tokens, md)
-
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(md.temperature == 0, 1.0, md.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if md.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = md.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, -float("inf"))
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seed in md.seeds.items():
-            generator = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row].exponential_(generator=generator)
-        return probs.div_(noise).argmax(dim=-1)
+        if any(n is not None for n in md.num_logprobs):
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        if md.penalties is not None:
+            logits = logits.to(torch.float32, copy=True)
+            apply_penalties(logits, md.penalties)
+        fast = on_cpu_kernels(logits) and logits.stride(-1) == 1
+        if md.all_greedy:
+            tokens = (cpu_ops().argmax(logits) if fast and logits.is_contiguous()
+                      else logits.argmax(dim=-1))
+        elif fast:
+            tokens = cpu_ops().sample(logits, md.temperature, md.top_k, md.top_p, md.min_p,
+                                      md.uniforms)
+        else:
+            tokens = sample_rows(logits, md.temperature, md.top_k, md.top_p, md.min_p,
+                                 md.uniforms)
+        return tokens.tolist(), self._logprobs(raw_logprobs, tokens, md)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, md: SamplingMetadata
                   ) -> list[TokenLogprobs | None]:
         if raw is None:
             return [None] * len(md.num_logprobs)
+        tokens = tokens.to(raw.device)
         k = max(n or 0 for n in md.num_logprobs)
         chosen = raw.gather(1, tokens.unsqueeze(1))
         ranks = (raw > chosen).sum(dim=-1).add_(1).tolist()
@@ -126,3 +103,53 @@ class Sampler:
             out.append(TokenLogprobs([token_list[i]] + top_ids[i][:n],
                                      [chosen[i]] + top_vals[i][:n], ranks[i]))
         return out
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's sampling in batched torch ops (any device): [rows, vocab] -> [rows]."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    top = x.max(dim=-1, keepdim=True).values
+    scale = 1.0 / temperature.unsqueeze(1)
+    greedy = ((temperature <= 0) | ~scale.squeeze(1).isfinite() | ~top.squeeze(1).isfinite())
+    scale = torch.where(greedy.unsqueeze(1), 1.0, scale)
+    z = (x - torch.where(top.isfinite(), top, 0.0)) * scale  # [rows, vocab]
+    floor = torch.full_like(temperature, _ZERO_BELOW)
+    if min_p is not None:
+        floor = torch.maximum(floor, min_p.log())
+    if top_k is not None:
+        active = (top_k > 0) & (top_k < vocab)
+        k = torch.where(active, top_k, 1)
+        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        z_kth = ((kth - top) * scale).squeeze(1)
+        floor = torch.where(active, torch.maximum(floor, z_kth), floor)
+    weights = torch.where(z >= floor.unsqueeze(1), z.exp(), 0.0)
+    if top_p is not None:
+        nucleus = _nucleus_floor(weights, top_p)
+        weights = torch.where((top_p < 1).unsqueeze(1) & (weights < nucleus.unsqueeze(1)), 0.0,
+                              weights)
+    cdf = weights.double().cumsum(dim=-1)
+    target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    return torch.where(greedy, x.argmax(dim=-1), drawn)
+
+
+def _nucleus_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest weight top-p keeps: in descending order a token is kept while the
+    mass before it is below top_p of the total. Looked for among the largest candidates first;
+    rows whose candidates cannot hold the mass sort every token."""
+    need = top_p.double() * weights.double().sum(dim=-1)
+    floors = torch.zeros_like(top_p)
+    rows = torch.arange(weights.shape[0], device=weights.device)
+    for count in (min(_NUCLEUS_CANDIDATES, weights.shape[-1]), weights.shape[-1]):
+        values = weights[rows].topk(count, dim=-1).values  # descending
+        cum = values.double().cumsum(dim=-1)
+        kept = ((cum - values) < need[rows].unsqueeze(1)).sum(dim=-1).clamp_(min=1)
+        floors[rows] = values.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        short = (cum[:, -1] < need[rows]) & (count < weights.shape[-1])
+        rows = rows[short]
+        if rows.numel() == 0:
+            break
+    return floors

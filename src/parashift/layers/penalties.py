@@ -1,0 +1,92 @@
+"""Repetition, frequency and presence penalties from per-request token counts.
+
+A request's counts are kept across steps (one new token a step is a dict lookup), and a step
+touches only the tokens its penalized rows have seen, never a [rows, vocab] count tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class TokenCounts:
+    """The tokens one request has seen: its prompt's (distinct, count 0) and its outputs' (with
+    how often each came out), in the order first seen."""
+
+    def __init__(self, prompt_ids: list[int], output_ids: list[int]):
+        distinct = dict.fromkeys(prompt_ids)
+        self._slots: dict[int, int] = {token: i for i, token in enumerate(distinct)}
+        capacity = max(16, 2 * (len(self._slots) + len(output_ids)))
+        self._ids = np.empty(capacity, dtype=np.int64)
+        self._counts = np.zeros(capacity, dtype=np.float32)
+        self._ids[: len(self._slots)] = list(self._slots)
+        self._size = len(self._slots)
+        self.add(output_ids)
+
+    def add(self, output_ids: list[int]) -> None:
+        for token in output_ids:
+            slot = self._slots.get(token)
+            if slot is None:
+                slot = self._slots[token] = self._size
+                if slot == len(self._ids):
+                    self._ids = np.resize(self._ids, 2 * slot)
+                    self._counts = np.concatenate([self._counts, np.zeros(slot, np.float32)])
+                self._ids[slot] = token
+                self._counts[slot] = 0.0
+                self._size += 1
+            self._counts[slot] += 1.0
+
+    @property
+    def token_ids(self) -> np.ndarray:  # [seen] int64
+        return self._ids[: self._size]
+
+    @property
+    def output_counts(self) -> np.ndarray:  # [seen] float32, 0 for prompt-only tokens
+        return self._counts[: self._size]
+
+
+@dataclass
+class PenaltyInputs:
+    """The seen (row, token) pairs of a step's penalized rows, and every row's penalties."""
+
+    rows: torch.Tensor  # [pairs] int64
+    token_ids: torch.Tensor  # [pairs] int64
+    output_counts: torch.Tensor  # [pairs] float32
+    repetition: torch.Tensor  # [num_rows] float32, 1.0 where unused
+    frequency: torch.Tensor  # [num_rows] float32, 0.0 where unused
+    presence: torch.Tensor  # [num_rows] float32, 0.0 where unused
+
+    @classmethod
+    def gather(cls, counts: list[TokenCounts | None], repetition: list[float],
+               frequency: list[float], presence: list[float],
+               device: torch.device) -> PenaltyInputs:
+        """`counts`: per row, the request's counts (None for a row without penalties)."""
+        used = [(row, c) for row, c in enumerate(counts) if c is not None]
+        sizes = [len(c.token_ids) for _, c in used]
+        rows = np.repeat(np.array([row for row, _ in used], dtype=np.int64), sizes)
+        token_ids = np.concatenate([c.token_ids for _, c in used]) if used else rows
+        output_counts = (np.concatenate([c.output_counts for _, c in used]) if used
+                         else np.zeros(0, np.float32))
+
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device),
+                   torch.from_numpy(output_counts).to(device), column(repetition),
+                   column(frequency), column(presence))
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> None:
+    """In place on float logits [num_rows, vocab]. Repetition (vLLM's, from CTRL) divides a seen
+    token's positive logit and multiplies a negative one, prompt tokens included; frequency and
+    presence (OpenAI's) subtract count * frequency + (count > 0) * presence, outputs only."""
+    if p.rows.numel() == 0:
+        return
+    values = logits[p.rows, p.token_ids]
+    rep = p.repetition[p.rows]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values -= p.frequency[p.rows] * p.output_counts
+    values -= p.presence[p.rows] * (p.output_counts > 0)
+    logits[p.rows, p.token_ids] = values
