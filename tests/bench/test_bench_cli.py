@@ -30,12 +30,14 @@ def test_serve_writes_a_consistent_json_and_a_png(tiny_llama, tmp_path):
         done = bench("serve", "--base-url", server.url, "--num-prompts", "12",
                      "--request-rate", "50", "--input-len-range", "4:12", "--output-len", "8",
                      "--vocab-size", "300", "--goodput", "ttft:60000", "--seed", "3",
+                     "--sampling", "temperature=0.9,top_p=0.8,seed=5",
                      "--save-json", str(out), "--plot", str(png))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Successful requests:              12" in done.stdout
     doc = json.loads(out.read_text())
     results, requests = doc["results"], doc["requests"]
     assert doc["command"] == "serve" and doc["settings"]["seed"] == 3
+    assert doc["settings"]["sampling"] == {"temperature": 0.9, "top_p": 0.8, "seed": 5}
     assert {"torch", "cpu", "cores", "parashift"} <= set(doc["environment"])
     assert (results["completed"], results["failed"], len(requests)) == (12, 0, 12)
     assert results["output_tokens"] == 12 * 8 == sum(r["generated"] for r in requests)
@@ -137,12 +139,17 @@ def test_latency_reports_percentiles(tiny_llama):
 
 
 def test_latency_breakdown_splits_a_decode_step(tiny_llama, tmp_path):
+    """With a sampling mode: the sampler's share of the step is its own bucket."""
     out = tmp_path / "latency.json"
     done = bench("latency", tiny_llama, *ENGINE, "--batch-size", "4", "--input-len", "8",
-                 "--output-len", "6", "--iters", "1", "--breakdown", "--save-json", str(out))
+                 "--output-len", "6", "--iters", "1", "--breakdown", "--save-json", str(out),
+                 "--sampling", "temperature=0.8,top_k=20,repetition_penalty=1.1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "decode step at batch 4" in done.stdout and "GEMM floor" in done.stdout
-    result = json.loads(out.read_text())["results"]["breakdown"]
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["sampling"] == {"temperature": 0.8, "top_k": 20,
+                                           "repetition_penalty": 1.1}
+    result = doc["results"]["breakdown"]
     buckets = result["buckets_ms"]
     assert set(buckets) == {"gemm", "attention", "sampling", "other_ops", "python"}
     assert buckets["gemm"] > 0 and buckets["attention"] > 0 and buckets["sampling"] > 0

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from parashift.bench.cli import bench_app
 from parashift.bench.dp_scaling import configurations
 from parashift.bench.metrics import prefix_agreement
+from parashift.bench.options import sampling_fields
 from parashift.bench.step_cost import efficiency_model
 
 NEW_COMMANDS = ("dp-scaling", "tp", "pipeline", "moe", "serving-vs-offline", "backends")
@@ -44,10 +45,12 @@ def test_bench_lists_the_comparison_commands():
     ("backends", ["--rounds", "--strategy", "--backends", "--num-prompts", "--input-len",
                   "--output-len", "--server-args", "--seed", "--save-json"]),
     ("throughput", ["--baseline", "--hf-batch-size", "--hf-dtype", "--repeat", "--roofline",
-                    "--strategy", "--threads"]),
+                    "--strategy", "--threads", "--sampling"]),
     ("moe", ["--dtype", "--num-prompts", "--concurrency", "--input-len-range",
              "--output-len-range", "--repeat", "--dispatch-tokens", "--save-json"]),
-    ("latency", ["--batch-size", "--input-len", "--output-len", "--iters", "--breakdown"]),
+    ("latency", ["--batch-size", "--input-len", "--output-len", "--iters", "--breakdown",
+                 "--sampling"]),
+    ("serve", ["--base-url", "--request-rate", "--max-concurrency", "--sampling"]),
 ])
 def test_help_shows_every_flag(command, flags):
     code, out = invoke(command, "--help")
@@ -79,6 +82,10 @@ def test_help_shows_every_flag(command, flags):
     (["throughput", "--repeat", "0"], "--repeat must be >= 1"),
     (["throughput", "--hf-dtype", "float32"], "--hf-dtype sets the transformers baseline"),
     (["throughput", "--hf-dtype", "int4"], "Invalid value for '--hf-dtype'"),
+    (["throughput", "--sampling", "top_p=2"], "--sampling: top_p must be in (0, 1], got 2.0"),
+    (["latency", "--sampling", "temp=1"], "--sampling 'temp=1': expected NAME=VALUE"),
+    (["serve", "--base-url", "http://127.0.0.1:9", "--sampling", "top_k=x"],
+     "--sampling 'top_k=x': 'x' is not an integer"),
 ])
 def test_bad_flags_fail_naming_the_flag(args, message):
     code, out = invoke(*args)
@@ -121,3 +128,10 @@ def test_prefix_agreement_counts_the_common_prefix_of_each_request():
     assert prefix_agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == pytest.approx(4 / 5)
     assert prefix_agreement([[1, 2]], [[7, 2]]) == 0.0
     assert prefix_agreement([[]], [[]]) == 0.0
+
+
+def test_sampling_fields_parse_and_default_to_greedy():
+    assert sampling_fields("") == {"temperature": 0.0}
+    assert sampling_fields(" temperature = 0.8, top_k=50 ,min_p=0.05") == {
+        "temperature": 0.8, "top_k": 50, "min_p": 0.05}
+    assert sampling_fields("top_p=0.9") == {"top_p": 0.9}  # temperature stays SamplingParams' 1

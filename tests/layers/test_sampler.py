@@ -13,8 +13,14 @@ import torch
 import parashift.layers.sampler as sampler_module
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.layers.penalties import PenaltyInputs, TokenCounts, apply_penalties
-from parashift.layers.sampler import (Sampler, SamplingMetadata, position_seed, row_uniforms,
-                                      sample_rows, seeded_uniform)
+from parashift.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    position_seed,
+    row_uniforms,
+    sample_rows,
+    seeded_uniform,
+)
 
 VOCAB = 6
 # Probabilities 0.5, 0.3, 0.1, 0.06, 0.04, 0.0 (the last masked out by -inf in some tests)

@@ -24,7 +24,8 @@ GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::
 BUCKETS = ("gemm", "attention", "sampling", "other_ops", "python")
 
 
-def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool) -> list[float]:
+def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
+               sampling: dict | None) -> list[float]:
     """Every step of one batch; seconds per step (the first is the prefill)."""
     from torch.profiler import record_function
 
@@ -32,7 +33,8 @@ def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool) -> 
     from parashift.types.sampling_params import SamplingParams
 
     core.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True,
+                            **(sampling or {"temperature": 0.0}))
     for i, prompt in enumerate(prompts):
         core.add_request(Request(f"b{i}", prompt, params, None))
     times = []
@@ -95,8 +97,10 @@ def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
     return best * 1e3
 
 
-def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int) -> dict[str, Any]:
-    """Median ms per decode step of a `batch_size` batch: plain, profiled, and per bucket."""
+def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int,
+                     sampling: dict | None = None) -> dict[str, Any]:
+    """Median ms per decode step of a `batch_size` batch (greedy, or `sampling`'s fields):
+    plain, profiled, and per bucket."""
     from torch.profiler import ProfilerActivity, profile
 
     core = llm.engine
@@ -106,10 +110,10 @@ def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int) -> d
     vocab = llm.config.model.vocab_size
     prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
                for b in range(batch_size)]
-    _run_batch(core, prompts, min(output_len, 4), label=False)  # warm-up
-    plain = _run_batch(core, prompts, output_len, label=False)[1:]
+    _run_batch(core, prompts, min(output_len, 4), False, sampling)  # warm-up
+    plain = _run_batch(core, prompts, output_len, False, sampling)[1:]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled = _run_batch(core, prompts, output_len, label=True)
+        profiled = _run_batch(core, prompts, output_len, True, sampling)
     per_step: dict[int, dict[str, float]] = {}
     for event in prof.events():
         step, bucket = _bucket(event)

@@ -15,7 +15,7 @@ from parashift.bench.cpu_kernels import cpu_kernels
 from parashift.bench.dp_scaling import dp_scaling
 from parashift.bench.kernels import kernels
 from parashift.bench.moe import moe
-from parashift.bench.options import Plot, SaveJson, Seed
+from parashift.bench.options import Plot, Sampling, SaveJson, Seed, sampling_fields
 from parashift.bench.pipeline import pipeline
 from parashift.bench.quantization import quantization
 from parashift.bench.routing import routing
@@ -46,6 +46,7 @@ def latency(
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="then profile a decode step: GEMM, attention, sampling, other "
                             "ops, Python, against the GEMM floor")] = False,
+    sampling: Sampling = "",
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
@@ -64,13 +65,15 @@ def latency(
     if warmup < 0:
         fail("--warmup must be >= 0")
     try:
+        fields = sampling_fields(sampling)
         engine_args.seed = seed
         if strategy_spec(engine_args).processes().num_engines > 1:
             raise ValueError("latency measures one engine: drop the dp axis")
         if batch_size > engine_args.max_num_seqs:
             raise ValueError(f"--batch-size {batch_size} is above --max-num-seqs "
                              f"{engine_args.max_num_seqs}: one batch would take several steps")
-        latencies = run_latency(engine_args, batch_size, input_len, output_len, iters, warmup)
+        latencies = run_latency(engine_args, batch_size, input_len, output_len, iters, warmup,
+                                sampling=fields)
     except ValueError as e:
         fail(str(e))
     stats = distribution(latencies)
@@ -85,7 +88,8 @@ def latency(
 
         llm = LLM.from_engine_args(engine_args)
         try:
-            results["breakdown"] = decode_breakdown(llm, batch_size, input_len, output_len)
+            results["breakdown"] = decode_breakdown(llm, batch_size, input_len, output_len,
+                                                    fields)
         except ValueError as e:
             fail(str(e))
         finally:
@@ -95,7 +99,7 @@ def latency(
         report.save_json(save_json, "latency", {
             "model": engine_args.model, "batch_size": batch_size, "input_len": input_len,
             "output_len": output_len, "iters": iters, "warmup": warmup, "breakdown": breakdown,
-            "seed": seed}, results)
+            "sampling": fields, "seed": seed}, results)
     if plot:
         from parashift.bench.plots import latency_cdf
 

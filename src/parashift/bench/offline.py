@@ -16,10 +16,12 @@ from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 
 
-def _params(requests: list[BenchRequest]):
+def _params(requests: list[BenchRequest], sampling: dict | None = None):
+    """`sampling`: the fields of `bench --sampling` (None: greedy)."""
     from parashift import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+    fields = sampling or {"temperature": 0.0}
+    return [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **fields)
             for r in requests]
 
 
@@ -30,7 +32,7 @@ class ThroughputRun:
 
 
 def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: bool,
-              repeat: int) -> ThroughputRun:
+              repeat: int, sampling: dict | None) -> ThroughputRun:
     from parashift import LLM
 
     llm = LLM.from_engine_args(engine_args)
@@ -42,7 +44,7 @@ def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: b
         for _ in range(repeat):
             llm.engine.reset_prefix_cache()  # a repeat must not hit the last run's prompts
             start = time.perf_counter()
-            outputs = llm.generate([r.prompt for r in requests], _params(requests),
+            outputs = llm.generate([r.prompt for r in requests], _params(requests, sampling),
                                    use_tqdm=progress)
             times.append(time.perf_counter() - start)
     finally:
@@ -55,14 +57,16 @@ def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: b
 
 
 def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
-                   progress: bool = True, repeat: int = 1) -> ThroughputRun:
-    """Seconds to finish every request, `repeat` times. dp > 1: each rank's process takes
-    every dp-th request and they start each run together; the slowest rank's time counts."""
+                   progress: bool = True, repeat: int = 1,
+                   sampling: dict | None = None) -> ThroughputRun:
+    """Seconds to finish every request, `repeat` times (greedy, or with `sampling`'s fields).
+    dp > 1: each rank's process takes every dp-th request and they start each run together;
+    the slowest rank's time counts."""
     config = create_config(engine_args)  # validates, converts a GGUF once
     spec = config.parallel.strategy
     dp = spec.processes().num_engines
     if dp == 1:
-        return _generate(engine_args, requests, progress, repeat)
+        return _generate(engine_args, requests, progress, repeat, sampling)
     mesh = node_mesh(spec, config.device.device, list(range(dp)))
     # Each rank's process runs one engine: the strategy without its data-parallel axis.
     engine_strategy = "x".join(a.token for a in spec.axes
@@ -77,7 +81,7 @@ def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
                                    tensor_parallel_size=None, pipeline_parallel_size=None)
         proc = mp.Process(target=_rank_main, name=f"parashift-bench-dp{rank}", args=(
             rank, args, requests[rank::dp], mesh.engine_placement(rank).cpu_ids, barrier, send,
-            progress and rank == 0, repeat))
+            progress and rank == 0, repeat, sampling))
         proc.start()
         send.close()  # the child holds the write end: its death then reads as EOF here
         procs.append(proc)
@@ -114,7 +118,8 @@ def _gather(pipes: list, procs: list[multiprocessing.Process]) -> list[list[floa
 
 
 def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
-               cpu_ids: tuple[int, ...], barrier, pipe, progress: bool, repeat: int) -> None:
+               cpu_ids: tuple[int, ...], barrier, pipe, progress: bool, repeat: int,
+               sampling: dict | None) -> None:
     """One data-parallel rank: an independent engine on its cores from the mesh (its engine
     places its own workers on them, by the same rule)."""
     import os
@@ -135,7 +140,8 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
             llm.engine.reset_prefix_cache()
             barrier.wait()
             start = time.perf_counter()
-            llm.generate([r.prompt for r in requests], _params(requests), use_tqdm=progress)
+            llm.generate([r.prompt for r in requests], _params(requests, sampling),
+                         use_tqdm=progress)
             times.append(time.perf_counter() - start)
         pipe.send_bytes(msgspec.json.encode(times))
         llm.shutdown()
@@ -144,7 +150,8 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
 
 
 def run_latency(engine_args: EngineArgs, batch_size: int, input_len: int, output_len: int,
-                iters: int, warmup: int, progress: bool = True) -> list[float]:
+                iters: int, warmup: int, progress: bool = True,
+                sampling: dict | None = None) -> list[float]:
     """Seconds per batch (prefill + every decode step) for `iters` timed runs."""
     from tqdm import tqdm
 
@@ -155,7 +162,7 @@ def run_latency(engine_args: EngineArgs, batch_size: int, input_len: int, output
         vocab = llm.config.model.vocab_size
         prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
                    for b in range(batch_size)]
-        params = _params([BenchRequest([], input_len, output_len)] * batch_size)
+        params = _params([BenchRequest([], input_len, output_len)] * batch_size, sampling)
         latencies = []
         bar = tqdm(total=warmup + iters, desc="latency", unit="batch", disable=not progress)
         for i in range(warmup + iters):

@@ -28,6 +28,41 @@ Dtype = Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype"
 ServerArgs = Annotated[str, typer.Option(
     "--server-args", help="extra `parashift run` flags, e.g. '--max-model-len 512'")]
 Repeat = Annotated[int, typer.Option(help="timed runs of every configuration; medians count")]
+Sampling = Annotated[str, typer.Option(
+    "--sampling", help="every request's sampling, e.g. 'temperature=0.8,top_p=0.9' (fields: "
+                       "temperature, top_p, top_k, min_p, seed, presence_penalty, "
+                       "frequency_penalty, repetition_penalty; temperature 1 unless given); "
+                       "empty: greedy")]
+
+_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                    "seed": int, "presence_penalty": float, "frequency_penalty": float,
+                    "repetition_penalty": float}
+
+
+def sampling_fields(text: str) -> dict[str, float | int]:
+    """--sampling 'temperature=0.8,top_k=50' -> the fields, as SamplingParams checks them;
+    '' -> greedy (temperature 0). Raises ValueError naming the bad item."""
+    from parashift.types.sampling_params import SamplingParams
+
+    fields: dict[str, float | int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or name not in _SAMPLING_FIELDS:
+            raise ValueError(f"--sampling {item!r}: expected NAME=VALUE, NAME one of "
+                             f"{', '.join(_SAMPLING_FIELDS)}")
+        try:
+            fields[name] = _SAMPLING_FIELDS[name](value)
+        except ValueError:
+            raise ValueError(f"--sampling {item!r}: {value!r} is not "
+                             f"{'an integer' if _SAMPLING_FIELDS[name] is int else 'a number'}"
+                             ) from None
+    if not fields:
+        fields["temperature"] = 0.0
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"--sampling: {e}") from None
+    return fields
 
 
 def server_args(text: str) -> list[str]:

@@ -16,8 +16,10 @@ from parashift.bench.options import (
     OutputLen,
     OutputRange,
     Plot,
+    Sampling,
     SaveJson,
     Seed,
+    sampling_fields,
     workload,
 )
 from parashift.cli_options import fail, setup_logging
@@ -59,6 +61,7 @@ def serve(
     goodput: Annotated[list[str] | None, typer.Option(help="SLO, e.g. ttft:500 tpot:50")
                        ] = None,
     api_key: Annotated[str | None, typer.Option("--api-key")] = None,
+    sampling: Sampling = "",
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
@@ -66,7 +69,7 @@ def serve(
     """Streaming load against any OpenAI-compatible /v1/completions server."""
     _serve(base_url, model, num_prompts, _rates_list(request_rate), burstiness,
            max_concurrency, input_len, output_len, input_len_range, output_len_range, dataset,
-           tokenizer, vocab_size, goodput, api_key, seed, save_json, plot)
+           tokenizer, vocab_size, goodput, api_key, seed, save_json, plot, sampling)
 
 
 def sweep(
@@ -87,12 +90,12 @@ def sweep(
     """`serve` at several request rates; the plot is throughput against p99 latency."""
     _serve(base_url, model, num_prompts, _rates_list(request_rates), 1.0, max_concurrency,
            input_len, output_len, None, None, dataset, None, vocab_size, goodput, None, seed,
-           save_json, plot)
+           save_json, plot, "")
 
 
 def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, input_len,
            output_len, input_range, output_range, dataset, tokenizer, vocab_size, goodput,
-           api_key, seed, save_json, plot) -> None:
+           api_key, seed, save_json, plot, sampling: str) -> None:
     setup_logging()
     from tqdm import tqdm
 
@@ -105,6 +108,7 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
     if burstiness <= 0:
         fail("--burstiness must be > 0")
     try:
+        fields = sampling_fields(sampling)
         slos = parse_goodput(goodput or [])
         tok = None
         if dataset is not None:
@@ -124,7 +128,7 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
         try:
             records, duration = asyncio.run(run_load(
                 base_url, model, requests, rate, burstiness, max_concurrency, seed, api_key,
-                on_done=lambda _, bar=bar: bar.update()))
+                on_done=lambda _, bar=bar: bar.update(), sampling=fields))
         except OSError as e:  # nothing listening, bad host
             fail(f"--base-url {base_url}: {e}")
         finally:
@@ -135,6 +139,7 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
     settings = {"base_url": base_url, "model": model, "num_prompts": len(requests),
                 "request_rates": list(runs), "burstiness": burstiness,
                 "max_concurrency": max_concurrency, "dataset": dataset, "seed": seed,
+                "sampling": fields,
                 "goodput_slos_ms": slos}
     if save_json:
         report.save_json(save_json, "serve", settings,

@@ -32,9 +32,10 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[flo
 async def run_load(base_url: str, model: str | None, requests: list[BenchRequest],
                    rate: float, burstiness: float = 1.0, max_concurrency: int | None = None,
                    seed: int = 0, api_key: str | None = None,
-                   on_done: Callable[[RequestRecord], None] | None = None
-                   ) -> tuple[list[RequestRecord], float]:
-    """Sends every request; returns their records and the run's duration in seconds."""
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   sampling: dict | None = None) -> tuple[list[RequestRecord], float]:
+    """Sends every request (greedy, or with `sampling`'s fields); returns their records and
+    the run's duration in seconds."""
     url = base_url.rstrip("/")
     url = url + ("/completions" if url.endswith("/v1") else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -52,10 +53,11 @@ async def run_load(base_url: str, model: str | None, requests: list[BenchRequest
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - start)))
             if limit is None:
-                await _stream(session, url, model, requests[i], records[i], start)
+                await _stream(session, url, model, requests[i], records[i], start, sampling)
             else:
                 async with limit:
-                    await _stream(session, url, model, requests[i], records[i], start)
+                    await _stream(session, url, model, requests[i], records[i], start,
+                                  sampling)
             if on_done is not None:
                 on_done(records[i])
 
@@ -71,9 +73,9 @@ async def _first_model(v1_url: str, headers: dict[str, str]) -> str:
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,
-                  record: RequestRecord, run_start: float) -> None:
+                  record: RequestRecord, run_start: float, sampling: dict | None) -> None:
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            **(sampling or {"temperature": 0.0}), "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     record.start = sent - run_start

@@ -17,8 +17,10 @@ from parashift.bench.options import (
     OutputLen,
     OutputRange,
     Plot,
+    Sampling,
     SaveJson,
     Seed,
+    sampling_fields,
     workload,
 )
 from parashift.cli_options import engine_options, fail, setup_logging
@@ -48,6 +50,7 @@ def throughput(
     roofline: Annotated[bool, typer.Option(
         "--roofline", help="also time the model's GEMM shapes: fraction of the best rate")
                         ] = False,
+    sampling: Sampling = "",
     seed: Seed = 0,
     save_json: SaveJson = None,
     plot: Plot = None,
@@ -68,6 +71,7 @@ def throughput(
     if hf_dtype is not None and baseline != "hf":
         fail("--hf-dtype sets the transformers baseline's dtype: add --baseline hf")
     try:
+        fields = sampling_fields(sampling)
         config = create_config(engine_args)
         requests = workload(num_prompts, input_len, output_len, input_len_range,
                             output_len_range, dataset, seed, _tokenizer(config.model),
@@ -79,7 +83,7 @@ def throughput(
     typer.echo(f"{len(requests)} requests, {tokens} tokens ({out_tokens} output); "
                f"strategy {strategy_spec(engine_args)}; dtype "
                f"{str(config.model.dtype).removeprefix('torch.')}")
-    engine = run_throughput(engine_args, requests, repeat=repeat)
+    engine = run_throughput(engine_args, requests, repeat=repeat, sampling=fields)
     rates = {"parashift": _rates(engine.elapsed_s, len(requests), tokens, out_tokens)}
     results: dict[str, Any] = {}
     labels = {"parashift": "parashift"}
@@ -118,7 +122,7 @@ def throughput(
                 "input_len_range": input_len_range, "output_len_range": output_len_range,
                 "dataset": dataset, "seed": seed, "baseline": baseline,
                 "hf_batch_size": hf_batch_size, "hf_dtype": hf_dtype, "repeat": repeat,
-                "roofline": roofline}
+                "roofline": roofline, "sampling": fields}
     if save_json:
         report.save_json(save_json, "throughput", settings, results, requests)
     if plot:
