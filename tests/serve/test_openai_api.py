@@ -385,6 +385,39 @@ def test_greedy_matches_offline_llm(client, offline_llm, tiny_tokenizer):
         assert served.logprobs.tokens == [tiny_tokenizer.decode([t]) for t in ref.token_ids]
 
 
+SAMPLED = {
+    "temperature": {"temperature": 1.0},
+    "top-p": {"temperature": 0.8, "top_p": 0.9},
+    "top-k": {"temperature": 0.8, "top_k": 20},
+    "min-p": {"temperature": 0.9, "min_p": 0.05},
+    "penalties": {"temperature": 0.7, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                  "frequency_penalty": 0.2},
+}
+
+
+@pytest.mark.parametrize("mode", SAMPLED)
+def test_sampled_completion_matches_offline_llm(client, offline_llm, tiny_tokenizer, mode):
+    """A seeded sampled request draws the offline engine's tokens; its logprobs are of the raw
+    distribution, as offline; usage counts them."""
+    fields = SAMPLED[mode]
+    ids, max_tokens = [5, 17, 42, 99, 3], 20
+    extra = {k: v for k, v in fields.items() if k in ("top_k", "min_p", "repetition_penalty")}
+    openai_fields = {k: v for k, v in fields.items() if k not in extra}
+    served = complete(client, ids, max_tokens, seed=11, logprobs=2, extra_body=extra,
+                      **openai_fields)
+    ref = offline_llm.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                     seed=11, logprobs=2, **fields),
+                               use_tqdm=False)[0].outputs[0]
+    choice = served.choices[0]
+    assert choice.text == ref.text and choice.finish_reason == "length"
+    assert_usage(served.usage, len(ids), max_tokens)
+    ref_logprobs = [lp[t] for lp, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+    assert choice.logprobs.token_logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+    assert choice.logprobs.tokens == [tiny_tokenizer.decode([t]) for t in ref.token_ids]
+    greedy = complete(client, ids, max_tokens).choices[0].text
+    assert choice.text != greedy, "the sampled request ran greedy"
+
+
 def test_stop_string_matches_offline_llm(client, offline_llm, tiny_tokenizer, stop_case):
     prompt, _, stop, expected = stop_case
     ids = tiny_tokenizer.encode(prompt)
