@@ -29,11 +29,16 @@ void parashift_paged_decode_attention(int dtype, void* out, const void* query,
                                       int num_threads);
 void parashift_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
                            int num_threads);
-// sampling.cpp: top_k, top_p and min_p may be null (no row uses them); temperature 0: greedy.
+// sampling.cpp: top_k, top_p and min_p may be null (no row uses them), uniforms too when every
+// row is greedy (temperature 0).
+// Overrides (null: none): row r's logits at override_ids[override_starts[r] ..
+// override_starts[r + 1]) read as override_values there.
 void parashift_sample_rows(int dtype, int64_t* out, const void* logits, int64_t row_stride,
                            int64_t rows, int64_t vocab, const float* temperature,
                            const int64_t* top_k, const float* top_p, const float* min_p,
-                           const double* uniforms, int num_threads);
+                           const double* uniforms, const int64_t* override_starts,
+                           const int64_t* override_ids, const float* override_values,
+                           int num_threads);
 // 1 where it ran (bf16, head_dim 64, AMX); 0: not taken, nothing written.
 int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query_stride,
                                      const void* key_cache, const void* value_cache,

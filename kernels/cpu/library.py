@@ -98,7 +98,7 @@ class CpuOps:
             "parashift_silu_and_mul": [c_int, ptr, ptr, i64, i64, i64, c_int],
             "parashift_argmax_rows": [c_int, ptr, ptr, i64, i64, c_int],
             "parashift_sample_rows": [c_int, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
-                                      c_int],
+                                      ptr, ptr, ptr, c_int],
             "parashift_write_kv": [c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, c_int],
             "parashift_paged_decode_attention": [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                                  i64, i64, i64, i64, i64, i64, c_float, c_int],
@@ -233,11 +233,15 @@ class CpuOps:
 
     @_profiled
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-               top_p: torch.Tensor | None, min_p: torch.Tensor | None,
-               uniforms: torch.Tensor) -> torch.Tensor:
+               top_p: torch.Tensor | None, min_p: torch.Tensor | None, uniforms: torch.Tensor,
+               overrides: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
         """[rows, vocab] logits (rows strided, vocab contiguous) -> [rows] int64 token ids:
         temperature (float32, 0: greedy), top_k (int64, 0: off), top_p (float32, 1: off), min_p
-        (float32, 0: off), one uniform in [0, 1) per row (float64); the filters may be None."""
+        (float32, 0: off), one uniform in [0, 1) per row (float64); the filters may be None,
+        the uniforms too when every temperature is 0.
+        `overrides`: (starts [rows + 1] int64, token ids int64, values float32), row r's
+        logits at ids[starts[r]:starts[r + 1]] read as those values (penalized logits)."""
         rows, vocab = logits.shape
         if logits.stride(1) != 1 or logits.stride(0) < vocab:
             raise ValueError(f"logits rows must be contiguous, not strides {logits.stride()}")
@@ -248,10 +252,24 @@ class CpuOps:
                                        or not column.is_contiguous()):
                 raise ValueError(f"sampling columns must be contiguous {dtype} [{rows}], not "
                                  f"{column.dtype} {tuple(column.shape)}")
+        if overrides is not None:
+            starts, ids, values = overrides
+            n = ids.numel()
+            if (starts.dtype != torch.int64 or tuple(starts.shape) != (rows + 1,)
+                    or ids.dtype != torch.int64 or values.dtype != torch.float32
+                    or values.numel() != n or not (starts.is_contiguous() and ids.is_contiguous()
+                                                   and values.is_contiguous())
+                    or int(starts[0]) != 0 or int(starts[-1]) != n
+                    or bool((starts.diff() < 0).any())
+                    or (n and not 0 <= int(ids.min()) <= int(ids.max()) < vocab)):
+                raise ValueError("overrides must be contiguous (starts int64 [rows + 1] from 0 "
+                                 "to their count, ids int64 below the vocabulary, values "
+                                 "float32)")
+        pointers = (None, None, None) if overrides is None else (_ptr(t) for t in overrides)
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.parashift_sample_rows(
             _DTYPES[logits.dtype], out.data_ptr(), logits.data_ptr(), logits.stride(0), rows,
-            vocab, *(_ptr(c) for c, _ in columns), torch.get_num_threads())
+            vocab, *(_ptr(c) for c, _ in columns), *pointers, torch.get_num_threads())
         return out
 
     @_profiled

@@ -8,6 +8,9 @@
 //   top-p keeps the most likely tokens until the mass before a token reaches top_p of what the
 //     filters above kept (ties at the boundary all kept), found by a weighted quickselect on the
 //     tokens within e^-9 of the largest, or on every token when those cannot hold the mass.
+// Penalized logits come as overrides (a row's token ids and their new values): the row is copied
+// into a per-thread buffer, in cache, and the overrides written there; the caller never copies
+// the [rows, vocab] logits.
 // The draw walks the kept tokens in vocabulary order: the sum of weights up to the chosen token
 // is the first to exceed uniform * total, which is exactly a sample of the kept distribution.
 // layers/sampler.py's torch path computes the same thresholds and draw (the reference on GPU).
@@ -25,21 +28,35 @@ namespace {
 constexpr int64_t kChunk = 256;         // the dense draw's partial sums, per chunk of tokens
 constexpr float kZeroBelow = -87.0f;    // a weight exp(z) below this is 0, not fast_exp's 1e-38
 constexpr float kCandidate = -9.2103f;  // top-p's first candidates: weight >= 1e-4 of the max
-constexpr int64_t kHeapMax = 1024;      // larger top-k: nth_element on a copy instead
+constexpr int64_t kHeapMax = 1024;      // larger top-k: a radix select instead
+constexpr int kLanes = 16;              // the scans go 16 tokens at a time
 
 inline float weight(float z) { return z < kZeroBelow ? 0.f : fast_exp(z); }
 
 struct Scratch {
+  std::vector<float> row;       // a row with its overrides
   std::vector<float> weights;   // dense: every token's weight
   std::vector<double> chunks;   // dense: the weights' sum per chunk
   std::vector<int32_t> ids;     // sparse: kept token ids, in vocabulary order
   std::vector<float> kept;      // sparse: their weights
+  int64_t count = 0;            // sparse: how many (ids and kept only grow)
+
+  void clear_kept(int64_t n) {
+    if (static_cast<int64_t>(ids.size()) < n + kLanes) {
+      ids.resize(n + kLanes);
+      kept.resize(n + kLanes);
+    }
+    count = 0;
+  }
+  void keep(int64_t i, float w) {
+    ids[count] = static_cast<int32_t>(i);
+    kept[count++] = w;
+  }
   std::vector<float> work;      // top-k's heap or copy, top-p's quickselect
 };
 
-// The scans below go 16 tokens at a time: AVX-512 where the CPU has it, otherwise a fixed-size
-// array of lanes that GCC vectorizes as it can.
-constexpr int kLanes = 16;
+// The scans: AVX-512 where the CPU has it, otherwise a fixed-size array of lanes that GCC
+// vectorizes as it can.
 
 #ifdef PARASHIFT_SAMPLING_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -176,6 +193,23 @@ double dense_weights(const T* x, int64_t n, float m, float scale, Scratch& s) {
   return total;
 }
 
+// Zeroes the dense weights below `floor` and sums the chunks again; returns the new total.
+double floor_weights(Scratch& s, int64_t n, float floor) {
+  double total = 0.0;
+  for (int64_t c = 0; c < static_cast<int64_t>(s.chunks.size()); ++c) {
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    float sum = 0.f;
+    for (int64_t i = c * kChunk; i < end; ++i) {
+      const float w = s.weights[i] >= floor ? s.weights[i] : 0.f;
+      s.weights[i] = w;
+      sum += w;
+    }
+    s.chunks[c] = sum;
+    total += sum;
+  }
+  return total;
+}
+
 int64_t draw_dense(const Scratch& s, int64_t n, double total, double u) {
   const double target = u * total;
   double before = 0.0;
@@ -204,14 +238,10 @@ int64_t draw_dense(const Scratch& s, int64_t n, double total, double u) {
 // skipped whole when none qualifies (the usual case for top-k's and min-p's thresholds).
 template <class T>
 void gather_kept(const T* x, int64_t n, float m, float scale, float z_floor, Scratch& s) {
-  s.ids.clear();
-  s.kept.clear();
+  s.clear_kept(n);
   auto take = [&](int64_t i) {
     const float z = (to_f(x[i]) - m) * scale;
-    if (z >= z_floor) {
-      s.ids.push_back(static_cast<int32_t>(i));
-      s.kept.push_back(weight(z));
-    }
+    if (z >= z_floor) s.keep(i, weight(z));
   };
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -223,17 +253,29 @@ void gather_kept(const T* x, int64_t n, float m, float scale, float z_floor, Scr
 
 // The dense weights at or above `floor` (> 0), as a sparse list.
 void gather_weights(int64_t n, float floor, Scratch& s) {
-  s.ids.clear();
-  s.kept.clear();
+  s.clear_kept(n);
   const float* w = s.weights.data();
   const float above = std::max(floor, 0.f);
   auto take = [&](int64_t i) {
-    if (w[i] >= floor && w[i] > 0.f) {
-      s.ids.push_back(static_cast<int32_t>(i));
-      s.kept.push_back(w[i]);
-    }
+    if (w[i] >= floor && w[i] > 0.f) s.keep(i, w[i]);
   };
   int64_t i = 0;
+#ifdef PARASHIFT_SAMPLING_AVX512
+  const __m512 floor_v = _mm512_set1_ps(floor), zero = _mm512_setzero_ps();
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 v = _mm512_loadu_ps(w + i);
+    const __mmask16 hit = _mm512_cmp_ps_mask(v, floor_v, _CMP_GE_OQ) &
+                          _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
+    if (!hit) continue;
+    // Compress in registers, then a full store (a masked compress to memory is microcoded,
+    // ~20x slower on Zen 4); the vectors have 16 spare lanes for it.
+    _mm512_storeu_ps(s.kept.data() + s.count, _mm512_maskz_compress_ps(hit, v));
+    _mm512_storeu_si512(s.ids.data() + s.count, _mm512_maskz_compress_epi32(
+        hit, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)))));
+    s.count += __builtin_popcount(hit);
+  }
+#endif
   for (; i + kLanes <= n; i += kLanes) {
     if (!any_above(w + i, std::nextafter(above, -INFINITY))) continue;
     for (int j = 0; j < kLanes; ++j) take(i + j);
@@ -281,12 +323,12 @@ float nucleus_floor(std::vector<float>& a, double need) {
 
 int64_t draw_sparse(const Scratch& s, float floor, double u) {
   double total = 0.0;
-  for (size_t j = 0; j < s.kept.size(); ++j)
+  for (int64_t j = 0; j < s.count; ++j)
     if (s.kept[j] >= floor) total += s.kept[j];
   const double target = u * total;
   double acc = 0.0;
-  int64_t last = s.ids.empty() ? 0 : s.ids[0];
-  for (size_t j = 0; j < s.kept.size(); ++j) {
+  int64_t last = s.count ? s.ids[0] : 0;
+  for (int64_t j = 0; j < s.count; ++j) {
     if (s.kept[j] < floor || s.kept[j] <= 0.f) continue;
     acc += s.kept[j];
     last = s.ids[j];
@@ -297,7 +339,7 @@ int64_t draw_sparse(const Scratch& s, float floor, double u) {
 
 double kept_mass(const Scratch& s) {
   double total = 0.0;
-  for (float w : s.kept) total += w;
+  for (int64_t j = 0; j < s.count; ++j) total += s.kept[j];
   return total;
 }
 
@@ -318,27 +360,43 @@ int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, floa
     if (!use_top_p) return draw_dense(s, n, total, u);
     const double need = top_p * total;
     gather_weights(n, std::exp(kCandidate), s);
-    if (kept_mass(s) < need) gather_weights(n, 0.f, s);  // a flat row: every token
-    s.work.assign(s.kept.begin(), s.kept.end());
+    if (kept_mass(s) < need) {  // a flat row: the nucleus among every token
+      s.work.assign(s.weights.begin(), s.weights.begin() + n);
+      return draw_dense(s, n, floor_weights(s, n, nucleus_floor(s.work, need)), u);
+    }
+    s.work.assign(s.kept.begin(), s.kept.begin() + s.count);
     return draw_sparse(s, nucleus_floor(s.work, need), u);
   }
   gather_kept(x, n, m, scale, z_floor, s);
   if (!use_top_p) return draw_sparse(s, 0.f, u);
-  s.work.assign(s.kept.begin(), s.kept.end());
+  s.work.assign(s.kept.begin(), s.kept.begin() + s.count);
   return draw_sparse(s, nucleus_floor(s.work, top_p * kept_mass(s)), u);
 }
 
 template <class T>
 void sample_rows(int64_t* out, const T* logits, int64_t row_stride, int64_t rows, int64_t vocab,
                  const float* temperature, const int64_t* top_k, const float* top_p,
-                 const float* min_p, const double* uniforms, int num_threads) {
+                 const float* min_p, const double* uniforms, const int64_t* override_starts,
+                 const int64_t* override_ids, const float* override_values, int num_threads) {
   const int threads = static_cast<int>(std::min<int64_t>(rows, num_threads));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(threads, 1))
   for (int64_t r = 0; r < rows; ++r) {
     static thread_local Scratch scratch;  // kept by the pool's threads: no allocation a step
-    out[r] = sample_row(logits + r * row_stride, vocab, temperature[r],
-                        top_k ? top_k[r] : 0, top_p ? top_p[r] : 1.f,
-                        min_p ? min_p[r] : 0.f, uniforms[r], scratch);
+    const T* x = logits + r * row_stride;
+    const float t = temperature[r];
+    const int64_t k = top_k ? top_k[r] : 0;
+    const float p = top_p ? top_p[r] : 1.f, mp = min_p ? min_p[r] : 0.f;
+    const double u = uniforms ? uniforms[r] : 0.0;  // null: every row greedy
+    const int64_t first = override_starts ? override_starts[r] : 0;
+    const int64_t end = override_starts ? override_starts[r + 1] : 0;
+    if (first == end) {
+      out[r] = sample_row(x, vocab, t, k, p, mp, u, scratch);
+      continue;
+    }
+    scratch.row.resize(vocab);
+    for (int64_t i = 0; i < vocab; ++i) scratch.row[i] = to_f(x[i]);
+    for (int64_t j = first; j < end; ++j) scratch.row[override_ids[j]] = override_values[j];
+    out[r] = sample_row(scratch.row.data(), vocab, t, k, p, mp, u, scratch);
   }
 }
 
@@ -349,13 +407,17 @@ extern "C" {
 void parashift_sample_rows(int dtype, int64_t* out, const void* logits, int64_t row_stride,
                            int64_t rows, int64_t vocab, const float* temperature,
                            const int64_t* top_k, const float* top_p, const float* min_p,
-                           const double* uniforms, int num_threads) {
+                           const double* uniforms, const int64_t* override_starts,
+                           const int64_t* override_ids, const float* override_values,
+                           int num_threads) {
   if (dtype == 0)
     sample_rows<float>(out, P(const float, logits), row_stride, rows, vocab, temperature, top_k,
-                       top_p, min_p, uniforms, num_threads);
+                       top_p, min_p, uniforms, override_starts, override_ids, override_values,
+                       num_threads);
   else
     sample_rows<bf16>(out, P(const bf16, logits), row_stride, rows, vocab, temperature, top_k,
-                      top_p, min_p, uniforms, num_threads);
+                      top_p, min_p, uniforms, override_starts, override_ids, override_values,
+                      num_threads);
 }
 
 }  // extern "C"

@@ -177,6 +177,31 @@ def test_kernel_and_torch_path_agree_on_a_real_sized_vocabulary(implementation):
             torch_path = sample_rows(x, md.temperature, md.top_k, md.top_p, md.min_p,
                                      md.uniforms)
             assert kernel.tolist() == torch_path.tolist(), (kwargs, dtype)
+    # Penalties: the kernel reads them as overrides, the torch path from a penalized copy.
+    pen = penalties(rows, [list(range(0, 3000, 7))] * rows, [[1, 2, 2, 7, 40]] * rows, 1.3, 0.4,
+                    0.6)
+    md = metadata(rows, temperature=[0.0, 0.9] * (rows // 2), top_p=0.9, penalties=pen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        kernel, _ = Sampler()(x, md)
+        copy = x.float()
+        apply_penalties(copy, pen)
+        torch_path = sample_rows(copy, md.temperature, None, md.top_p, None, md.uniforms)
+        assert kernel == torch_path.tolist(), dtype
+
+
+def test_kernel_refuses_malformed_overrides(implementation):
+    if implementation == "torch":
+        pytest.skip("a kernel argument")
+    logits, md = torch.randn(2, 10), metadata(2)
+    good = (torch.tensor([0, 1, 2]), torch.tensor([3, 4]), torch.tensor([1.0, 2.0]))
+    cpu_ops().sample(logits, md.temperature, None, None, None, md.uniforms, good)
+    for bad in ((torch.tensor([0, 1, 2]), torch.tensor([3, 10]), good[2]),  # id past the vocab
+                (torch.tensor([0, 2, 1]), good[1], good[2]),  # starts going back
+                (torch.tensor([0, 1, 3]), good[1], good[2]),  # past the ids
+                (good[0], good[1], good[2].double())):
+        with pytest.raises(ValueError, match="overrides"):
+            cpu_ops().sample(logits, md.temperature, None, None, None, md.uniforms, bad)
 
 
 # ---------------------------------------------------------------------------------------------

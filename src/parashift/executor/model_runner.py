@@ -173,7 +173,8 @@ class ModelRunner:
         # The label is for `bench latency --breakdown`; it costs ~7 us a step otherwise.
         with (record_function("parashift::sample") if torch.autograd._profiler_enabled()
               else contextlib.nullcontext()):
-            tokens, logprobs = self.sampler(logits, self._sampling_metadata(sampled_states))
+            md = sampling_metadata(sampled_states, self.vocab_size, self.device)
+            tokens, logprobs = self.sampler(logits, md)
         req_ids = [order[i] for i in sample_rows]
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
@@ -233,39 +234,41 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, torch.from_numpy(positions).to(self.device), step
 
-    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
-        params = [s.params for s in states]
-        dev = self.device
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
+def sampling_metadata(states: list[RequestState], vocab_size: int,
+                      device: torch.device) -> SamplingMetadata:
+    """The sampler's view of a step's sampling rows."""
+    params = [s.params for s in states]
 
-        greedy = [p.is_greedy for p in params]
-        all_greedy = all(greedy)
-        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
-        seeds = {
-            i: position_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
-            for i, (s, p) in enumerate(zip(states, params, strict=True))
-            if p.seed is not None and not greedy[i]
-        }
-        penalties = None
-        if any(s.counts is not None for s in states):
-            penalties = PenaltyInputs.gather(
-                [s.counts for s in states], [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
-                dev)
-        # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
-        return SamplingMetadata(
-            temperature=column([0.0 if g else p.temperature
-                                for p, g in zip(params, greedy, strict=True)], torch.float32),
-            all_greedy=all_greedy,
-            top_k=column([max(p.top_k, 0) for p in params], torch.int64)
-            if any(0 < p.top_k < self.vocab_size for p in sampled) else None,
-            top_p=column([p.top_p for p in params], torch.float32)
-            if any(p.top_p < 1.0 for p in sampled) else None,
-            min_p=column([p.min_p for p in params], torch.float32)
-            if any(p.min_p > 0.0 for p in sampled) else None,
-            uniforms=None if all_greedy else row_uniforms(len(states), seeds, dev),
-            penalties=penalties,
-            num_logprobs=[p.logprobs for p in params],
-        )
+    def column(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    greedy = [p.is_greedy for p in params]
+    all_greedy = all(greedy)
+    sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+    seeds = {
+        i: position_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
+        for i, (s, p) in enumerate(zip(states, params, strict=True))
+        if p.seed is not None and not greedy[i]
+    }
+    penalties = None
+    if any(s.counts is not None for s in states):
+        penalties = PenaltyInputs.gather(
+            [s.counts for s in states], [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
+            device)
+    # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
+    return SamplingMetadata(
+        temperature=column([0.0 if g else p.temperature
+                            for p, g in zip(params, greedy, strict=True)], torch.float32),
+        all_greedy=all_greedy,
+        top_k=column([max(p.top_k, 0) for p in params], torch.int64)
+        if any(0 < p.top_k < vocab_size for p in sampled) else None,
+        top_p=column([p.top_p for p in params], torch.float32)
+        if any(p.top_p < 1.0 for p in sampled) else None,
+        min_p=column([p.min_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in sampled) else None,
+        uniforms=None if all_greedy else row_uniforms(len(states), seeds, device),
+        penalties=penalties,
+        num_logprobs=[p.logprobs for p in params],
+    )

@@ -51,7 +51,8 @@ class TokenCounts:
 class PenaltyInputs:
     """The seen (row, token) pairs of a step's penalized rows, and every row's penalties."""
 
-    rows: torch.Tensor  # [pairs] int64
+    rows: torch.Tensor  # [pairs] int64, ascending
+    row_starts: torch.Tensor  # [num_rows + 1] int64: row r's pairs are [starts[r], starts[r+1])
     token_ids: torch.Tensor  # [pairs] int64
     output_counts: torch.Tensor  # [pairs] float32
     repetition: torch.Tensor  # [num_rows] float32, 1.0 where unused
@@ -66,6 +67,9 @@ class PenaltyInputs:
         used = [(row, c) for row, c in enumerate(counts) if c is not None]
         sizes = [len(c.token_ids) for _, c in used]
         rows = np.repeat(np.array([row for row, _ in used], dtype=np.int64), sizes)
+        row_starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        row_starts[[row + 1 for row, _ in used]] = sizes
+        np.cumsum(row_starts, out=row_starts)
         token_ids = np.concatenate([c.token_ids for _, c in used]) if used else rows
         output_counts = (np.concatenate([c.output_counts for _, c in used]) if used
                          else np.zeros(0, np.float32))
@@ -73,20 +77,24 @@ class PenaltyInputs:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device),
+        return cls(torch.from_numpy(rows).to(device), torch.from_numpy(row_starts).to(device),
+                   torch.from_numpy(token_ids).to(device),
                    torch.from_numpy(output_counts).to(device), column(repetition),
                    column(frequency), column(presence))
 
 
-def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> None:
-    """In place on float logits [num_rows, vocab]. Repetition (vLLM's, from CTRL) divides a seen
-    token's positive logit and multiplies a negative one, prompt tokens included; frequency and
-    presence (OpenAI's) subtract count * frequency + (count > 0) * presence, outputs only."""
-    if p.rows.numel() == 0:
-        return
-    values = logits[p.rows, p.token_ids]
+def penalized_values(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
+    """[pairs] float32: the seen tokens' logits after their penalties. Repetition (vLLM's, from
+    CTRL) divides a seen token's positive logit and multiplies a negative one, prompt tokens
+    included; frequency and presence (OpenAI's) subtract count * frequency + (count > 0) *
+    presence, outputs only."""
+    values = logits[p.rows, p.token_ids].float()
     rep = p.repetition[p.rows]
     values = torch.where(values > 0, values / rep, values * rep)
     values -= p.frequency[p.rows] * p.output_counts
-    values -= p.presence[p.rows] * (p.output_counts > 0)
-    logits[p.rows, p.token_ids] = values
+    return values - p.presence[p.rows] * (p.output_counts > 0)
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> None:
+    """In place on float logits [num_rows, vocab] (penalized_values written back)."""
+    logits[p.rows, p.token_ids] = penalized_values(logits, p)

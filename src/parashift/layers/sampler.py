@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels
-from parashift.layers.penalties import PenaltyInputs, apply_penalties
+from parashift.layers.penalties import PenaltyInputs, apply_penalties, penalized_values
 from parashift.types.outputs import TokenLogprobs
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -68,16 +68,21 @@ class Sampler:
         raw_logprobs = None
         if any(n is not None for n in md.num_logprobs):
             raw_logprobs = logits.float().log_softmax(dim=-1)
-        if md.penalties is not None:
+        p = md.penalties
+        if on_cpu_kernels(logits) and logits.stride(-1) == 1:
+            if md.all_greedy and p is None and logits.is_contiguous():
+                tokens = cpu_ops().argmax(logits)
+            else:  # penalized logits as overrides: the kernel copies a row only where needed
+                overrides = (None if p is None else
+                             (p.row_starts, p.token_ids, penalized_values(logits, p)))
+                tokens = cpu_ops().sample(logits, md.temperature, md.top_k, md.top_p,
+                                          md.min_p, md.uniforms, overrides)
+            return tokens.tolist(), self._logprobs(raw_logprobs, tokens, md)
+        if p is not None:
             logits = logits.to(torch.float32, copy=True)
-            apply_penalties(logits, md.penalties)
-        fast = on_cpu_kernels(logits) and logits.stride(-1) == 1
+            apply_penalties(logits, p)
         if md.all_greedy:
-            tokens = (cpu_ops().argmax(logits) if fast and logits.is_contiguous()
-                      else logits.argmax(dim=-1))
-        elif fast:
-            tokens = cpu_ops().sample(logits, md.temperature, md.top_k, md.top_p, md.min_p,
-                                      md.uniforms)
+            tokens = logits.argmax(dim=-1)
         else:
             tokens = sample_rows(logits, md.temperature, md.top_k, md.top_p, md.min_p,
                                  md.uniforms)
