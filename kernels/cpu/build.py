@@ -59,23 +59,49 @@ def library_path(build_dir: str, compiler: str, march: str | None = None) -> str
     return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
 
 
+def _sha256(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def is_intact(path: str) -> bool:
+    """Whether the library at `path` is the one this build wrote: a sha256 of its bytes was
+    written beside it (`path`.sha256). A file planted under the predictable name, or cut short,
+    is not, and is built again before anything loads it."""
+    try:
+        fd = os.open(f"{path}.sha256", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            return f.read().strip() == _sha256(path)
+    except OSError:
+        return False
+
+
 def build(build_dir: str, march: str | None = None) -> str:
-    """The path of this CPU's compiled library, built first if need be. Raises RuntimeError
-    (with the compiler's message) when no compiler is found or the build fails."""
+    """The path of this CPU's compiled library, built first if need be (or again, when the
+    cached file is not intact). Raises RuntimeError (with the compiler's message) when no
+    compiler is found or the build fails."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    os.makedirs(build_dir, exist_ok=True)
+    os.makedirs(build_dir, mode=0o700, exist_ok=True)
     path = library_path(build_dir, compiler, march)
-    if os.path.exists(path):
+    if is_intact(path):
         return path
-    with open(os.path.join(build_dir, "cpu-ops.lock"), "w") as lock:
+    lock_fd = os.open(os.path.join(build_dir, "cpu-ops.lock"),
+                      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(lock_fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if not os.path.exists(path):
+        if not is_intact(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             cmd = [compiler, *_FLAGS, *_target_flags(march), *SOURCES, "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")
+            digest_fd = os.open(f"{path}.sha256.{os.getpid()}.tmp",
+                                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(digest_fd, "w") as f:
+                f.write(_sha256(tmp))
             os.replace(tmp, path)
+            os.replace(f"{path}.sha256.{os.getpid()}.tmp", f"{path}.sha256")
     return path

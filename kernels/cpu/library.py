@@ -330,5 +330,5 @@ def load(build_dir: str, march: str | None = None) -> CpuOps:
     try:
         return CpuOps(path)
     except OSError:
-        os.remove(path)
+        os.remove(f"{path}.sha256")
         return CpuOps(build(build_dir, march))

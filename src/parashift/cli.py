@@ -9,11 +9,12 @@ import typer
 
 from parashift import env
 from parashift.bench.cli import bench_app
-from parashift.cli_options import engine_options, fail, setup_logging
+from parashift.cli_options import engine_options, fail, parse_size, setup_logging
 from parashift.defaults import (
     DEFAULT_ROUTING,
     DEFAULT_ROUTING_BALANCE_THRESHOLD,
     DEFAULT_ROUTING_MIN_MATCH,
+    served_max_waiting,
 )
 from parashift.plan.cli import Objective, plan
 
@@ -118,8 +119,11 @@ def run(
     port: int = 8000,
     api_server_count: Annotated[int, typer.Option("--api-server-count")] = 1,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", help="bearer key for /v1/*")
-                       ] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="bearer key for every route but /health and /metrics (better: "
+                          "PARASHIFT_API_KEY, which no other user can read)")] = None,
+    max_body_size: Annotated[str, typer.Option(
+        "--max-body-size", help="largest HTTP request body, e.g. 8MiB")] = "8MiB",
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
                                                     help="seconds to drain on SIGTERM")] = 10.0,
     startup_timeout: Annotated[float, typer.Option(
@@ -170,12 +174,17 @@ def run(
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
     engine_args.seed = seed
+    if engine_args.max_waiting_requests is None:  # served: a bounded queue, 429 beyond it
+        engine_args.max_waiting_requests = served_max_waiting(engine_args.max_num_seqs)
     from parashift.runtime.launcher import run as run_server
     from parashift.runtime.node import ServeArgs
     from parashift.wire.process_util import exit_now
 
     if request_timeout is not None and request_timeout <= 0:
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
+    max_body_bytes = parse_size(max_body_size, "--max-body-size")
+    if max_body_bytes < 1024:
+        raise typer.BadParameter("must be at least 1KiB", param_hint="--max-body-size")
     from parashift.serve.prefix_router import RoutingConfig
 
     try:
@@ -184,7 +193,8 @@ def run(
         fail(str(e))
     args = ServeArgs(
         engine_args, host=host, port=port, api_server_count=api_server_count,
-        served_model_name=served_model_name, api_key=api_key,
+        served_model_name=served_model_name, api_key=api_key or env.api_key(),
+        max_body_bytes=max_body_bytes,
         shutdown_timeout=shutdown_timeout, startup_timeout=startup_timeout,
         request_timeout=request_timeout, log_level=env.log_level(),
         data_parallel_size_local=data_parallel_size_local,

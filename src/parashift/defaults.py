@@ -10,6 +10,14 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # KV budget of a CPU worker without --kv-
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# A served engine's waiting queue holds at most this many batches' worth of requests
+# (--max-waiting-requests overrides; offline LLM.generate queues whatever it is given).
+SERVED_WAITING_PER_SEQ = 8
+
+
+def served_max_waiting(max_num_seqs: int) -> int:
+    return SERVED_WAITING_PER_SEQ * max_num_seqs
+
 
 # The dtype table: --dtype names (and aliases) -> the dtype, and its bytes per value.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")

@@ -6,9 +6,25 @@ import os
 
 
 def cache_dir() -> str:
-    """Where converted checkpoints are cached; PARASHIFT_CACHE_DIR overrides ~/.cache/parashift."""
+    """Where converted checkpoints, the compiled CPU kernels and GEMM timings are cached;
+    PARASHIFT_CACHE_DIR overrides ~/.cache/parashift. Created private (0700); refused with a
+    RuntimeError naming it when another user owns it or others may write it, since what it
+    holds is loaded as code and weights."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "parashift")
-    return os.environ.get("PARASHIFT_CACHE_DIR") or default
+    path = os.environ.get("PARASHIFT_CACHE_DIR") or default
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"the cache folder {path} (mode {st.st_mode & 0o777:o}, owner uid "
+                           f"{st.st_uid}) must belong to this user (uid {os.getuid()}) and be "
+                           f"writable by no one else: chmod 700 it or set PARASHIFT_CACHE_DIR")
+    return path
+
+
+def api_key() -> str | None:
+    """PARASHIFT_API_KEY: the HTTP bearer key, kept out of the command line (where every local
+    user reads it in /proc/*/cmdline)."""
+    return os.environ.get("PARASHIFT_API_KEY") or None
 
 
 def log_level() -> str:

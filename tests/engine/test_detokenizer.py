@@ -75,3 +75,21 @@ def test_the_direct_decode_gives_what_the_tokenizer_decode_gives(smollm2_path):
         assert decoder(tok, skip).func == tok._tokenizer.decode
     tok.clean_up_tokenization_spaces = True
     assert decoder(tok, True).func == tok.decode
+
+
+def test_stop_matching_is_linear_in_the_new_text():
+    """64 stop strings of 1,024 characters: each new token's search covers only where the new
+    text can complete a stop string, so 400 tokens cost the same per token at the end as at
+    the start once the text is longer than a stop string (the characters examined are
+    counted, not timed)."""
+    stops = [f"{i:02d}" + "z" * 1022 for i in range(64)]
+    d = detok(stops)
+    per_token = []
+    for _ in range(1500):
+        before = d.chars_examined
+        d.apply(out("a"))
+        per_token.append(d.chars_examined - before)
+    assert d.stop_hit is None and len(d.text) == 1500
+    # each stop string looks at most its own length back, the new character included
+    assert max(per_token) <= 64 * 1024
+    assert per_token[-1] == per_token[1100] == 64 * 1024

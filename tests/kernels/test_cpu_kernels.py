@@ -5,6 +5,7 @@ order differs), on strided inputs as the model passes them; and the build cache.
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -175,8 +176,27 @@ def test_the_build_is_cached_per_cpu_and_rebuilt_when_corrupt(tmp_path, monkeypa
     assert other != first and os.path.exists(first)
     with open(other, "wb") as f:
         f.write(b"not a library")
-    ops = library.load(build_dir)  # does not load: built again
+    ops = library.load(build_dir)  # its sha256 no longer matches: built again before loading
     assert ops.path == other and os.path.getsize(other) > 1000
+
+
+def test_a_planted_library_is_never_loaded(tmp_path, monkeypatch):
+    """A file put under the library's predictable name (a shared or writable cache folder) is
+    rebuilt over, not dlopen'ed: only a library this build wrote, with its sha256 beside it,
+    loads."""
+    monkeypatch.setattr(kernel_build, "_FLAGS",
+                        ["-O0" if f == "-O3" else f for f in kernel_build._FLAGS])
+    compiler = kernel_build.shutil.which("g++") or kernel_build.shutil.which("c++")
+    path = kernel_build.library_path(str(tmp_path), compiler)
+    planted = tmp_path / "planted.c"
+    planted.write_text("__attribute__((constructor)) static void run(void) {"
+                       " __builtin_trap(); }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-x", "c", str(planted), "-o", path],
+                   check=True)
+    with open(f"{path}.sha256", "w") as f:
+        f.write("0" * 64)  # a digest that is not the file's
+    ops = library.load(str(tmp_path))  # the planted file would abort this process on load
+    assert ops.path == path and kernel_build.is_intact(path)
 
 
 def test_no_compiler_means_no_kernels_and_the_torch_path(tmp_path, monkeypatch, caplog):

@@ -52,3 +52,13 @@ def test_a_header_past_the_end_of_the_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="past the end of the file"):
         list(iterate_weights(str(tmp_path)))
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path, name):
+    import json
+
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(ValueError, match="outside"):
+        weights.safetensors_files(str(tmp_path))

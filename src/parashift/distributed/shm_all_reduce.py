@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import secrets
 import time
 
 import numpy as np
@@ -31,7 +32,8 @@ _TIMEOUT_S = 600.0  # as the gloo group's: a peer this late is gone
 def _create(path: str, size: int) -> None:
     """A zero-filled file (every flag starts at call 0) whose pages are reserved now: a full
     /dev/shm fails here rather than with SIGBUS at the first write."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_EXCL | O_NOFOLLOW: never a file (or link) another user planted under the name.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, size)
@@ -49,9 +51,10 @@ def supported() -> bool:
 
 
 def shm_path(tag: str) -> str:
-    """Where the mapping's file lives while the ranks open it: memory-backed where possible."""
+    """Where the mapping's file lives while the ranks open it: memory-backed where possible,
+    under a name no other user can guess (and so plant first)."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(folder, f"parashift-{tag}-all-reduce")
+    return os.path.join(folder, f"parashift-{tag}-{secrets.token_hex(16)}-all-reduce")
 
 
 class ShmAllReduce:

@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
         self.stop_hit: str | None = None
+        self.chars_examined = 0  # by the stop-string search (tests bound it)
         self.emitted = 0  # characters handed out by `take`
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
@@ -86,11 +87,13 @@ class IncrementalDetokenizer:
         return delta
 
     def _check_stop(self, before: int) -> bool:
-        longest = max(len(s) for s in self.stop)
-        search_from = max(0, before - longest + 1)
+        """Each stop string is looked for only where the new text (from `before` on) can have
+        completed it: the work is linear in the new text, whatever the text so far."""
         best = None
         for s in self.stop:
-            i = self.text.find(s, search_from)
+            start = max(0, before - len(s) + 1)
+            self.chars_examined += len(self.text) - start
+            i = self.text.find(s, start)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

@@ -198,7 +198,14 @@ class EngineProcess:
                     self.rank, msg.request_id, ASLEEP_MESSAGE, 503)))
                 return
             self.client_of[msg.request_id] = msg.client_index
-            if self.sleep.closed:  # --while-asleep wait
+            if self.sleep.closed:  # --while-asleep wait: held requests count against the cap
+                limit = self.core.config.scheduler.max_waiting_requests
+                if limit is not None and len(self.sleep.held) >= limit:
+                    self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
+                        self.rank, msg.request_id, f"the engine is asleep and holds {limit} "
+                        "requests already (--max-waiting-requests): try again later", 429)))
+                    self.client_of.pop(msg.request_id, None)
+                    return
                 self.sleep.held[msg.request_id] = msg
                 return
             try:

@@ -122,6 +122,10 @@ def safetensors_files(folder: str) -> list[str]:
     if os.path.exists(index):
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
+        for name in names:  # a file the index names must lie in the model's folder
+            if (not isinstance(name, str) or os.path.isabs(name)
+                    or ".." in name.replace("\\", "/").split("/")):
+                raise ValueError(f"{index}: the weight file {name!r} lies outside {folder}")
         return [os.path.join(folder, name) for name in names]
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:

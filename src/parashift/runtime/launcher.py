@@ -134,7 +134,8 @@ class Launcher:
                 eos, mc.vocab_size, self.args.api_key,
                 self.args.log_level, coordinator_pub, self.args.request_timeout,
                 routing=self.args.routing, bound=self.endpoints.handed(
-                    self.endpoints.requests[i], self.endpoints.outputs[i]))
+                    self.endpoints.requests[i], self.endpoints.outputs[i]),
+                max_body_bytes=self.args.max_body_bytes)
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()

@@ -20,6 +20,7 @@ class ServeArgs:
     shutdown_timeout: float = 10.0
     startup_timeout: float = 600.0
     request_timeout: float | None = None  # seconds one HTTP generation may take
+    max_body_bytes: int = 8 << 20  # an HTTP request body past this is a 413
     log_level: str = "INFO"
     # Multi-node data parallel (vLLM's flags) and failure handling.
     data_parallel_size_local: int | None = None

@@ -4,11 +4,14 @@ all accept on one listening socket and reach every engine through their own brok
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import signal
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ from parashift.serve.generation import Generation
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
     MAX_CHOICES,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -61,6 +65,19 @@ class ApiServerArgs:
     request_timeout: float | None = None  # seconds a generation may take; None: no limit
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
+    max_body_bytes: int = 8 << 20
+
+
+# Without the key: the liveness probe and the Prometheus scrape (counts, never request content).
+OPEN_ROUTES = frozenset(("/health", "/metrics"))
+JSON_ROUTES = frozenset(("/v1/completions", "/v1/chat/completions"))
+# Content types a browser may POST cross-site without asking the server first (CORS "simple").
+_SIMPLE_CONTENT_TYPES = frozenset(("text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data"))
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -74,6 +91,14 @@ class ApiServer:
 
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        # Tokenizing and chat templates run here, off the event loop (one thread: the
+        # tokenizer is not shared between threads).
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-tokenize")
+        # A text longer than this many characters cannot fit max_model_len at any
+        # tokenization: no token is longer than the longest in the vocabulary.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = args.max_model_len * max(1, longest)
+        self._key_digest = _digest(f"Bearer {args.api_key}") if args.api_key else None
         self.broker = Broker(args.index, args.request_address, args.output_address,
                              args.num_engines, args.coordinator_address, args.bound,
                              args.routing)
@@ -83,8 +108,8 @@ class ApiServer:
         self.metrics.api_server.labels(str(args.index)).set(1)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count, self._errors, self._auth],
-                              client_max_size=32 << 20)
+        app = web.Application(middlewares=[self._count, self._errors, self._guard, self._auth],
+                              client_max_size=self.args.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -121,15 +146,37 @@ class ApiServer:
                 return _json(OpenAIError(e.status, e.reason, "invalid_request_error").body(),
                              e.status)
             raise
-        except Exception as e:  # a bug must fail its request only, never the server
-            logger.exception("internal error on %s", request.path)
-            return _json(OpenAIError(500, f"internal error: {e}", "internal_error").body(), 500)
+        except Exception:  # a bug must fail its request only, never the server
+            error_id = uuid.uuid4().hex
+            logger.exception("internal error %s on %s", error_id, request.path)
+            # The body names the log entry, never the exception (it may hold request content).
+            return _json(OpenAIError(500, f"internal error (logged as {error_id})",
+                                     "internal_error").body(), 500)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        """Cross-site requests: a web page the user visits must not reach this server. JSON
+        routes take only application/json (a cross-site page can send text/plain without a
+        preflight); a browser's cross-origin request (its Origin names another host) is
+        refused on every route that acts."""
+        if request.method == "POST":
+            if request.path in JSON_ROUTES and request.content_type != "application/json":
+                raise OpenAIError(415, f"Content-Type must be application/json, not "
+                                  f"{request.content_type!r}", code="unsupported_media_type")
+            if request.content_type in _SIMPLE_CONTENT_TYPES:
+                raise OpenAIError(415, f"{request.path} takes no {request.content_type} body",
+                                  code="unsupported_media_type")
+            origin = request.headers.get("Origin")
+            if origin is not None and origin.split("://", 1)[-1] != request.host:
+                raise OpenAIError(403, f"cross-origin request from {origin!r} refused",
+                                  "permission_error", code="cross_origin")
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
+        if self._key_digest is not None and request.path not in OPEN_ROUTES:
+            given = _digest(request.headers.get("Authorization", ""))
+            if not hmac.compare_digest(given, self._key_digest):
                 raise OpenAIError(401, "invalid or missing API key", "authentication_error",
                                   code="invalid_api_key")
         return await handler(request)
@@ -166,20 +213,32 @@ class ApiServer:
             raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
         if req.echo and req.logprobs is not None:
             raise OpenAIError(400, "echo together with logprobs is not supported", param="echo")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt, req.n)
         return await self._generate(request, req, prompts, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), ChatCompletionRequest)
         self._check_model(req.model)
         messages = chat_messages(req)
-        try:
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(400, f"the messages hold {chars} characters: more than any "
+                              f"{self.args.max_model_len}-token context can hold",
+                              param="messages")
+
+        def render() -> list[int]:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            ids = await self._off_loop(render)
         except Exception as e:
             raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from e
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return await self._generate(request, req, [ids], chat=True)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     # --- helpers -----------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -188,15 +247,25 @@ class ApiServer:
                               f"{self.args.served_model_name!r}", "invalid_request_error",
                               param="model", code="model_not_found")
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
+        """Token ids of each prompt; how many prompts and how long each text is are checked
+        before anything is tokenized (off the event loop)."""
         kinds = {type(x) for x in prompt} if isinstance(prompt, list) else {str}
         if len(kinds) > 1:
             raise OpenAIError(400, "prompt must be a string, a list of strings, a list of token "
                               "ids or a list of token-id lists, not a mix", param="prompt")
-        if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
-        elif kinds == {str}:
-            prompts = [self.tokenizer.encode(t) for t in prompt]
+        texts = [prompt] if isinstance(prompt, str) else prompt if kinds == {str} else None
+        count = 1 if kinds == {int} else len(texts if texts is not None else prompt)
+        if count > MAX_PROMPTS or count * n > MAX_CHOICES:
+            raise OpenAIError(400, f"{count} prompts x n={n} is more than {MAX_CHOICES} choices "
+                              f"in one request", param="n")
+        if texts is not None:
+            longest = max((len(t) for t in texts), default=0)
+            if longest > self.max_prompt_chars:
+                raise OpenAIError(400, f"a prompt of {longest} characters is longer than any "
+                                  f"{self.args.max_model_len}-token context can hold",
+                                  param="prompt")
+            prompts = await self._off_loop(lambda: [self.tokenizer.encode(t) for t in texts])
         elif kinds == {int}:
             prompts = [list(prompt)]
         else:

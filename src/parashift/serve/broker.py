@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -28,6 +29,7 @@ from parashift.wire import protocol as p
 from parashift.wire.process_util import bind, subscriber
 
 logger = logging.getLogger(__name__)
+MAX_FRAME_BYTES = 256 << 20  # a larger frame is dropped by ZMQ before it is read
 
 
 class Broker:
@@ -45,6 +47,7 @@ class Broker:
         self.requests.setsockopt(zmq.SNDHWM, 0)
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         bind(self.requests, request_address, bound)
         # Sends are non-blocking and must raise here (an asyncio socket would park the error
         # in a future nobody awaits): a plain socket shadowing the same one, same thread.
@@ -52,6 +55,7 @@ class Broker:
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         bind(self.outputs, output_address, bound)
         # request id -> where its outputs and its failure go (called in the event loop)
         self.sinks: dict[str, Callable[[EngineCoreOutput | Exception], None]] = {}
@@ -66,6 +70,8 @@ class Broker:
         self.load_in = None
         if coordinator_address is not None:
             self.load_in = subscriber(self.ctx, coordinator_address)
+            self.load_in.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.num_dropped = 0  # frames that did not decode (logged, never fatal)
         # Set once every engine has been ready: the API server accepts connections from then on.
         self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
@@ -78,10 +84,10 @@ class Broker:
         self.on_outputs = None  # optional hook(rank, EngineOutputs) for metrics
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._recv_outputs()),
-                       asyncio.create_task(self._recv_control())]
+        self._tasks = [asyncio.create_task(self._recv_outputs(), name="outputs"),
+                       asyncio.create_task(self._recv_control(), name="control")]
         if self.load_in is not None:
-            self._tasks.append(asyncio.create_task(self._recv_load()))
+            self._tasks.append(asyncio.create_task(self._recv_load(), name="coordinator"))
         for task in self._tasks:
             task.add_done_callback(_log_failure)
 
@@ -92,6 +98,9 @@ class Broker:
 
     # --- health and routing ------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
+        stopped = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
+        if stopped:  # a bug the guarded receives did not catch: say so rather than hang
+            return False, f"the API server's receive task(s) {', '.join(stopped)} stopped"
         if self.dead:
             return False, "; ".join(f"engine dp{r} is down: {why}" for r, why in
                                     sorted(self.dead.items()))
@@ -132,9 +141,23 @@ class Broker:
             return self.in_flight.get(rank, 0)
         return 4 * load.num_waiting + load.num_running + self.sent_since_update.get(rank, 0)
 
+    def _decode(self, frame: bytes, kind: Any, link: str) -> Any:
+        """A frame as `kind`, or None: a malformed one is dropped and logged (the first, then
+        every 1,000th), never allowed to stop the receiving task."""
+        try:
+            return p.decode(frame, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.num_dropped += 1
+            if self.num_dropped % 1000 == 1:
+                logger.warning("dropped a malformed frame on the %s link (%d so far): %s",
+                               link, self.num_dropped, e)
+            return None
+
     async def _recv_load(self) -> None:
         while True:
-            vector = p.decode(await self.load_in.recv(), p.FromCoordinator)
+            vector = self._decode(await self.load_in.recv(), p.FromCoordinator, "coordinator")
+            if vector is None:
+                continue
             if isinstance(vector, p.EngineDead):  # a rank stopped sending heartbeats
                 self.mark_dead(vector.rank, vector.reason, vector.incarnation)
                 continue
@@ -206,7 +229,7 @@ class Broker:
     # --- receiving ---------------------------------------------------------------------------
     async def _recv_outputs(self) -> None:
         while True:
-            msg = p.decode(await self.outputs.recv(), p.Outputs)
+            msg = self._decode(await self.outputs.recv(), p.Outputs, "outputs")
             if isinstance(msg, p.EngineOutputs):
                 self.stats[msg.rank] = msg.stats
                 for out in msg.outputs:
@@ -238,8 +261,8 @@ class Broker:
 
     async def _recv_control(self) -> None:
         while True:
-            identity, frame = await self.requests.recv_multipart()
-            msg = p.decode(frame, p.Control)
+            frames = await self.requests.recv_multipart()
+            msg = self._decode(frames[1], p.Control, "control") if len(frames) == 2 else None
             if isinstance(msg, p.EngineReady):
                 self.on_ready(msg)
                 if len(self.ready) == self.num_engines:

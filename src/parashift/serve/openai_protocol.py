@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from parashift.types.sampling_params import SamplingParams
+from parashift.types.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -29,7 +29,8 @@ class OpenAIError(Exception):
 MAX_N = 128  # samples per prompt (n, best_of)
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_LOGPROBS = 20  # OpenAI's own cap
-MAX_STOPS = 64  # stop strings, and stop token ids
+MAX_PROMPTS = MAX_CHOICES  # prompts in one completion request, counted before tokenizing
+MAX_MESSAGES = 4096  # messages in one chat request, counted before rendering
 INT64 = (-(2**63), 2**63 - 1)
 INT32_MAX = 2**31 - 1
 
@@ -40,7 +41,8 @@ Int32 = Annotated[int, Meta(le=INT32_MAX)]  # max_tokens, top_k (lower bounds: S
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # Finite floats: JSON's 1e999 decodes to inf, which no sampler should see.
 Float = Annotated[float, Meta(ge=-1e6, le=1e6)]
-Stops = str | Annotated[list[str], Meta(max_length=MAX_STOPS)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+Stops = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,7 +112,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# Stop strings are matched on every new token: their number and length bound that work.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
+
 
 @dataclass
 class SamplingParams:
@@ -57,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if len(self.stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of the index-th of n independent samples (each its own seed)."""
