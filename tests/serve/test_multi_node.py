@@ -102,11 +102,40 @@ def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expect
         assert after[2:] == before[2:] and sum(after) - sum(before) == 8
 
 
+def rogue_frames(address: str) -> None:
+    """What a stranger on the network can send the head's handshake port: garbage, multi-part
+    junk, msgpack of the wrong shape, an oversized frame."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 1000)
+        rogue.connect(address)
+        rogue.send(b"\xff\x00garbage")
+        rogue.send_multipart([b"a", b"b", b"c"])
+        rogue.send(b"\x93\x01\x02\x03")  # a msgpack array that is no message of ours
+        rogue.send(b"\x92\xa5Hello\xc0")
+        rogue.send(b"x" * (300 << 20))  # past every socket's frame limit
+        rogue.close()
+    finally:
+        ctx.term()
+
+
 def test_head_shutdown_stops_the_headless_node(tiny_llama):
+    """And before that: rogue frames on the handshake port leave the head serving."""
     rpc_port = free_port()
     with headless_node(tiny_llama, rpc_port) as (node, lines):
         with running_server(tiny_llama, *head_args(rpc_port)) as head:
             assert head.get_json("/health")[0] == 200
+            rogue_frames(f"tcp://127.0.0.1:{rpc_port}")
+            deadline = time.monotonic() + 15  # the head has read them: it says so, once
+            while "dropped a malformed frame on the handshake link" not in head.output():
+                assert time.monotonic() < deadline, head.output()[-3000:]
+                time.sleep(0.1)
+            for rank in (0, 3):  # each node's ranks still answer
+                assert complete(head, PROMPTS[0], rank=rank)["choices"][0]["text"]
+            assert head.get_json("/health")[0] == 200 and head.proc.poll() is None
         # running_server's exit sent SIGTERM to the head; the head told the node to stop.
         assert node.wait(30) == 0, "".join(lines)
         assert "the head node is shutting down" in "".join(lines)

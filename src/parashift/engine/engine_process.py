@@ -12,7 +12,6 @@ import time
 import traceback
 from typing import Any
 
-import msgspec
 import zmq
 
 from parashift.engine.args import create_config
@@ -32,6 +31,7 @@ from parashift.wire.process_util import (
     set_process_name,
     setup_child_logging,
     subscriber,
+    zmq_context,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class EngineProcess:
         self.handshake_timeout = handshake_timeout
         self.incarnation = os.getpid()
         self.placement = placement
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
         self.handshake.setsockopt(zmq.LINGER, 1000)
@@ -133,12 +133,9 @@ class EngineProcess:
                         frame = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        msg = p.decode(frame, p.ToEngine)
-                    except msgspec.ValidationError as e:  # one bad message, not a dead engine
-                        logger.error("dropped a malformed message: %s", e)
-                        continue
-                    self._handle(msg)
+                    msg = p.decode_or_drop(frame, p.ToEngine, "requests")
+                    if msg is not None:  # one bad message, not a dead engine
+                        self._handle(msg)
             if self.sleep.level and self.wave.running:  # a lockstep peer needs this rank
                 self.sleep.wake_for_wave()
             self.sleep.settle(core.has_unfinished_requests() or self.wave.running)
@@ -155,7 +152,8 @@ class EngineProcess:
     def _drain_waves(self) -> None:
         while True:
             try:
-                msg = p.decode(self.waves_in.recv(zmq.NOBLOCK), p.FromCoordinator)
+                msg = p.decode_or_drop(self.waves_in.recv(zmq.NOBLOCK), p.FromCoordinator,
+                                       "waves")
             except zmq.Again:
                 return
             if isinstance(msg, p.StartWave):

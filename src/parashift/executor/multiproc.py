@@ -30,7 +30,7 @@ from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.wire import protocol as p
-from parashift.wire.process_util import exit_after, join_within
+from parashift.wire.process_util import exit_after, join_within, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class MultiprocExecutor:
         """One process per worker of the placement; ipc sockets and a FileStore in a private
         folder."""
         self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{placement.engine}-workers-")
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{self.dir}/results")
         self.commands: list[zmq.Socket] = []

@@ -16,7 +16,7 @@ from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.strategies.mesh import EnginePlacement
-from parashift.wire.process_util import named_actor_class
+from parashift.wire.process_util import named_actor_class, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RayExecutor(MultiprocExecutor):
         head_ip = ray.get(self.actors[0].node_ip.remote())
         port = ray.get(self.actors[0].free_port.remote())
         my_ip = ray.util.get_node_ip_address()
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)
         result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
         self.commands = []

@@ -29,7 +29,12 @@ from parashift.distributed.shm_all_reduce import ShmAllReduce
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
-from parashift.wire.process_util import die_with_parent, set_process_name, setup_child_logging
+from parashift.wire.process_util import (
+    die_with_parent,
+    set_process_name,
+    setup_child_logging,
+    zmq_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ def run_worker(args: WorkerArgs) -> None:
     setup_child_logging(args.log_level)
     if threading.current_thread() is threading.main_thread():  # not so in some Ray actors
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    ctx = zmq.Context()
+    ctx = zmq_context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(args.command_address)
     results = ctx.socket(zmq.PUSH)

@@ -27,6 +27,7 @@ from parashift.wire.process_util import (
     die_with_parent,
     set_process_name,
     setup_child_logging,
+    zmq_context,
 )
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 class Coordinator:
     def __init__(self, num_engines: int, stats_address: str, publish_address: str,
                  heartbeat_timeout: float = 5.0, bound: dict[str, socket.socket] | None = None):
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.stats = self.ctx.socket(zmq.PULL)
         self.stats.setsockopt(zmq.LINGER, 0)
         bind(self.stats, stats_address, bound)
@@ -69,10 +70,10 @@ class Coordinator:
         changed = False
         while True:
             try:
-                msg = p.decode(self.stats.recv(zmq.NOBLOCK), p.ToEngineLoad)
+                msg = p.decode_or_drop(self.stats.recv(zmq.NOBLOCK), p.ToEngineLoad, "load")
             except zmq.Again:
                 return changed
-            if not 0 <= msg.rank < len(self.load):
+            if msg is None or not 0 <= msg.rank < len(self.load):
                 continue
             if isinstance(msg, p.StartWave):  # on to every engine at once
                 self.publish.send(p.encode(p.StartWave(msg.wave)))

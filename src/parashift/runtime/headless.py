@@ -19,7 +19,7 @@ from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p
-from parashift.wire.process_util import subscriber
+from parashift.wire.process_util import subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class HeadlessLauncher:
         self.engines = LocalEngines(
             {r: self.mesh.engine_placement(r) for r in self.local_ranks}, self.head,
             args.log_level, args.startup_timeout, args.restart_dead_engines)
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.to_head = self.ctx.socket(zmq.DEALER)
         self.to_head.setsockopt(zmq.IDENTITY, f"node-{self.local_ranks[0]}".encode())
         self.to_head.setsockopt(zmq.LINGER, 1000)
@@ -64,7 +64,10 @@ class HeadlessLauncher:
                 raise StartupError(f"no head node answered at {self.head} within "
                                    f"{self.args.startup_timeout:.0f} s (--data-parallel-address"
                                    f", --data-parallel-rpc-port, --startup-timeout)")
-        msg = p.decode(self.to_head.recv(), p.ToNode)
+        msg = p.decode_or_drop(self.to_head.recv(), p.ToNode, "head")
+        if msg is None:
+            raise StartupError(f"the head node at {self.head} answered with a message this node "
+                               "cannot read (another parashift version?)")
         if isinstance(msg, p.Shutdown):
             raise StartupError("the head node is shutting down")
         self.head_heartbeats = subscriber(self.ctx, msg.coordinator_publish_address)
@@ -80,7 +83,8 @@ class HeadlessLauncher:
                 if sock is self.head_heartbeats:
                     self.head_heartbeats.recv()
                     last_heard, timeout = time.monotonic(), self.args.heartbeat_timeout
-                elif isinstance(p.decode(self.to_head.recv(), p.ToNode), p.Shutdown):
+                elif isinstance(p.decode_or_drop(self.to_head.recv(), p.ToNode, "head"),
+                                p.Shutdown):
                     logger.info("the head node is shutting down; stopping this node")
                     return 0
             if time.monotonic() - last_heard > timeout:

@@ -29,6 +29,7 @@ from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
+from parashift.wire.process_util import zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Launcher:
                 {r: self.mesh.engine_placement(r) for r in self.local_ranks},
                 self.endpoints.handshake, args.log_level, args.startup_timeout,
                 args.restart_dead_engines)
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context()
         self.handshake: zmq.Socket | None = None
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
@@ -179,15 +180,21 @@ class Launcher:
                                    f"within {self.args.startup_timeout:.0f} s")
             for i in list(pending):
                 if self.controls[i].poll(50):
-                    msg = p.decode(self.controls[i].recv(), p.ApiServerReady)
-                    pending.discard(msg.index)
+                    msg = p.decode_or_drop(self.controls[i].recv(), p.ApiServerReady,
+                                           "api-server control")
+                    if msg is not None:
+                        pending.discard(msg.index)
 
     def _serve_handshake(self, timeout_ms: int, starting: bool = False) -> None:
         """Engines (first start, restarts, other nodes) and headless launchers."""
         if not self.handshake.poll(timeout_ms):
             return
-        identity, frame = self.handshake.recv_multipart()
-        msg = p.decode(frame, p.Handshake)
+        frames = self.handshake.recv_multipart()
+        if len(frames) != 2:  # a ROUTER frame is [identity, message]: anything else is junk
+            p.decode_or_drop(b"", p.Handshake, "handshake")
+            return
+        identity, frame = frames
+        msg = p.decode_or_drop(frame, p.Handshake, "handshake")
         if isinstance(msg, p.Hello):
             engine_args = dataclasses.replace(
                 self.args.engine, distributed_executor_backend=self.args.backend,

@@ -51,7 +51,8 @@ class LockstepGroup:
         one while it loads."""
         while self.verdicts is not None:
             try:
-                msg = p.decode(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator)
+                msg = p.decode_or_drop(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator,
+                                       "verdicts")
             except zmq.Again:
                 return
             if isinstance(msg, p.EngineDead) and msg.rank in self.local_ranks:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -26,10 +25,9 @@ from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
-from parashift.wire.process_util import bind, subscriber
+from parashift.wire.process_util import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
-MAX_FRAME_BYTES = 256 << 20  # a larger frame is dropped by ZMQ before it is read
 
 
 class Broker:
@@ -40,14 +38,13 @@ class Broker:
         """`bound`: listening sockets the launcher bound at our tcp addresses."""
         self.client_index = client_index
         self.num_engines = num_engines
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq_context(asyncio=True)
         self.requests = self.ctx.socket(zmq.ROUTER)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown engine raises, not drops
         self.requests.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its identity
         self.requests.setsockopt(zmq.SNDHWM, 0)
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
-        self.requests.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         bind(self.requests, request_address, bound)
         # Sends are non-blocking and must raise here (an asyncio socket would park the error
         # in a future nobody awaits): a plain socket shadowing the same one, same thread.
@@ -55,7 +52,6 @@ class Broker:
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
-        self.outputs.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         bind(self.outputs, output_address, bound)
         # request id -> where its outputs and its failure go (called in the event loop)
         self.sinks: dict[str, Callable[[EngineCoreOutput | Exception], None]] = {}
@@ -70,8 +66,6 @@ class Broker:
         self.load_in = None
         if coordinator_address is not None:
             self.load_in = subscriber(self.ctx, coordinator_address)
-            self.load_in.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.num_dropped = 0  # frames that did not decode (logged, never fatal)
         # Set once every engine has been ready: the API server accepts connections from then on.
         self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
@@ -141,21 +135,10 @@ class Broker:
             return self.in_flight.get(rank, 0)
         return 4 * load.num_waiting + load.num_running + self.sent_since_update.get(rank, 0)
 
-    def _decode(self, frame: bytes, kind: Any, link: str) -> Any:
-        """A frame as `kind`, or None: a malformed one is dropped and logged (the first, then
-        every 1,000th), never allowed to stop the receiving task."""
-        try:
-            return p.decode(frame, kind)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.num_dropped += 1
-            if self.num_dropped % 1000 == 1:
-                logger.warning("dropped a malformed frame on the %s link (%d so far): %s",
-                               link, self.num_dropped, e)
-            return None
-
     async def _recv_load(self) -> None:
         while True:
-            vector = self._decode(await self.load_in.recv(), p.FromCoordinator, "coordinator")
+            vector = p.decode_or_drop(await self.load_in.recv(), p.FromCoordinator,
+                                      "coordinator")
             if vector is None:
                 continue
             if isinstance(vector, p.EngineDead):  # a rank stopped sending heartbeats
@@ -229,7 +212,7 @@ class Broker:
     # --- receiving ---------------------------------------------------------------------------
     async def _recv_outputs(self) -> None:
         while True:
-            msg = self._decode(await self.outputs.recv(), p.Outputs, "outputs")
+            msg = p.decode_or_drop(await self.outputs.recv(), p.Outputs, "outputs")
             if isinstance(msg, p.EngineOutputs):
                 self.stats[msg.rank] = msg.stats
                 for out in msg.outputs:
@@ -262,7 +245,8 @@ class Broker:
     async def _recv_control(self) -> None:
         while True:
             frames = await self.requests.recv_multipart()
-            msg = self._decode(frames[1], p.Control, "control") if len(frames) == 2 else None
+            msg = (p.decode_or_drop(frames[1], p.Control, "control") if len(frames) == 2
+                   else None)
             if isinstance(msg, p.EngineReady):
                 self.on_ready(msg)
                 if len(self.ready) == self.num_engines:

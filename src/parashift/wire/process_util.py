@@ -15,6 +15,18 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import zmq
+import zmq.asyncio
+
+# A frame larger than this is refused by ZMQ itself on every socket (no message of ours comes
+# near it): a peer cannot make a process allocate without bound.
+MAX_FRAME_BYTES = 256 << 20
+
+
+def zmq_context(asyncio: bool = False) -> zmq.Context:
+    """A ZMQ context whose sockets all refuse frames over MAX_FRAME_BYTES."""
+    ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
+    ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the default of every socket it makes
+    return ctx
 
 
 def set_process_name(name: str) -> None:

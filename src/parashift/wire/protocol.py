@@ -25,6 +25,7 @@ EngineDead about an earlier incarnation never takes a revived rank down again.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -270,3 +271,21 @@ def decode(data: bytes, kind: Any) -> Any:
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
     return decoder.decode(data)
+
+
+_num_dropped: dict[str, int] = {}
+_logger = logging.getLogger(__name__)
+
+
+def decode_or_drop(data: bytes, kind: Any, link: str) -> Any:
+    """`decode`, or None for a frame that does not decode as `kind` (garbage, a foreign
+    message): dropped and logged (the first on each link, then every 1,000th), never raised,
+    so that no frame can stop the process that reads it."""
+    try:
+        return decode(data, kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        count = _num_dropped[link] = _num_dropped.get(link, 0) + 1
+        if count % 1000 == 1:
+            _logger.warning("dropped a malformed frame on the %s link (%d so far): %s", link,
+                            count, e)
+        return None
