@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -17,6 +18,7 @@ from parashift.defaults import (
     served_max_waiting,
 )
 from parashift.plan.cli import Objective, plan
+from parashift.wire.cluster_auth import read_secret_file
 
 if TYPE_CHECKING:
     from parashift.config import EngineArgs
@@ -124,6 +126,12 @@ def run(
                           "PARASHIFT_API_KEY, which no other user can read)")] = None,
     max_body_size: Annotated[str, typer.Option(
         "--max-body-size", help="largest HTTP request body, e.g. 8MiB")] = "8MiB",
+    cluster_secret_file: Annotated[str | None, typer.Option(
+        "--cluster-secret-file", help="multi-node: a file (mode 0600) holding the secret every "
+        "node proves on its links (or PARASHIFT_CLUSTER_SECRET)")] = None,
+    insecure_cluster: Annotated[bool, typer.Option(
+        "--insecure-cluster", help="multi-node without a cluster secret (a private network "
+        "only)")] = False,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout",
                                                     help="seconds to drain on SIGTERM")] = 10.0,
     startup_timeout: Annotated[float, typer.Option(
@@ -169,6 +177,15 @@ def run(
     setup_logging()
     from parashift.runtime import child_processes
 
+    # The cluster secret first: every process started from here on (the fork server's
+    # children included) inherits it.
+    if cluster_secret_file is not None:
+        try:
+            env.set_cluster_secret(read_secret_file(cluster_secret_file))
+        except ValueError as e:
+            fail(str(e))
+    if backend == "ray" and env.cluster_secret() is None:
+        env.set_cluster_secret(secrets.token_hex(32))  # a fresh one for this launch
     child_processes.start_early()  # its imports beside ours
     resolve_auto_strategy(engine_args, objective)
     if api_server_count < 1:
@@ -203,7 +220,7 @@ def run(
         data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
         backend=backend, ray_address=ray_address, ray_placement=ray_placement,
-        routing=routing_config)
+        routing=routing_config, insecure_cluster=insecure_cluster)
     try:
         code = run_server(args)
     except ValueError as e:

@@ -105,7 +105,7 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     # Annotations are strings here (PEP 563); `engine_args` names a type only imported for
     # type checkers, so it is left out before the others are evaluated, as typer needs them.
-    own = [p.replace(annotation=eval(p.annotation, command.__globals__))
+    own = [p.replace(annotation=eval(p.annotation, command.__globals__))  # nosec B307
            if isinstance(p.annotation, str) else p
            for p in inspect.signature(command).parameters.values() if p.name != "engine_args"]
     engine = [inspect.Parameter("model", kind, annotation=ModelArg, default=None)]

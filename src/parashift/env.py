@@ -27,6 +27,18 @@ def api_key() -> str | None:
     return os.environ.get("PARASHIFT_API_KEY") or None
 
 
+def cluster_secret() -> str | None:
+    """PARASHIFT_CLUSTER_SECRET: the secret every process of a multi-node or Ray deployment
+    proves on its tcp links (wire/cluster_auth.py). `run --cluster-secret-file` and the Ray
+    launcher set it for their children."""
+    return os.environ.get("PARASHIFT_CLUSTER_SECRET") or None
+
+
+def set_cluster_secret(secret: str) -> None:
+    """For this process and the children it starts (Ray actors get it as an argument)."""
+    os.environ["PARASHIFT_CLUSTER_SECRET"] = secret
+
+
 def log_level() -> str:
     return os.environ.get("PARASHIFT_LOG_LEVEL", "INFO").upper()
 

@@ -28,12 +28,15 @@ def expected(tiny_llama):
     return greedy_texts(tiny_llama)
 
 
+SECRET = "multi-node-test-secret-0123456789"
+SECRET_ENV = {"PARASHIFT_CLUSTER_SECRET": SECRET}
+
+
 @contextlib.contextmanager
-def headless_node(model: str, rpc_port: int) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    cmd = [sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS, "--headless",
-           "-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2",
-           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def node_process(cmd: list[str], secret: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """A `parashift run` process tree (its output collected), stopped and reaped at the end."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PARASHIFT_CLUSTER_SECRET": secret}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", env=env)
     lines: list[str] = []
@@ -51,7 +54,14 @@ def headless_node(model: str, rpc_port: int) -> Iterator[tuple[subprocess.Popen,
         for p in live(tree):
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        assert not wait_gone(tree, 10), "processes of the headless node survived"
+        assert not wait_gone(tree, 10), f"processes of {cmd[4:6]} survived"
+
+
+def headless_node(model: str, rpc_port: int, secret: str = SECRET):
+    return node_process([sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS,
+                         "--headless", "-dp", "4", "--data-parallel-size-local", "2",
+                         "--data-parallel-start-rank", "2", "--data-parallel-address",
+                         "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)], secret)
 
 
 def head_args(rpc_port: int) -> list[str]:
@@ -67,7 +77,7 @@ def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
 def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expected):
     rpc_port = free_port()
     with headless_node(tiny_llama, rpc_port) as (node, node_lines), \
-            running_server(tiny_llama, *head_args(rpc_port)) as head:
+            running_server(tiny_llama, *head_args(rpc_port), env=SECRET_ENV) as head:
         # The head's own tree holds ranks 0 and 1 only; 2 and 3 live in the other tree.
         assert {head.engine_process(r).pid for r in (0, 1)}
         with pytest.raises(AssertionError):
@@ -102,33 +112,45 @@ def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expect
         assert after[2:] == before[2:] and sum(after) - sum(before) == 8
 
 
-def rogue_frames(address: str) -> None:
-    """What a stranger on the network can send the head's handshake port: garbage, multi-part
-    junk, msgpack of the wrong shape, an oversized frame."""
+def rogue_frames(address: str, secret: str | None) -> None:
+    """What a peer can send the head's handshake port: garbage, multi-part junk, msgpack of
+    the wrong shape, a forged Hello, an oversized frame; as a stranger (`secret` None: plain
+    ZMQ) or with the cluster secret (a broken or compromised node)."""
     import zmq
 
-    ctx = zmq.Context()
+    from parashift.wire.cluster_auth import ClusterKeys, secured_context
+
+    ctx = secured_context(ClusterKeys.from_secret(secret)) if secret else zmq.Context()
     try:
         rogue = ctx.socket(zmq.DEALER)
         rogue.setsockopt(zmq.LINGER, 1000)
+        rogue.setsockopt(zmq.IDENTITY, b"0")  # rank 0's identity
         rogue.connect(address)
         rogue.send(b"\xff\x00garbage")
         rogue.send_multipart([b"a", b"b", b"c"])
         rogue.send(b"\x93\x01\x02\x03")  # a msgpack array that is no message of ours
         rogue.send(b"\x92\xa5Hello\xc0")
         rogue.send(b"x" * (300 << 20))  # past every socket's frame limit
+        if secret is None:  # a stranger's Hello gets nothing back: no address, no config
+            from parashift.wire import protocol as p
+
+            rogue.send(p.encode(p.Hello(0, 1)))
+            assert not rogue.poll(2000), "a peer without the secret got an answer"
         rogue.close()
     finally:
         ctx.term()
 
 
 def test_head_shutdown_stops_the_headless_node(tiny_llama):
-    """And before that: rogue frames on the handshake port leave the head serving."""
+    """And before that: rogue frames on the handshake port, from a stranger and from a peer
+    with the secret, leave the head serving both nodes' ranks."""
     rpc_port = free_port()
     with headless_node(tiny_llama, rpc_port) as (node, lines):
-        with running_server(tiny_llama, *head_args(rpc_port)) as head:
+        with running_server(tiny_llama, *head_args(rpc_port), env=SECRET_ENV) as head:
             assert head.get_json("/health")[0] == 200
-            rogue_frames(f"tcp://127.0.0.1:{rpc_port}")
+            rogue_frames(f"tcp://127.0.0.1:{rpc_port}", None)
+            assert "dropped a malformed frame" not in head.output()  # it never got through
+            rogue_frames(f"tcp://127.0.0.1:{rpc_port}", SECRET)
             deadline = time.monotonic() + 15  # the head has read them: it says so, once
             while "dropped a malformed frame on the handshake link" not in head.output():
                 assert time.monotonic() < deadline, head.output()[-3000:]
@@ -150,3 +172,22 @@ def test_headless_flags_are_checked(tiny_llama):
                           "--data-parallel-size-local", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "do not fit in --data-parallel-size 2" in out.stderr
+
+
+def test_a_headless_node_with_the_wrong_secret_exits_saying_so(tiny_llama):
+    rpc_port = free_port()
+    head_cmd = [sys.executable, "-m", "parashift.cli", "run", tiny_llama, *head_args(rpc_port)]
+    with node_process(head_cmd, SECRET) as (head, _), \
+            headless_node(tiny_llama, rpc_port, "another-secret-0123456789") as (node, lines):
+        assert node.wait(120) != 0, "".join(lines)
+        assert "cluster secret differs" in "".join(lines)
+        assert head.poll() is None  # the head waits on, untouched
+
+
+def test_multi_node_without_a_secret_is_refused_with_how_to_make_one(tiny_llama):
+    env = {k: v for k, v in os.environ.items() if k != "PARASHIFT_CLUSTER_SECRET"}
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", tiny_llama,
+                           *head_args(free_port())], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and "needs a cluster secret" in done.stderr, done.stderr
+    assert "PARASHIFT_CLUSTER_SECRET" in done.stderr and "--insecure-cluster" in done.stderr

@@ -40,6 +40,23 @@ def ray_processes() -> list[psutil.Process]:
     return live(out)
 
 
+def stranger_gets_nothing(address: str) -> bool:
+    """A plain ZMQ peer (no cluster secret) says Hello to `address`: no answer comes back."""
+    import zmq
+
+    from parashift.wire import protocol as p
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(p.encode(p.Hello(0, 1)))
+        return not sock.poll(1500)
+    finally:
+        ctx.destroy(linger=0)
+
+
 def find(server, name: str) -> psutil.Process:
     for proc in psutil.process_iter(["cmdline", "name"]):
         with contextlib.suppress(psutil.Error):
@@ -63,6 +80,19 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
         if strategy != "dp2":  # one actor per worker bundle, named for its mesh coordinates
             find(s, {"dp2xtp2": "ParashiftWorkerDp1Tp1", "dp2xpp2": "ParashiftWorkerDp1Pp1"}[
                 strategy])
+        # No user-given secret, yet every tcp socket of the launch is CURVE: a stranger
+        # connecting to any of them gets nothing back.
+        http_port = int(s.url.rsplit(":", 1)[1])
+        tree = [proc for proc in [psutil.Process(s.proc.pid),
+                                  *psutil.Process(s.proc.pid).children(recursive=True)]
+                if "parashift" in " ".join(proc.cmdline()) + proc.name()]  # not Ray's own
+        listening = {(c.laddr.ip, c.laddr.port) for proc in tree
+                     for c in proc.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port}
+        assert listening, "no internal tcp socket found"
+        for ip, port in listening:
+            assert stranger_gets_nothing(f"tcp://{ip}:{port}"), (ip, port)
+        assert s.get_json("/health")[0] == 200
         # An engine actor killed under load: its rank is reported, the other one serves.
         find(s, "ParashiftEngineDp1").send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 20

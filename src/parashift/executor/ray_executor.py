@@ -12,6 +12,7 @@ import socket
 
 import zmq
 
+from parashift import env
 from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
@@ -34,7 +35,9 @@ class _WorkerActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def run(self, args: WorkerArgs) -> None:
+    def run(self, args: WorkerArgs, cluster_secret: str | None) -> None:
+        if cluster_secret is not None:  # before any socket: the engine's links are CURVE
+            env.set_cluster_secret(cluster_secret)
         run_worker(args)
 
 
@@ -75,7 +78,7 @@ class RayExecutor(MultiprocExecutor):
             args = WorkerArgs(config, worker, f"tcp://{head_ip}:{port}",
                               f"tcp://{my_ip}:{command_port}", f"tcp://{my_ip}:{result_port}",
                               log_level)
-            self.refs.append(actor.run.remote(args))
+            self.refs.append(actor.run.remote(args, env.cluster_secret()))
 
     def check_health(self) -> None:
         import ray

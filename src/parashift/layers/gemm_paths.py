@@ -162,7 +162,7 @@ def cpu_signature() -> str:
 def cache_file(signature: str | None = None) -> str:
     signature = signature or cpu_signature()
     slug = re.sub(r"[^a-z0-9]+", "-", signature.split("|")[0].lower()).strip("-")[:40]
-    digest = hashlib.sha1(signature.encode()).hexdigest()[:12]
+    digest = hashlib.sha1(signature.encode(), usedforsecurity=False).hexdigest()[:12]
     return os.path.join(env.cache_dir(), "gemm-paths", f"{slug}-{digest}.json")
 
 

@@ -63,8 +63,9 @@ def _convert(gguf_path: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, file = os.path.split(os.path.abspath(gguf_path))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)  # nosec B615
+    model = AutoModelForCausalLM.from_pretrained(  # nosec B615
+        folder, gguf_file=file, dtype=torch.float32)
     # The dequantized model still carries the GGUF quantizer, which save_pretrained refuses.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

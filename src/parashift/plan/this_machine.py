@@ -25,8 +25,9 @@ def _gpu_name() -> str:
     """From nvidia-smi, not torch: asking torch would open a CUDA context in the launcher,
     on GPU 0, for the whole run."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        done = subprocess.run(query, capture_output=True, text=True,  # nosec B603
+                              timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout else ""

@@ -19,6 +19,7 @@ from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import handshake_failed
 from parashift.wire.process_util import subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class HeadlessLauncher:
         spec = self.config.parallel.strategy
         self.local_ranks = args.local_ranks(spec.processes().num_engines)
         args.check_backend()  # --backend ray places ranks itself: no headless nodes
+        args.check_cluster_secret(tcp=True)
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
         self.mesh = node_mesh(spec, self.config.device.device, self.local_ranks)
@@ -51,11 +53,17 @@ class HeadlessLauncher:
     def start(self) -> None:
         logger.info("headless node: engines %s, head at %s; this node runs:\n%s",
                     ", ".join(f"dp{r}" for r in self.local_ranks), self.head, self.mesh.table())
+        monitor = self.to_head.get_monitor_socket()
         self.to_head.connect(self.head)
         self.to_head.send(p.encode(p.NodeHello(self.local_ranks[0], len(self.local_ranks))))
         self.engines.start()
         deadline = time.monotonic() + self.args.startup_timeout
         while not self.to_head.poll(200):
+            if handshake_failed(monitor):
+                raise StartupError(
+                    f"the head node at {self.head} refused this node's handshake: the cluster "
+                    "secret differs from the head's (PARASHIFT_CLUSTER_SECRET or "
+                    "--cluster-secret-file, the same on every node)")
             if self.stopping:
                 raise StartupError("interrupted during start-up")
             for death in self.engines.reap():

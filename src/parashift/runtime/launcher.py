@@ -50,6 +50,7 @@ class Launcher:
                                  "on one node with --backend mp for now")
             self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
         n = args.api_server_count
+        args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
         if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
             from parashift.runtime.ray_engines import RayEngines
 

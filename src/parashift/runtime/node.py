@@ -3,8 +3,11 @@ this node's ranks go is the device mesh's to say (engine/placement.py)."""
 
 from __future__ import annotations
 
+import logging
+import secrets
 from dataclasses import dataclass, field
 
+from parashift import env
 from parashift.config import EngineArgs
 from parashift.serve.prefix_router import RoutingConfig
 
@@ -34,6 +37,26 @@ class ServeArgs:
     ray_address: str | None = None
     ray_placement: str = "pack"
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # which rank a request gets
+    insecure_cluster: bool = False  # tcp links without the cluster secret: an explicit opt-out
+
+    def check_cluster_secret(self, tcp: bool) -> None:
+        """Links over tcp (several nodes, Ray) admit only peers holding the cluster secret
+        (wire/cluster_auth.py). Ray: a fresh one per launch, unless one is given. Several mp
+        nodes: the user's (the same on every node), or a refusal that says how to make one."""
+        if not tcp or env.cluster_secret() is not None:
+            return
+        if self.backend == "ray":
+            env.set_cluster_secret(secrets.token_hex(32))
+        elif self.insecure_cluster:
+            logging.getLogger(__name__).warning(
+                "--insecure-cluster: the links between nodes accept anyone who reaches their "
+                "ports (prompts, outputs, shutdown); keep them on a private network")
+        else:
+            raise ValueError(
+                "a multi-node deployment needs a cluster secret, the same on every node: "
+                "export PARASHIFT_CLUSTER_SECRET=$(python -c 'import secrets; "
+                "print(secrets.token_hex(32))') or give --cluster-secret-file PATH (a file of "
+                "mode 0600); --insecure-cluster runs without one, on a private network only")
 
     def check_backend(self) -> None:
         if self.backend not in ("mp", "ray"):

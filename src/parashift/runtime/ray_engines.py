@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from parashift import env
 from parashift.config import EngineConfig
 from parashift.runtime.ray_cluster import (
     RayStartupError,
@@ -28,9 +29,12 @@ PLACEMENT_TIMEOUT_S = 30.0
 class _EngineActor:
     """An engine core (made a Ray actor class in RayEngines)."""
 
-    def run(self, rank: int, handshake_address: str, log_level: str, timeout: float) -> None:
+    def run(self, rank: int, handshake_address: str, log_level: str, timeout: float,
+            cluster_secret: str) -> None:
+        from parashift import env
         from parashift.engine.engine_process import run_engine
 
+        env.set_cluster_secret(cluster_secret)  # before any socket: its links are CURVE
         run_engine(rank, handshake_address, log_level, None, timeout)
 
 
@@ -95,7 +99,7 @@ class RayEngines(RestartPolicy):
                 placement_group_capture_child_tasks=True)).remote()
         self.actors[rank] = actor
         self.refs[rank] = actor.run.remote(rank, self.handshake_address, self.log_level,
-                                           self.handshake_timeout)
+                                           self.handshake_timeout, env.cluster_secret())
         self._spawned(rank)
 
     def reap(self) -> list[EngineDeath]:

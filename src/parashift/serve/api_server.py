@@ -90,7 +90,7 @@ class ApiServer:
         from transformers import AutoTokenizer
 
         self.args = args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)  # nosec B615
         # Tokenizing and chat templates run here, off the event loop (one thread: the
         # tokenizer is not shared between threads).
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-tokenize")

@@ -17,14 +17,22 @@ from typing import Any, NoReturn
 import zmq
 import zmq.asyncio
 
+from parashift import env
+from parashift.wire.cluster_auth import ClusterKeys, secured_context
+
 # A frame larger than this is refused by ZMQ itself on every socket (no message of ours comes
 # near it): a peer cannot make a process allocate without bound.
 MAX_FRAME_BYTES = 256 << 20
 
 
 def zmq_context(asyncio: bool = False) -> zmq.Context:
-    """A ZMQ context whose sockets all refuse frames over MAX_FRAME_BYTES."""
-    ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
+    """A ZMQ context whose sockets all refuse frames over MAX_FRAME_BYTES and, where this
+    process holds the cluster secret, bind and connect over tcp:// only with CURVE."""
+    secret = env.cluster_secret()
+    if secret is not None:
+        ctx = secured_context(ClusterKeys.from_secret(secret), asyncio)
+    else:
+        ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
     ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the default of every socket it makes
     return ctx
 
