@@ -64,44 +64,32 @@ class ClusterKeys:
 
 
 class _Curve:
-    """bind/connect of a socket made by a secured context: CURVE on tcp:// addresses."""
+    """bind/connect of a socket made by a secured context: CURVE on tcp:// addresses. The
+    keys are a class attribute (`secured_context` makes the class): pyzmq reads unknown
+    instance attributes as socket options."""
+
+    cluster_keys: ClusterKeys
 
     def bind(self, addr: str):
-        keys = self.context.cluster_keys
         if addr.startswith("tcp://"):
             self.curve_server = True
-            self.curve_secretkey = keys.server_secret
+            self.curve_secretkey = self.cluster_keys.server_secret
         return super().bind(addr)
 
     def connect(self, addr: str):
-        keys = self.context.cluster_keys
         if addr.startswith("tcp://"):
-            self.curve_serverkey = keys.server_public
-            self.curve_publickey = keys.client_public
-            self.curve_secretkey = keys.client_secret
+            self.curve_serverkey = self.cluster_keys.server_public
+            self.curve_publickey = self.cluster_keys.client_public
+            self.curve_secretkey = self.cluster_keys.client_secret
         return super().connect(addr)
 
 
-class _Socket(_Curve, zmq.Socket):
-    pass
-
-
-class _AsyncSocket(_Curve, zmq.asyncio.Socket):
-    pass
-
-
-class _Context(zmq.Context):
-    _socket_class = _Socket
-
-
-class _AsyncContext(zmq.asyncio.Context):
-    _socket_class = _AsyncSocket
-
-
 def secured_context(keys: ClusterKeys, asyncio: bool = False) -> zmq.Context:
-    ctx = _AsyncContext() if asyncio else _Context()
-    ctx.cluster_keys = keys
-    return ctx
+    """A context whose sockets run CURVE with `keys` on every tcp:// bind and connect."""
+    socket_base = zmq.asyncio.Socket if asyncio else zmq.Socket
+    context_base = zmq.asyncio.Context if asyncio else zmq.Context
+    socket_class = type("CurveSocket", (_Curve, socket_base), {"cluster_keys": keys})
+    return type("CurveContext", (context_base,), {"_socket_class": socket_class})()
 
 
 def handshake_failed(monitor: zmq.Socket) -> bool:
