@@ -40,8 +40,10 @@ from parashift.types.outputs import (
 from parashift.types.sampling_params import SamplingParams
 
 
-class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=True):
-    pass
+class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=True,
+           forbid_unknown_fields=True):
+    """forbid_unknown_fields: an array longer than the message is an error, not a message
+    with its trailing fields ignored (a frame that merely starts like ours is never one)."""
 
 
 class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
