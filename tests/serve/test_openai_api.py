@@ -418,6 +418,15 @@ def test_sampled_completion_matches_offline_llm(client, offline_llm, tiny_tokeni
     assert choice.text != greedy, "the sampled request ran greedy"
 
 
+def test_sixty_four_long_stop_strings_with_n4_over_400_tokens_finish(client):
+    """The most stop work a request may ask for: each new token is matched only in the window
+    it can complete (the matcher's unit test counts the characters)."""
+    stops = [f"{i:02d}" + "\u2603" * 1022 for i in range(64)]  # 1,024 characters, never made
+    r = complete(client, [5, 17, 42, 99], 400, n=4, stop=stops, temperature=1.0, seed=3)
+    assert [c.finish_reason for c in r.choices] == ["length"] * 4
+    assert r.usage.completion_tokens == 4 * 400
+
+
 def test_stop_string_matches_offline_llm(client, offline_llm, tiny_tokenizer, stop_case):
     prompt, _, stop, expected = stop_case
     ids = tiny_tokenizer.encode(prompt)

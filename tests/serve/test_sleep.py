@@ -120,3 +120,24 @@ def test_with_while_asleep_wait_a_request_waits_for_the_wake(tiny_llama):
             assert not held.done()  # held, not refused
             assert s.request("POST", "/wake_up", timeout=60)[0] == 200
             assert held.result(timeout=60) == want
+
+
+def test_requests_held_while_asleep_count_against_the_default_cap(tiny_llama):
+    """--max-num-seqs 1: a served engine queues at most 8 x 1 requests by default, those held
+    while it sleeps included; the next gets a 429 at once, and the held ones run at the wake."""
+    with running_server(tiny_llama, *ARGS, "--while-asleep", "wait", "--max-num-seqs", "1") as s:
+        assert s.request("POST", "/sleep?level=1", timeout=60)[0] == 200
+        body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        dp0 = {"X-data-parallel-rank": "0"}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            held = [pool.submit(s.request, "POST", "/v1/completions", body, dp0, 120)
+                    for _ in range(8)]
+            deadline = time.monotonic() + 30  # the engine reports its backlog to the metrics
+            while s.metric("parashift_num_requests_waiting", 'engine="dp0"') != 8:
+                assert time.monotonic() < deadline, s.metric("parashift_num_requests_waiting",
+                                                            'engine="dp0"')
+                time.sleep(0.1)
+            status, raw = s.request("POST", "/v1/completions", body, dp0)
+            assert status == 429 and b"holds 8 requests" in raw, raw
+            assert s.request("POST", "/wake_up", timeout=60)[0] == 200
+            assert [f.result(timeout=120)[0] for f in held] == [200] * 8
