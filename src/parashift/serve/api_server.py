@@ -4,8 +4,6 @@ all accept on one listening socket and reach every engine through their own brok
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import signal
 import socket
@@ -21,9 +19,9 @@ from aiohttp import web
 from parashift.engine.request import check_prompt_tokens
 from parashift.serve import responses, sse
 from parashift.serve.broker import Broker
-from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.serve.engine_routes import EngineRoutes
 from parashift.serve.generation import Generation
+from parashift.serve.http_guards import errors_to_openai, refuse_cross_site, require_key
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
     MAX_CHOICES,
@@ -68,17 +66,6 @@ class ApiServerArgs:
     max_body_bytes: int = 8 << 20
 
 
-# Without the key: the liveness probe and the Prometheus scrape (counts, never request content).
-OPEN_ROUTES = frozenset(("/health", "/metrics"))
-JSON_ROUTES = frozenset(("/v1/completions", "/v1/chat/completions"))
-# Content types a browser may POST cross-site without asking the server first (CORS "simple").
-_SIMPLE_CONTENT_TYPES = frozenset(("text/plain", "application/x-www-form-urlencoded",
-                                   "multipart/form-data"))
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
-
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), status=status,
@@ -98,7 +85,6 @@ class ApiServer:
         # tokenization: no token is longer than the longest in the vocabulary.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = args.max_model_len * max(1, longest)
-        self._key_digest = _digest(f"Bearer {args.api_key}") if args.api_key else None
         self.broker = Broker(args.index, args.request_address, args.output_address,
                              args.num_engines, args.coordinator_address, args.bound,
                              args.routing)
@@ -108,8 +94,10 @@ class ApiServer:
         self.metrics.api_server.labels(str(args.index)).set(1)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count, self._errors, self._guard, self._auth],
-                              client_max_size=self.args.max_body_bytes)
+        app = web.Application(
+            middlewares=[self._count, errors_to_openai, refuse_cross_site,
+                         require_key(self.args.api_key)],
+            client_max_size=self.args.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -130,56 +118,6 @@ class ApiServer:
             return response
         finally:
             self.metrics.responses.labels(str(code)).inc()
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        try:
-            return await handler(request)
-        except OpenAIError as e:
-            return _json(e.body(), e.status)
-        except EngineUnavailableError as e:
-            return _json(OpenAIError(503, str(e), "service_unavailable").body(), 503)
-        except EngineDeadError as e:
-            return _json(OpenAIError(500, str(e), "engine_error").body(), 500)
-        except web.HTTPException as e:
-            if e.status >= 400:
-                return _json(OpenAIError(e.status, e.reason, "invalid_request_error").body(),
-                             e.status)
-            raise
-        except Exception:  # a bug must fail its request only, never the server
-            error_id = uuid.uuid4().hex
-            logger.exception("internal error %s on %s", error_id, request.path)
-            # The body names the log entry, never the exception (it may hold request content).
-            return _json(OpenAIError(500, f"internal error (logged as {error_id})",
-                                     "internal_error").body(), 500)
-
-    @web.middleware
-    async def _guard(self, request: web.Request, handler):
-        """Cross-site requests: a web page the user visits must not reach this server. JSON
-        routes take only application/json (a cross-site page can send text/plain without a
-        preflight); a browser's cross-origin request (its Origin names another host) is
-        refused on every route that acts."""
-        if request.method == "POST":
-            if request.path in JSON_ROUTES and request.content_type != "application/json":
-                raise OpenAIError(415, f"Content-Type must be application/json, not "
-                                  f"{request.content_type!r}", code="unsupported_media_type")
-            if request.content_type in _SIMPLE_CONTENT_TYPES:
-                raise OpenAIError(415, f"{request.path} takes no {request.content_type} body",
-                                  code="unsupported_media_type")
-            origin = request.headers.get("Origin")
-            if origin is not None and origin.split("://", 1)[-1] != request.host:
-                raise OpenAIError(403, f"cross-origin request from {origin!r} refused",
-                                  "permission_error", code="cross_origin")
-        return await handler(request)
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self._key_digest is not None and request.path not in OPEN_ROUTES:
-            given = _digest(request.headers.get("Authorization", ""))
-            if not hmac.compare_digest(given, self._key_digest):
-                raise OpenAIError(401, "invalid or missing API key", "authentication_error",
-                                  code="invalid_api_key")
-        return await handler(request)
 
     # --- endpoints ---------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
