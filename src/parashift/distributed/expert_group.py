@@ -10,12 +10,12 @@ that hangs fails after EP_COLLECTIVE_TIMEOUT."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch.distributed as dist
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.strategies.spec import StrategySpec
+from parashift.wire.process_util import listen_tcp
 
 EP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # the other engines may still be loading
@@ -31,7 +31,7 @@ def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int
     is_master = rank == 0 and tp_rank == 0
     # The master's store listens on a socket bound here, on `host` alone (by itself torch's
     # TCPStore listens on every interface, whatever host it is given); the store keeps the fd.
-    listen_fd = _listen(host, int(port)).detach() if is_master else None
+    listen_fd = listen_tcp(host, int(port), 256).detach() if is_master else None
     store = dist.TCPStore(host, int(port), is_master=is_master, timeout=JOIN_TIMEOUT,
                           wait_for_workers=False, master_listen_fd=listen_fd)
     prefixed = dist.PrefixStore(f"ep-tp{tp_rank}", store)
@@ -43,14 +43,6 @@ def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         group = dist.ProcessGroupGloo(prefixed, rank, engines, options)
     return GroupCommunicator(group, rank, engines)  # the group keeps its store alive
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(256)
-    return sock
 
 
 def cross_engine_groups(spec: StrategySpec, address: str | None, coords: dict[str, int],

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from parashift.runtime.errors import StartupError
+from parashift.wire.process_util import listen_tcp
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Endpoints:
         bound: dict[str, socket.socket] = {}
         try:
             for _ in range(2 * api_server_count + 2):
-                sock = _listen(host, 0, 256)
+                sock = listen_tcp(host, 0, 256)
                 bound[tcp_url(host, sock.getsockname()[1])] = sock
         except BaseException as e:
             for sock in bound.values():
@@ -69,27 +70,12 @@ def tcp_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
-    """A listening TCP socket that child processes can inherit (OSError if it cannot bind)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """The HTTP socket, shared by every API server process (SO_REUSEPORT)."""
     try:
-        return _listen(host, port, 2048, reuse_port=True)
+        return listen_tcp(host, port, 2048, reuse_port=True)
     except OSError as e:
         raise StartupError(f"--host {host} --port {port}: cannot listen there ({e.strerror})"
                            ) from e

@@ -128,6 +128,23 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+def listen_tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket that child processes can inherit (OSError if it cannot bind)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def bind(sock: zmq.Socket, address: str, bound: dict[str, socket.socket] | None = None
          ) -> None:
     """Bind `sock` at `address`, on the listening socket a launcher bound there for us when
