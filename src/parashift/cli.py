@@ -118,7 +118,8 @@ def generate(
 def run(
     engine_args: EngineArgs,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: int = 8000,
+    port: Annotated[int, typer.Option(help="HTTP port; 0: one the kernel picks, named in the "
+                                            "banner")] = 8000,
     api_server_count: Annotated[int, typer.Option("--api-server-count")] = 1,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name")] = None,
     api_key: Annotated[str | None, typer.Option(

@@ -114,6 +114,17 @@ class Server:
             pass
         return list(procs.values())
 
+    def wildcard_listeners(self) -> list[tuple[str, int, str]]:
+        """(address, port, process) of the tcp sockets that the server's processes listen on
+        at every interface (0.0.0.0 or ::): none when each binds the interface it was given."""
+        found = []
+        for proc in live(self.current_tree()):
+            with contextlib.suppress(psutil.Error):
+                found += [(c.laddr.ip, c.laddr.port, proc.name())
+                          for c in proc.net_connections(kind="tcp")
+                          if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::")]
+        return found
+
     def engine_process(self, rank: int = 0) -> psutil.Process:
         name = f"parashift-engine-dp{rank}"
         for p in live(self.current_tree()):

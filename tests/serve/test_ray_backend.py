@@ -90,6 +90,8 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
                      for c in proc.net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port}
         assert listening, "no internal tcp socket found"
+        # Each on the node's address, the tp rendezvous store too, none on every interface.
+        assert not [a for a in listening if a[0] in ("0.0.0.0", "::")], listening
         for ip, port in listening:
             assert stranger_gets_nothing(f"tcp://{ip}:{port}"), (ip, port)
         assert s.get_json("/health")[0] == 200

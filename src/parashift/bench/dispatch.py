@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -25,12 +26,11 @@ import torch.multiprocessing as mp
 from parashift.strategies.expert import expert_range
 
 
-def _worker(rank: int, ranks: int, port: int, tokens: int, hidden: int, experts: int,
+def _worker(rank: int, ranks: int, store_path: str, tokens: int, hidden: int, experts: int,
             top_k: int, iterations: int, out: dict) -> None:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank % os.cpu_count()})
-    store = dist.TCPStore("127.0.0.1", port, ranks, rank == 0,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.FileStore(store_path, ranks)  # one node: no port to pick
     group = dist.ProcessGroupGloo(store, rank, ranks, datetime.timedelta(seconds=60))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g)
@@ -94,10 +94,8 @@ def _worker(rank: int, ranks: int, port: int, tokens: int, hidden: int, experts:
 def time_dispatch(tokens: int, hidden: int, experts: int, top_k: int, ranks: int = 2,
                   iterations: int = 50) -> dict[str, float]:
     """Median seconds of one MoE layer's token exchange, each way."""
-    from parashift.bench.server import free_port
-
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         out = manager.dict()
-        mp.spawn(_worker, args=(ranks, free_port(), tokens, hidden, experts, top_k, iterations,
-                                out), nprocs=ranks)
+        mp.spawn(_worker, args=(ranks, os.path.join(folder, "store"), tokens, hidden, experts,
+                                top_k, iterations, out), nprocs=ranks)
         return dict(out)

@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from parashift.bench.datasets import BenchRequest
 from parashift.bench.metrics import RequestRecord
+
+SERVING = re.compile(r"is serving .* at (http://\S+)/v1\s*$")
 
 
 @dataclass
@@ -60,16 +62,11 @@ def process_title(pid: int) -> str:
         return ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(model: str | None, run_args: list[str], env: dict[str, str] | None = None,
                    timeout: float = 600.0) -> Iterator[ServerProcess]:
-    """`parashift run [MODEL] RUN_ARGS` on a free port until the block ends (SIGTERM)."""
+    """`parashift run [MODEL] RUN_ARGS` on a port of the kernel's choice until the block ends
+    (SIGTERM)."""
     server = start_server(model, run_args, env, timeout)
     try:
         yield server
@@ -79,20 +76,22 @@ def running_server(model: str | None, run_args: list[str], env: dict[str, str] |
 
 def start_server(model: str | None, run_args: list[str], env: dict[str, str] | None = None,
                  timeout: float = 600.0) -> ServerProcess:
-    port = free_port()
+    # --port 0: the server binds a port the kernel picks and names it in its banner.
     cmd = [sys.executable, "-m", "parashift.cli", "run", *([model] if model else []),
-           "--host", "127.0.0.1", "--port", str(port), *run_args]
+           "--host", "127.0.0.1", "--port", "0", *run_args]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,  # nosec B603
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             env={**os.environ, **(env or {})})
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc)
+    server = ServerProcess("", proc)
     serving = threading.Event()
 
     def drain() -> None:  # keeps reading so that the server never blocks on a full pipe
         for line in proc.stdout:
             server.lines.append(line)
-            if not serving.is_set() and "is serving" in line:
+            banner = None if serving.is_set() else SERVING.search(line)
+            if banner:
+                server.url = banner[1]
                 server.startup_s = time.perf_counter() - start
                 serving.set()
             elif serving.is_set() and ("WARNING" in line or "ERROR" in line):

@@ -2,8 +2,8 @@
 engine. It is a process group of its own (gloo on CPU, nccl on GPU), apart from each engine's
 in-engine world, so that an engine without workers (tp1) joins it from its own process.
 
-Rendezvous: a TCP store at the address the launcher hands every engine for this incarnation
-of the group (a restarted group gets a new one), hosted by the rank at dp0 tp0.
+Rendezvous: a TCP store that the launcher hosts for each incarnation of the group (a
+restarted group gets a new one, at a new port) and whose address it hands every engine.
 A peer that dies closes its connections, and a collective waiting on it fails at once; one
 that hangs fails after EP_COLLECTIVE_TIMEOUT."""
 
@@ -15,10 +15,23 @@ import torch.distributed as dist
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.strategies.spec import StrategySpec
-from parashift.wire.process_util import listen_tcp
+from parashift.wire.process_util import listen_tcp, tcp_url
 
 EP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # the other engines may still be loading
+
+
+class GroupStore:
+    """The store of one incarnation, in the launcher: it listens on a socket bound on `host`
+    alone at a port the kernel picks (by itself torch's TCPStore listens on every interface,
+    whatever host it is given), so no port is picked, released and bound again."""
+
+    def __init__(self, host: str):
+        listener = listen_tcp(host, 0, 256)
+        port = listener.getsockname()[1]
+        self.address = tcp_url(host, port)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=JOIN_TIMEOUT, master_listen_fd=listener.detach())
 
 
 def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int],
@@ -28,12 +41,7 @@ def join_expert_group(address: str, coords: dict[str, int], sizes: dict[str, int
     host = host.strip("[]")
     engines, tp_rank = sizes.get("dp", 1), coords.get("tp", 0)
     rank = coords.get("dp", 0)
-    is_master = rank == 0 and tp_rank == 0
-    # The master's store listens on a socket bound here, on `host` alone (by itself torch's
-    # TCPStore listens on every interface, whatever host it is given); the store keeps the fd.
-    listen_fd = listen_tcp(host, int(port), 256).detach() if is_master else None
-    store = dist.TCPStore(host, int(port), is_master=is_master, timeout=JOIN_TIMEOUT,
-                          wait_for_workers=False, master_listen_fd=listen_fd)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=JOIN_TIMEOUT)
     prefixed = dist.PrefixStore(f"ep-tp{tp_rank}", store)
     if on_gpu:
         group = dist.ProcessGroupNCCL(prefixed, rank, engines)

@@ -1,14 +1,14 @@
 """The executor for `--backend ray` with workers: each worker of the engine's placement is a
 Ray actor in bundle 1 + its index of the engine's placement group. The mesh names and orders
 the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
-commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous is a
-TCP store on worker 0's node, so workers may sit on different nodes."""
+commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous
+is a TCP store that worker 0 hosts on its node's address alone, so workers may sit on
+different nodes."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 
 import zmq
 
@@ -17,7 +17,7 @@ from parashift.config import EngineConfig
 from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.strategies.mesh import EnginePlacement
-from parashift.wire.process_util import named_actor_class, zmq_context
+from parashift.wire.process_util import listen_tcp, named_actor_class, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -25,19 +25,22 @@ logger = logging.getLogger(__name__)
 class _WorkerActor:
     """One worker of the engine (made a Ray actor class in RayExecutor)."""
 
-    def node_ip(self) -> str:
+    def open_store(self) -> str:
+        """Worker 0 only: bind its rendezvous store's socket, on this node's address at a port
+        the kernel picks, and keep it for `run` (torch's TCPStore alone would listen on every
+        interface, and a port picked then released can be taken in between)."""
         import ray
 
-        return ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        host = ray.util.get_node_ip_address()
+        self.store_listener = listen_tcp(host, 0, 256)
+        return tcp_url(host, self.store_listener.getsockname()[1])
 
     def run(self, args: WorkerArgs, cluster_secret: str | None) -> None:
         if cluster_secret is not None:  # before any socket: the engine's links are CURVE
             env.set_cluster_secret(cluster_secret)
+        listener = getattr(self, "store_listener", None)
+        if listener is not None:
+            args = dataclasses.replace(args, store_listen_fd=listener.detach())
         run_worker(args)
 
 
@@ -60,8 +63,7 @@ class RayExecutor(MultiprocExecutor):
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                                     pg, placement_group_bundle_index=1 + w.local_rank)).remote()
                        for w in workers]
-        head_ip = ray.get(self.actors[0].node_ip.remote())
-        port = ray.get(self.actors[0].free_port.remote())
+        store = ray.get(self.actors[0].open_store.remote())
         my_ip = ray.util.get_node_ip_address()
         self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)
@@ -75,7 +77,7 @@ class RayExecutor(MultiprocExecutor):
             sock.setsockopt(zmq.LINGER, 0)
             command_port = sock.bind_to_random_port(f"tcp://{my_ip}")
             self.commands.append(sock)
-            args = WorkerArgs(config, worker, f"tcp://{head_ip}:{port}",
+            args = WorkerArgs(config, worker, store,
                               f"tcp://{my_ip}:{command_port}", f"tcp://{my_ip}:{result_port}",
                               log_level)
             self.refs.append(actor.run.remote(args, env.cluster_secret()))

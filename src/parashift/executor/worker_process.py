@@ -52,6 +52,7 @@ class WorkerArgs:
     result_address: str  # this worker's PUSH -> engine PULL
     log_level: str
     shm_path: str | None = None  # where tp ranks meet for shared-memory all-reduce (one node)
+    store_listen_fd: int | None = None  # tcp:// rendezvous: worker 0's bound store socket
 
     @property
     def name(self) -> str:
@@ -105,9 +106,17 @@ def _init(args: WorkerArgs):
         config = dataclasses.replace(config, device=dataclasses.replace(
             config.device, num_threads=threads))
     spec = config.parallel.strategy
-    dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
-                            world_size=spec.processes().workers_per_engine,
-                            timeout=COLLECTIVE_TIMEOUT)
+    world_size = spec.processes().workers_per_engine
+    if args.init_method.startswith("tcp://"):  # worker 0 hosts the store on its bound socket
+        host, port = args.init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size, args.rank == 0,
+                              timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False,
+                              master_listen_fd=args.store_listen_fd)
+        dist.init_process_group(backend, store=store, rank=args.rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    else:
+        dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     groups = _join_groups(spec.local_groups(), args.rank, args.shm_path)
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
                                       placement.coords, backend == "nccl"))

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from parashift.runtime.errors import StartupError
-from parashift.wire.process_util import listen_tcp
+from parashift.wire.process_util import listen_tcp, tcp_url
 
 
 @dataclass
@@ -64,12 +64,6 @@ class Endpoints:
                 sock.close()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def tcp_url(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -14,13 +14,12 @@ import zmq
 
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
-from parashift.runtime.endpoints import tcp_url
 from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import handshake_failed
-from parashift.wire.process_util import subscriber, zmq_context
+from parashift.wire.process_util import subscriber, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.coordinator import run_coordinator
-from parashift.runtime.endpoints import Endpoints, bind_listener, tcp_url
+from parashift.runtime.endpoints import Endpoints, bind_listener
 from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
-from parashift.wire.process_util import zmq_context
+from parashift.wire.process_util import tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class Launcher:
 
     def banner(self) -> str:
         host = f"[{self.args.host}]" if ":" in self.args.host else self.args.host
-        return f"parashift is serving {self.model_name!r} at http://{host}:{self.args.port}/v1"
+        port = self.listener.getsockname()[1] if self.listener else self.args.port  # --port 0
+        return f"parashift is serving {self.model_name!r} at http://{host}:{port}/v1"
 
     def start(self) -> None:
         if self.mesh is not None:

@@ -1,30 +1,23 @@
 """The launcher's view of a lockstep group (expert parallel over engines): every engine runs
 every step, so one dead engine stops them all. On a death the launcher stops the others at
 once (their requests then fail fast, none waits on a collective that cannot finish), and a
-restarted group meets at a fresh address, so that no engine of the old incarnation can join
-the new one. An engine the coordinator hears no heartbeat from is hung (a dead one is reaped
-sooner): its peers would wait on it in a collective, so the launcher kills it, and its death
-then stops the group like any other."""
+restarted group meets at a fresh store (the launcher hosts it), so that no engine of the old
+incarnation can join the new one. An engine the coordinator hears no heartbeat from is hung (a
+dead one is reaped sooner): its peers would wait on it in a collective, so the launcher kills
+it, and its death then stops the group like any other."""
 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterator
 
 import zmq
 
-from parashift.runtime.endpoints import tcp_url
+from parashift.distributed.expert_group import GroupStore
 from parashift.wire import protocol as p
 from parashift.wire.process_util import subscriber
 
 logger = logging.getLogger(__name__)
-
-
-def free_tcp_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class LockstepGroup:
@@ -34,12 +27,13 @@ class LockstepGroup:
         self.host = host
         self.verdicts: zmq.Socket | None = None  # the coordinator's EngineDead for silent ranks
         self.incarnation = 0
-        self.address = self._new_address()
+        self.store = GroupStore(host)
         self.broken = False
         self.ready: set[int] = set()  # ranks of this incarnation that answered READY
 
-    def _new_address(self) -> str:
-        return tcp_url(self.host, free_tcp_port(self.host))
+    @property
+    def address(self) -> str:
+        return self.store.address
 
     def watch(self, ctx: zmq.Context, coordinator_publish: str) -> None:
         self.verdicts = subscriber(ctx, coordinator_publish)
@@ -66,7 +60,7 @@ class LockstepGroup:
         logger.error("engine dp%d of the expert-parallel group died: stopping the group", rank)
         self.broken = True
         self.incarnation += 1
-        self.address = self._new_address()
+        self.store = GroupStore(self.host)  # the old one closes: its engines cannot rejoin
         self.ready.clear()
         return True
 

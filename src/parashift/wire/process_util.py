@@ -128,6 +128,10 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+def tcp_url(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def listen_tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket that child processes can inherit (OSError if it cannot bind)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
