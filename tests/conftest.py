@@ -4,9 +4,15 @@ tokenizer made in code, and the embedded SmolLM2 (converted once per cache direc
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+# The studies in scripts/ (layouts, kernels, backends, soak) import each other by module name,
+# as they do when run as `python scripts/NAME.py`.
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -132,6 +138,30 @@ def cli_in_process(*args: str):
     from parashift.cli import app
 
     return CliRunner().invoke(app, list(args))
+
+
+# study name -> (its script in scripts/, its command function)
+STUDIES = {"dp-scaling": ("bench_dp_scaling", "dp_scaling"), "tp": ("bench_tp", "tp"),
+           "pipeline": ("bench_pipeline", "pipeline"), "moe": ("bench_moe", "moe"),
+           "serving-vs-offline": ("bench_serving_vs_offline", "serving_vs_offline"),
+           "backends": ("bench_backends", "backends"), "soak": ("soak", "soak"),
+           "cpu-kernels": ("bench_cpu_kernels", "cpu_kernels"),
+           "kernels": ("bench_kernels", "kernels"), "routing": ("bench_routing", "routing"),
+           "quantization": ("bench_quantization", "quantization")}
+
+
+def study_in_process(name: str, *args: str, env: dict[str, str] | None = None):
+    """`python scripts/STUDY.py ARGS` through its typer command in this process (flags refused
+    before anything runs need no interpreter start)."""
+    import importlib
+
+    import typer
+    from typer.testing import CliRunner
+
+    module, function = STUDIES[name]
+    app = typer.Typer()
+    app.command()(getattr(importlib.import_module(module), function))
+    return CliRunner().invoke(app, list(args), env=env)
 
 
 def plan_json(model: str, strategy: str, *flags: str) -> dict:

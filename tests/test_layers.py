@@ -3,6 +3,7 @@ the tree, and a module that imports upwards breaks them (so the check can fail).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -38,3 +39,64 @@ def test_an_upward_import_breaks_them(tmp_path):
     assert result.returncode != 0
     assert "package layers BROKEN" in result.stdout
     assert "parashift.executor.bad_upward -> parashift.serve.api_server" in result.stdout
+
+
+# Strongly connected components of the module import graph (grimp, which import-linter is
+# built on, sees function-local imports too; TYPE_CHECKING ones are left out, as in the
+# contract), printed as JSON: every cycle between modules, whatever layer it sits in.
+CYCLES = """
+import json, sys
+import grimp
+graph = grimp.build_graph("parashift", exclude_type_checking_imports=True)
+edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+index, low, stack, on_stack, found = {}, {}, [], set(), []
+def visit(root):
+    work = [(root, iter(sorted(edges[root])))]
+    index[root] = low[root] = len(index); stack.append(root); on_stack.add(root)
+    while work:
+        node, children = work[-1]
+        child = next(children, None)
+        if child is None:
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop(); on_stack.discard(m); component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+        elif child not in index:
+            index[child] = low[child] = len(index); stack.append(child); on_stack.add(child)
+            work.append((child, iter(sorted(edges[child]))))
+        elif child in on_stack:
+            low[node] = min(low[node], index[child])
+for module in sorted(edges):
+    if module not in index:
+        visit(module)
+print(json.dumps(sorted(found)))
+"""
+
+
+def _cycles(package_parent: str) -> list[list[str]]:
+    env = dict(os.environ, PYTHONPATH=package_parent)
+    result = subprocess.run([sys.executable, "-c", CYCLES], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_no_module_imports_itself_through_others():
+    assert _cycles(os.path.dirname(os.path.dirname(parashift.__file__))) == []
+
+
+def test_a_cycle_is_found(tmp_path):
+    copy = tmp_path / "parashift"
+    shutil.copytree(os.path.dirname(parashift.__file__), copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "layers" / "ring_a.py").write_text("def f():\n    from parashift.layers import "
+                                               "ring_b  # noqa: F401\n")
+    (copy / "layers" / "ring_b.py").write_text("from parashift.layers import ring_a  # noqa\n")
+    assert ["parashift.layers.ring_a", "parashift.layers.ring_b"] in _cycles(str(tmp_path))

@@ -60,6 +60,9 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     data_parallel_rank: int = 0
     distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
+    # A class (module.Class) mixed into every worker: its methods answer collective_rpc, as
+    # vLLM's --worker-extension-cls (measurements from outside the product: scripts/).
+    worker_extension_cls: str | None = None
 
 
 
@@ -188,4 +191,5 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    worker_extension_cls: str | None = None
 

@@ -67,7 +67,7 @@ def default_max_num_batched_tokens(max_num_seqs: int, device: str,
     return max(512 if device == "cpu" else 2048, max_num_seqs, whole_prompts_of or 0)
 
 # --routing and its prefix policy's thresholds (serve/prefix_router.py; measured with
-# `parashift bench routing`, docs/BENCHMARKS.md)
+# `python scripts/bench_routing.py`, docs/BENCHMARKS.md)
 DEFAULT_ROUTING = "prefix"
 DEFAULT_ROUTING_BALANCE_THRESHOLD = 4  # load-score units: 4 per waiting request, 1 per running
 DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks

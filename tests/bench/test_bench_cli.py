@@ -5,11 +5,12 @@ bad input."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import cli_in_process
+from conftest import SCRIPTS, STUDIES, cli_in_process
 from PIL import Image
 
 from tests.serve.conftest import TINY_ARGS, running_server
@@ -20,7 +21,12 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parashift.cli", "bench", *args],
+    """`parashift bench ARGS`, or `python scripts/STUDY.py ARGS[1:]` for a study."""
+    if args[0] in STUDIES:
+        cmd = [sys.executable, os.path.join(SCRIPTS, STUDIES[args[0]][0] + ".py"), *args[1:]]
+    else:
+        cmd = [sys.executable, "-m", "parashift.cli", "bench", *args]
+    return subprocess.run(cmd,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -124,7 +130,7 @@ def test_serving_vs_offline_starts_its_server_and_stops_it(tiny_llama, tmp_path)
 
 
 def test_a_server_that_cannot_start_is_an_error_with_its_output():
-    from parashift.bench.server import start_server
+    from study_server import start_server
 
     with pytest.raises(RuntimeError, match="exited with code") as e:
         start_server("/nonexistent-model", [], timeout=120)

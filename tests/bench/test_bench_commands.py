@@ -1,36 +1,40 @@
-"""The comparison commands of `parashift bench` (dp-scaling, tp, serving-vs-offline, backends)
-and throughput's extra flags: they exist, parse their flags, refuse bad ones with an error
-naming the flag before loading anything; and the arithmetic they print."""
+"""`parashift bench` (throughput, latency, serve, sweep) and the studies in scripts/ (dp-scaling,
+tp, pipeline, moe, serving-vs-offline, backends, ...): they parse their flags, refuse bad ones
+with an error naming the flag before loading anything; and the arithmetic they print."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+from bench_dp_scaling import configurations
+from conftest import STUDIES, study_in_process
+from step_cost import efficiency_model
 from typer.testing import CliRunner
 
 from parashift.bench.cli import bench_app
-from parashift.bench.dp_scaling import configurations
 from parashift.bench.metrics import prefix_agreement
 from parashift.bench.options import sampling_fields
-from parashift.bench.step_cost import efficiency_model
-
-NEW_COMMANDS = ("dp-scaling", "tp", "pipeline", "moe", "serving-vs-offline", "backends")
 
 
 def invoke(*args: str) -> tuple[int, str]:
-    """Exit code and output (stdout + stderr), with the error box's borders and line wraps
-    flattened so that a message reads as one line."""
-    result = CliRunner().invoke(bench_app, list(args), env={"COLUMNS": "200"})
+    """`parashift bench ARGS`, or the study ARGS[0] with the rest (`python scripts/X.py`),
+    in this process. Exit code and output (stdout + stderr), with the error box's borders and
+    line wraps flattened so that a message reads as one line."""
+    env = {"COLUMNS": "200"}
+    result = (study_in_process(args[0], *args[1:], env=env) if args and args[0] in STUDIES
+              else CliRunner().invoke(bench_app, list(args), env=env))
     text = re.sub(r"[│╭╮╰╯─]+", " ", result.output)
     return result.exit_code, re.sub(r"\s+", " ", text)
 
 
-def test_bench_lists_the_comparison_commands():
+def test_bench_lists_what_a_user_runs_and_no_study():
     code, out = invoke("--help")
     assert code == 0
-    for name in ("throughput", "latency", "serve", "sweep", *NEW_COMMANDS):
+    for name in ("throughput", "latency", "serve", "sweep"):
         assert f" {name} " in out
+    for name in STUDIES:
+        assert f" {name} " not in out, name
 
 
 @pytest.mark.parametrize("command, flags", [

@@ -1,4 +1,4 @@
-"""`parashift bench cpu-kernels`: every compiled CPU kernel checked against the torch ops it
+"""`python scripts/bench_cpu_kernels.py`: every compiled CPU kernel checked against the torch ops it
 replaces (the command fails on a mismatch), timed, and a JSON record; bad flags named."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from bench_cpu_kernels import GEMM_KERNELS
 
-from parashift.bench.cpu_kernels import GEMM_KERNELS
 from parashift.layers.kernel_dispatch import cpu_ops
 from tests.bench.test_bench_commands import invoke
 
@@ -46,8 +46,7 @@ def test_an_unknown_gemm_comparator_is_refused_naming_the_flag():
 @pytest.mark.extended
 def test_inductors_compiled_gemm_computes_x_w_transposed(tmp_path, monkeypatch):
     import torch
-
-    from parashift.bench.inductor_gemm import compile_linear
+    from inductor_gemm import compile_linear
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no graph of another run
     g = torch.Generator().manual_seed(0)

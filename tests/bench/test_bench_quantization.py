@@ -1,21 +1,21 @@
-"""`parashift bench quantization`: the command on a tiny model (in process), its bad flags, and
-the accuracy of weight-only int8 / int4 against float32 on the real SmolLM2."""
+"""`python scripts/bench_quantization.py`: the study on a tiny model (in process), its bad
+flags, and the accuracy of weight-only int8 / int4 against float32 on the real SmolLM2."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import cli_in_process
+from bench_quantization import PROMPTS, compare
+from conftest import study_in_process
 
-from parashift.bench.quantization import PROMPTS, compare
 from parashift.config import EngineArgs
 
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB"]
 
 
 def bench(*args: str):
-    return cli_in_process("bench", "quantization", *args)
+    return study_in_process("quantization", *args)
 
 
 def test_the_command_prints_and_saves_accuracy_memory_and_speed(tiny_llama, tmp_path):

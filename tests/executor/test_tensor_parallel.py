@@ -70,14 +70,17 @@ def save_42m_model(folder: str) -> str:
 
 
 def load_peaks(folder: str, **engine_args) -> tuple[list[int], list[int]]:
-    """Peak RSS each worker's model load added, and its weight bytes (worker processes, even
-    for one worker)."""
+    """Peak RSS each worker's model load added (read by the studies' worker extension), and its
+    weight bytes (worker processes, even for one worker)."""
+    from study_probes import EXTENSION
+
     from parashift.config import EngineArgs
     from parashift.engine.args import create_config
     from parashift.engine.placement import engine_placement
     from parashift.executor.multiproc import MultiprocExecutor
 
-    config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256, **engine_args))
+    config = create_config(EngineArgs(folder, dtype="float32", max_model_len=256,
+                                      worker_extension_cls=EXTENSION, **engine_args))
     executor = MultiprocExecutor(config, engine_placement(config.parallel.strategy, "cpu", 0))
     try:
         return executor.collective_rpc("load_peak_rss_bytes"), executor.weight_bytes()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from parashift.layers import gemm_paths
-from parashift.layers.gemm import linear
-from parashift.layers.gemm_paths import GemmPaths, cache_file, candidates, prepare
+from parashift.layers.gemm import Gemm, OwnBf16Gemm, gemm_for_path
+from parashift.layers.gemm_paths import GemmPaths, cache_file, candidates
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -22,7 +22,7 @@ def test_every_path_gives_the_same_product(dtype, atol, rows):
     x = torch.randn(rows, 64, generator=g).to(dtype)
     reference = x.double() @ weight.double().t()
     for path in candidates(dtype):
-        out = linear(x, *_weights(weight, path))
+        out = gemm_for_path(weight, path)(x, None)
         assert out.dtype == dtype and out.shape == (rows, 96), path
         assert torch.allclose(out.double(), reference, atol=atol, rtol=atol), path
 
@@ -34,15 +34,10 @@ def test_every_path_takes_a_bias_and_leading_dims(dtype):
     x = torch.randn(2, 3, 24, generator=g).to(dtype)
     reference = x.double() @ weight.double().t() + bias.to(dtype).double()
     for path in candidates(dtype):
-        w, packed = prepare(weight, path)
-        out = linear(x, w, bias.to(w.dtype), packed)
+        gemm = gemm_for_path(weight, path)
+        out = gemm(x, bias.to(gemm.weight.dtype))
         assert out.shape == (2, 3, 40), path
         assert torch.allclose(out.double(), reference, atol=5e-2, rtol=2e-2), path
-
-
-def _weights(weight, path):
-    w, packed = prepare(weight, path)
-    return w, None, packed
 
 
 def test_the_cache_file_is_per_cpu():
@@ -110,7 +105,7 @@ def test_onednn_row_buckets_are_few_and_cover_every_count():
 def test_a_padded_onednn_gemm_returns_just_its_rows(rows):
     g = torch.Generator().manual_seed(2)
     weight, x = torch.randn(24, 16, generator=g), torch.randn(rows, 16, generator=g)
-    out = linear(x, *prepare(weight, "onednn")[:1], None, prepare(weight, "onednn")[1])
+    out = gemm_for_path(weight, "onednn")(x, None)
     assert out.shape == (rows, 24)
     assert torch.allclose(out, x @ weight.t(), atol=1e-4)
 
@@ -121,11 +116,21 @@ def test_our_bf16_kernel_hands_rows_past_its_limit_to_f_linear():
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 32, generator=g).bfloat16()
-    own = gemm_paths.OwnBf16Weight(prepare(weight, "own-bf16")[1].packed, max_rows=4)
+    own, unlimited = OwnBf16Gemm(weight, max_rows=4), OwnBf16Gemm(weight)
     x = torch.randn(5, 32, generator=g).bfloat16()
-    unlimited = prepare(weight, "own-bf16")[1]
-    assert torch.equal(linear(x[:4], weight, None, own), linear(x[:4], weight, None, unlimited))
-    assert torch.equal(linear(x, weight, None, own), F.linear(x, weight))
+    assert torch.equal(own(x[:4], None), unlimited(x[:4], None))
+    assert torch.equal(own(x, None), F.linear(x, weight))
+
+
+def test_each_path_is_its_own_class():
+    weight = torch.randn(16, 8)
+    assert type(gemm_for_path(weight, "linear")) is Gemm
+    widened = gemm_for_path(weight.bfloat16(), "fp32")
+    assert type(widened) is Gemm and widened.weight.dtype == torch.float32
+    if gemm_paths.can_pack():
+        assert gemm_for_path(weight.bfloat16(), "fp32-packed").kind == "packed"
+    if gemm_paths.can_reorder():
+        assert gemm_for_path(weight, "onednn").kind == "onednn"
 
 
 def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path, monkeypatch):

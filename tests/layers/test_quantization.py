@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from parashift.layers.gemm import linear
 from parashift.layers.quantization import (
     INT4_GROUP,
-    QuantizedWeight,
+    QuantizedGemm,
     check_quantization,
     dequantize,
     own_int8_kernel,
@@ -35,7 +34,7 @@ def test_the_kernel_multiplies_by_the_dequantized_weight(method, out_features, i
     bias = torch.randn(out_features, generator=g).to(dtype)
     for rows in (1, 5, 37):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
-        out = linear(x, torch.empty(0), bias, q)  # the float weight is never read
+        out = QuantizedGemm(q)(x, bias)  # no float weight
         assert out.dtype == dtype and out.shape == (rows, out_features)
         # the kernels take bf16 activations and give bf16 results
         reference = x.bfloat16().double() @ weight.t() + bias.double()
@@ -54,8 +53,8 @@ def test_our_int8_gemm_and_torchs_hold_the_same_weight():
     assert ours.own_kernel and not torchs.own_kernel and ours.nbytes >= torchs.nbytes
     assert torch.equal(dequantize(ours), dequantize(torchs))
     x = torch.randn(33, 576, generator=g).bfloat16()
-    torch.testing.assert_close(linear(x, torch.empty(0), None, ours),
-                               linear(x, torch.empty(0), None, torchs), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(QuantizedGemm(ours)(x, None), QuantizedGemm(torchs)(x, None),
+                               rtol=2**-7, atol=1e-2)
 
 
 def test_our_int8_gemm_asked_for_where_it_cannot_run_is_a_clear_error():
@@ -148,7 +147,7 @@ def test_the_engine_quantizes_the_decoder_projections_and_matches_transformers(
     try:
         model = llm.engine.executor.worker.model
         quantized = [name for name, m in model.named_modules()
-                     if isinstance(getattr(m, "packed_weight", None), QuantizedWeight)]
+                     if isinstance(getattr(m, "gemm", None), QuantizedGemm)]
         assert quantized == [f"layers.{i}.{name}" for i in range(2) for name in (
             "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
         assert all(m.weight.is_meta for name, m in model.named_modules() if name in quantized)

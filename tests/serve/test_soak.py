@@ -1,6 +1,6 @@
-"""The soak in short form (`parashift bench soak` runs 5,000): 300 mixed requests on dp2 with
+"""The soak in short form (`python scripts/soak.py` runs 5,000): 300 mixed requests on dp2 with
 two API servers, bad ones, clients that leave, and engine dp1 SIGKILLed part-way; the same
-promises as the long run (bench/soak.py `SoakReport.failures`)."""
+promises as the long run (scripts/soak_run.py `SoakReport.failures`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from collections import Counter
 
 import pytest
 from conftest import TINY_VOCAB
-
-from parashift.bench.server import running_server
-from parashift.bench.soak import SERVER_ARGS, run_soak
-from parashift.bench.soak_requests import plan
+from soak_requests import plan
+from soak_run import SERVER_ARGS, run_soak
+from study_server import running_server
 
 NUM_REQUESTS = 300
 

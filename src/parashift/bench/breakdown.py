@@ -10,7 +10,7 @@ wall time holds beyond its ops is Python and bookkeeping (scheduler, input prepa
 dispatch). Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
 the batch's rows, back to back (weights streamed from memory as in a real step). Under the
 profiler the decoder layers run op by op even where they are one kernel call otherwise
-(models/fused_cpu_layers.py): the plain step time is the fused one, the split the unfused."""
+(executor/fused_cpu_layers.py): the plain step time is the fused one, the split the unfused."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
     the op before a GEMM leaves it (121 cold inputs made the floor 1.3x the step's own GEMMs)."""
     import torch
 
-    from parashift.layers.gemm import linear
+    from parashift.layers.gemm import Gemm
 
-    gemms = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    gemms = [m for m in model.modules() if isinstance(getattr(m, "gemm", None), Gemm)]
     best = float("inf")
     with torch.inference_mode():
         shared = {}
@@ -90,7 +90,7 @@ def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
         for _ in range(repeat):
             start = time.perf_counter()
             for m, x in zip(gemms, inputs, strict=True):
-                linear(x, m.weight, getattr(m, "bias", None), m.packed_weight)
+                m.gemm(x, getattr(m, "bias", None))
             if on_gpu:
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)

@@ -1,8 +1,9 @@
-"""`parashift bench`: the project's measuring instrument. throughput, latency, serve and sweep
-measure one thing each; dp-scaling, tp, serving-vs-offline and backends are the comparisons
-behind docs/BENCHMARKS.md, each starting the servers or engines it compares. Every command
-takes --seed (where it draws a workload) and --save-json FILE (settings, versions, machine,
-results), and prints a one-screen summary; the first four also draw --plot FILE.png."""
+"""`parashift bench`: what a user measures, as vLLM's `vllm bench` has it: `throughput`
+(offline, the engine alone), `latency` (one batch; `--breakdown` splits a decode step),
+`serve` (a load against a running server) and `sweep` (`serve` over request rates). Every
+command takes --seed (where it draws a workload) and --save-json FILE (settings, versions,
+machine, results), prints a one-screen summary and draws --plot FILE.png. The comparisons
+behind docs/BENCHMARKS.md (layouts, kernels, backends, soak) are studies in scripts/."""
 
 from __future__ import annotations
 
@@ -10,19 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from parashift.bench.backends import backends
-from parashift.bench.cpu_kernels import cpu_kernels
-from parashift.bench.dp_scaling import dp_scaling
-from parashift.bench.kernels import kernels
-from parashift.bench.moe import moe
 from parashift.bench.options import Plot, Sampling, SaveJson, Seed, sampling_fields
-from parashift.bench.pipeline import pipeline
-from parashift.bench.quantization import quantization
-from parashift.bench.routing import routing
 from parashift.bench.serve_cli import serve, sweep
-from parashift.bench.serving_vs_offline import serving_vs_offline
-from parashift.bench.soak_cli import soak
-from parashift.bench.tensor_parallel import tp
 from parashift.bench.throughput_cli import throughput
 from parashift.cli_options import engine_options, fail, setup_logging
 
@@ -30,7 +20,7 @@ if TYPE_CHECKING:
     from parashift.config import EngineArgs
 
 bench_app = typer.Typer(no_args_is_help=True,
-                        help="Measure throughput, latency, serving; compare layouts.")
+                        help="Measure throughput, latency and serving.")
 bench_app.command()(throughput)
 
 
@@ -108,14 +98,3 @@ def latency(
 
 bench_app.command()(serve)
 bench_app.command()(sweep)
-bench_app.command()(dp_scaling)
-bench_app.command()(tp)
-bench_app.command()(pipeline)
-bench_app.command()(moe)
-bench_app.command()(serving_vs_offline)
-bench_app.command()(backends)
-bench_app.command()(soak)
-bench_app.command()(kernels)
-bench_app.command()(cpu_kernels)
-bench_app.command()(routing)
-bench_app.command()(quantization)

@@ -50,8 +50,7 @@ def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: 
                      ) -> dict[str, Any]:
     """GEMMs of M x K=hidden x N in {intermediate, hidden} on bf16 operands, by every path of
     `gemm_paths`: the best rate. A ceiling below a path the engine takes would flatter it."""
-    from parashift.layers.gemm import linear
-    from parashift.layers.gemm_paths import prepare
+    from parashift.layers.gemm import gemm_for_path
 
     g = torch.Generator().manual_seed(0)
     k, rows = hidden_size, []
@@ -61,9 +60,9 @@ def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: 
             w = torch.randn(n, k, generator=g).to(device, torch.bfloat16)
             for path in gemm_paths(device):
                 with torch.inference_mode():
-                    weight, packed = prepare(w, path)
+                    gemm = gemm_for_path(w, path)
                     # best of 3 x 50 ms: a GEMM of these shapes is stable, and there are many
-                    seconds = time_op(partial(linear, x, weight, None, packed), device,
+                    seconds = time_op(partial(gemm, x, None), device,
                                       min_time=0.05, trials=3)
                 rows.append({"path": path, "M": m, "K": k, "N": n, "seconds": seconds,
                              "gflops": 2.0 * m * n * k / seconds / 1e9})

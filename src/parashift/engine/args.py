@@ -94,7 +94,7 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
                                 args.enable_chunked_prefill, args.max_waiting_requests)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
-    return EngineConfig(model, cache, scheduler, parallel, device)
+    return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
 
 
 def resolve_attention_backend(name: str, device: str, block_size: int,

@@ -9,7 +9,7 @@ import torch
 from parashift.config import EngineConfig
 from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.executor.worker import Worker
+from parashift.executor.worker import worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,7 +29,7 @@ class LocalExecutor:
         shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
         groups = cross_engine_groups(spec, config.parallel.expert_group_address, rank.coords,
                                      rank.cuda_index is not None)
-        self.worker = Worker(config, ParallelContext(shard, groups))
+        self.worker = worker_class(config)(config, ParallelContext(shard, groups))
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

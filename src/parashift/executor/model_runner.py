@@ -6,7 +6,6 @@ scheduler's deltas, so a step command carries only what changed (what a remote w
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +15,7 @@ from torch.profiler import record_function
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
+from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.penalties import PenaltyInputs, TokenCounts
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
@@ -43,17 +43,6 @@ class RequestState:
                    new.num_computed_tokens, counts)
 
 
-@dataclass
-class StageStats:
-    """Where a worker's time went since the last read: running steps (its layers, sampling on
-    the last stage), or, within a step, waiting on the neighbouring stages."""
-
-    steps: int = 0
-    busy_seconds: float = 0.0
-    recv_seconds: float = 0.0
-    send_seconds: float = 0.0  # waiting for the next stage to take the previous step's send
-
-
 class ModelRunner:
     """`pp`: the pipeline group. A stage after the first receives the previous stage's hidden
     states and residual; a stage before the last sends its own on and samples nothing."""
@@ -62,7 +51,6 @@ class ModelRunner:
                  device: torch.device, pp: GroupCommunicator | None = None):
         self.model = model
         self.pp = pp or GroupCommunicator()
-        self.stats = StageStats()
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -83,7 +71,10 @@ class ModelRunner:
         self.graphs.capture()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The fused CPU layers hold raw pointers to the cache and the packed weights: made
+        again each time the cache is bound (after a sleep, too)."""
         self.model.bind_kv_cache(kv_caches)
+        self.model.fused_layers = FusedCpuLayers.for_model(self.model)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.freed_req_ids:
@@ -107,18 +98,8 @@ class ModelRunner:
                                            set()))
         del self.requests["profile"]
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        stats = self.stats
-        start, waited = time.perf_counter(), stats.recv_seconds + stats.send_seconds
-        result = self._execute(out)
-        if not out.is_empty:
-            stats.steps += 1
-            stats.busy_seconds += (time.perf_counter() - start
-                                   - (stats.recv_seconds + stats.send_seconds - waited))
-        return result
-
     @torch.inference_mode()
-    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
         if self.dispatcher is None:
             return self._run(out) if not out.is_empty else ModelRunnerOutput({})
@@ -190,16 +171,12 @@ class ModelRunner:
         model = self.model
         intermediate = None
         if not model.has_embedding:  # [2, num_tokens, hidden]: hidden states and residual
-            start = time.perf_counter()
             received = self.pp.recv_prev((2, input_ids.shape[0], model.config.hidden_size),
                                          model.dtype, self.device)
             intermediate = (received[0], received[1])
-            self.stats.recv_seconds += time.perf_counter() - start
         out = model(input_ids, positions, metadata, intermediate)
         if not model.is_last_stage:
-            start = time.perf_counter()
             self.pp.send_next(torch.stack(out))
-            self.stats.send_seconds += time.perf_counter() - start
             out = None
         return out
 

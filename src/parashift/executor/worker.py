@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import gc
+import importlib
 import logging
-import time
 
 import torch
 
 from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
-from parashift.distributed.communicator import CommStats
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.executor.model_runner import ModelRunner, StageStats
+from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
-from parashift.layers.gemm import prepare_gemm_weights
-from parashift.layers.quantization import QuantizedWeight
+from parashift.layers.gemm_paths import prepare_gemm_weights
+from parashift.layers.quantization import QuantizedGemm
 from parashift.models.loader import load_model
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def worker_class(config: EngineConfig) -> type[Worker]:
+    """Worker, or Worker with `config.worker_extension_cls` (module.Class) mixed in."""
+    if config.worker_extension_cls is None:
+        return Worker
+    module, _, name = config.worker_extension_cls.rpartition(".")
+    try:
+        extension = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"worker_extension_cls {config.worker_extension_cls!r}: {e}"
+                         ) from None
+    return type(f"{name}Worker", (extension, Worker), {})
 
 
 class Worker:
@@ -43,12 +54,8 @@ class Worker:
 
     def _load_model(self) -> None:
         mc = self.config.model
-        rss_before = _reset_peak_rss()
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
-        # Peak resident memory the load added (a tp shard must read only its slice), before
-        # the GEMM paths are timed and prepared.
-        self.load_peak_rss = _peak_rss() - rss_before
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
                                          mc.quantization):
             logger.info(note)
@@ -92,50 +99,18 @@ class Worker:
         shard = self.parallel.shard
         return shard.has_lm_head and shard.tp_rank == 0
 
-    def load_peak_rss_bytes(self) -> int:
-        return self.load_peak_rss
-
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied weight once; a quantized one as stored):
         what `plan` predicts."""
         seen = {id(p): p for p in self.model.parameters() if not p.is_meta}
         return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
-            m.packed_weight.nbytes for m in self.model.modules()
-            if isinstance(getattr(m, "packed_weight", None), QuantizedWeight))
-
-    def take_comm_stats(self) -> dict[str, float]:
-        """The tp group's all-reduce cost since the last call (then reset)."""
-        group = self.parallel.tp
-        stats, group.stats = group.stats, CommStats()
-        return dataclasses.asdict(stats)
+            m.gemm.read_bytes for m in self.model.modules()
+            if isinstance(getattr(m, "gemm", None), QuantizedGemm))
 
     def stop(self) -> None:
         """Before the process exits: the last activations sent must reach the next stage."""
         if self.runner is not None:  # None: asleep at level 2, nothing in flight
             self.runner.pp.wait_sends()
-
-    def take_stage_stats(self) -> dict[str, float]:
-        """Compute and pipeline-wait seconds since the last call (then reset)."""
-        stats, self.runner.stats = self.runner.stats, StageStats()
-        return dataclasses.asdict(stats)
-
-    def time_pp_transfer(self, num_tokens: int, repeat: int) -> float | None:
-        """Seconds to move one step's activations ([2, num_tokens, hidden]) from stage 0 to
-        stage 1, back to back `repeat` times; the receiver answers, the others give None."""
-        pp, model = self.runner.pp, self.model
-        if pp.world_size == 1 or pp.rank > 1:
-            return None
-        shape = (2, num_tokens, model.config.hidden_size)
-        if pp.rank == 0:
-            for _ in range(repeat + 1):
-                pp.send_next(torch.zeros(shape, dtype=model.dtype, device=self.device))
-            pp.wait_sends()
-            return None
-        pp.recv_prev(shape, model.dtype, self.device)  # the first one absorbs the start skew
-        start = time.perf_counter()
-        for _ in range(repeat):
-            pp.recv_prev(shape, model.dtype, self.device)
-        return (time.perf_counter() - start) / repeat
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over this worker's layers (its pipeline stage's), K and V."""
@@ -211,20 +186,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _reset_peak_rss() -> int:
-    """Linux: restart the peak-RSS count (VmHWM) from now; returns the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status_kib("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status_kib("VmHWM")
 
 
 def _status_kib(field: str) -> int:

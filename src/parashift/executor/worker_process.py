@@ -92,7 +92,7 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 def _init(args: WorkerArgs):
-    from parashift.executor.worker import Worker
+    from parashift.executor.worker import worker_class
 
     config, placement = args.config, args.placement
     if placement.cuda_index is not None:
@@ -121,7 +121,7 @@ def _init(args: WorkerArgs):
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
                                       placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
-    return Worker(config, ParallelContext(shard, groups))
+    return worker_class(config)(config, ParallelContext(shard, groups))
 
 
 def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.layers.gemm import linear
+from parashift.layers.gemm import Gemm
 from parashift.layers.weights import WeightSource
 
 
@@ -51,14 +51,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype, parallel)
         if bias:
             raise ValueError("an LM head with bias is not supported")
-
-        self.packed_weight: torch.Tensor | None = None  # see layers/gemm.py
+        self.gemm = Gemm(self.weight)  # a path's own at load (layers/gemm_paths.py)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.gemm = Gemm(self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # [num_rows, hidden] -> [num_rows, vocab]
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = self.gemm(hidden, None)
         logits = self.tp.gather(logits, dim=-1)
         return logits[:, : self.vocab_size] if logits is not None else None

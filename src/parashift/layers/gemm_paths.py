@@ -8,24 +8,12 @@ copies, cycled, so that none stays in cache), and the fastest is kept. The choic
 in a JSON file per CPU (model name, the instruction-set flags that matter, torch version,
 threads), so a later start reads them; a corrupt file is timed again and rewritten.
 
-Paths (what `prepare` does to a module's weight):
-- linear: `F.linear` on the weight as it is (oneDNN/MKL behind torch);
-- packed: fp32 weights copied into MKL's packed layout (`mkl::_mkl_linear`);
-- onednn: the weight reordered once into oneDNN's blocked layout for this CPU
-  (`mkldnn::_linear_pointwise`), fp32 or half; F.linear reorders on every call instead, which
-  at decode rows costs as much as the GEMM (2.2x at 32 rows in fp32, 1.5x in bf16, on a Zen 4);
-- own-bf16: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp: vdpbf16ps
-  on AVX512-BF16, register blocks of 6 rows x 64 columns, the next tile prefetched; AMX tiles
-  where the CPU has them, gemm_amx.h; fp32 FMAs on the pairs widened in registers elsewhere,
-  gemm_fma.h). On a Zen 5 it ran the 32-row GEMMs of SmolLM2 1.2-1.7x faster than oneDNN's
-  reordered bf16 and stayed within 5% of it at 512-2,048 rows; on a Xeon with AMX, 1.2-1.7x
-  faster at 32 rows and slower than oneDNN from 256 rows on most shapes; its FMA form, there,
-  1.55x MKL's packed fp32 with both held to AVX-512F, even with it held to AVX2;
-- fp32 / fp32-packed / fp32-onednn: half-precision weights widened to fp32 once (the values
-  stay exactly the checkpoint's; activations stay in the model's dtype, each GEMM rounds its
-  result to it), then as linear / packed / onednn.
-
-A candidate this CPU cannot run (oneDNN's fp16 without AVX512-FP16) drops out when timed."""
+The paths are the classes of layers/gemm.py (`linear`, `packed`, `onednn`, `own-bf16`) and,
+for half-precision weights, `fp32` / `fp32-packed` / `fp32-onednn`: the weight widened to fp32
+once (the values stay exactly the checkpoint's; activations stay in the model's dtype, each
+GEMM rounds its result to it). A candidate this CPU cannot run (oneDNN's fp16 without
+AVX512-FP16) drops out when timed. `prepare_gemm_weights` gives every linear module of a
+loaded model its path's GEMM, or its quantized one (`--quantization`)."""
 
 from __future__ import annotations
 
@@ -38,12 +26,14 @@ import platform
 import re
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from parashift import env
+from parashift.layers.gemm import Gemm, OwnBf16Gemm, gemm_for_path
 from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.layers.quantization import QuantizedGemm, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -85,37 +75,10 @@ def candidates(dtype: torch.dtype) -> list[str]:
     return ["linear"]
 
 
-@dataclass(frozen=True)
-class OwnBf16Weight:
-    """A weight packed for our bf16 kernel, and the most rows the kernel takes: above them
-    F.linear on the plain weight measured faster on this CPU (oneDNN's blocking for big GEMMs
-    beat ours by 18% at 1,024 rows on a Zen 5)."""
-
-    packed: torch.Tensor
-    max_rows: int = sys.maxsize
-
-
-def prepare(weight: torch.Tensor, path: str
-            ) -> tuple[torch.Tensor, torch.Tensor | OwnBf16Weight | None]:
-    """(the weight the GEMM reads, its packed copy or None) for `path`."""
-    if path.startswith("fp32"):
-        weight = weight.float()
-    packed = None
-    if path == "own-bf16":
-        packed = OwnBf16Weight(cpu_ops().pack_bf16(weight))
-    elif path.endswith("packed"):
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)
-    elif path.endswith("onednn"):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return weight, packed
-
-
 def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: int = ROWS,
                rounds: int = 3, paths: tuple[str, ...] | None = None) -> dict[str, float]:
     """Seconds of one GEMM of `rows` rows by each candidate path (or `paths`), the weight
     streamed."""
-    from parashift.layers.gemm import linear  # the GEMM every layer calls
-
     nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
     copies = max(2, min(16, math.ceil(STREAM_BYTES / nbytes)))
     g = torch.Generator().manual_seed(0)
@@ -126,16 +89,16 @@ def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: in
     with torch.inference_mode():
         for path in paths or candidates(dtype):
             try:
-                prepared = [prepare(w, path) for w in weights]
-                linear(x, prepared[0][0], None, prepared[0][1])  # first-call costs out
+                prepared = [gemm_for_path(w, path) for w in weights]
+                prepared[0](x, None)  # first-call costs out
             except RuntimeError as e:  # not on this CPU
                 logger.debug("GEMM path %s unavailable for %s: %s", path, dtype, e)
                 continue
             best = math.inf
             for _ in range(rounds):
                 start = time.perf_counter()
-                for w, packed in prepared:
-                    linear(x, w, None, packed)
+                for gemm in prepared:
+                    gemm(x, None)
                 best = min(best, (time.perf_counter() - start) / copies)
             times[path] = best
             del prepared
@@ -240,3 +203,54 @@ class GemmPaths:
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not write the GEMM path cache %s: %s", self.path, e)
+
+
+def prepare_gemm_weights(model: nn.Module, device: torch.device,
+                         quantization: str | None = None) -> list[str]:
+    """Give every module with a GEMM (a `gemm` attribute) the path chosen for its weight on
+    this CPU, or its quantized weight (`quantization`, what layers/quantization.py names).
+    Returns what was done, for the load log."""
+    if device.type != "cpu":
+        return []
+    notes = quantize_weights(model, quantization) if quantization else []
+    paths = GemmPaths()
+    counts: dict[str, int] = {}
+    limits: dict[str, int] = {}  # our own kernel's most rows -> how many weights
+    for m in model.modules():
+        if not isinstance(getattr(m, "gemm", None), Gemm) or isinstance(m.gemm, QuantizedGemm):
+            continue
+        path = paths.choose(m.weight.dtype, *m.weight.shape)
+        m.gemm = gemm_for_path(m.weight.data, path)
+        if isinstance(m.gemm, OwnBf16Gemm):
+            m.gemm.max_rows = limit = paths.row_limit(m.weight.dtype, *m.weight.shape)
+            label = "any" if limit == sys.maxsize else str(limit)
+            limits[label] = limits.get(label, 0) + 1
+        if m.gemm.weight.dtype != m.weight.dtype:  # widened: the module keeps it, bias too
+            m.weight.data = m.gemm.weight
+            if getattr(m, "bias", None) is not None:
+                m.bias.data = m.bias.data.float()
+        m.gemm.weight = m.weight
+        counts[path] = counts.get(path, 0) + 1
+    paths.save()
+    timed = f" ({len(paths.timed)} timings now)" if paths.timed else ""
+    above = ("; own-bf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
+             + ", F.linear above" if limits else "")
+    return [*notes, f"GEMM paths on this CPU{timed}: "
+            + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())) + above]
+
+
+def quantize_weights(model: nn.Module, method: str) -> list[str]:
+    """The linear weights that layers/quantization.py quantizes -> `method`, the float weights
+    dropped. A module opts in with `quantizable = True` (the decoder layers' projections)."""
+    before = after = count = 0
+    for m in model.modules():
+        if not getattr(m, "quantizable", False):
+            continue
+        m.gemm = QuantizedGemm(quantize(m.weight.data, method))
+        before += m.weight.numel() * m.weight.element_size()
+        after += m.gemm.read_bytes
+        # the float weight's shape and dtype stay, on no memory
+        m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+        count += 1
+    return [f"{method} weights: {count} linear layers, {before / 2**20:.1f} MiB -> "
+            f"{after / 2**20:.1f} MiB"]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.layers.gemm import linear
+from parashift.layers.gemm import Gemm
 from parashift.layers.weights import WeightSource
 
 
@@ -23,7 +23,7 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None  # see layers/gemm.py
+        self.gemm: Gemm = Gemm(self.weight)  # a path's own at load (layers/gemm_paths.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -36,6 +36,8 @@ class LinearBase(nn.Module):
 
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by columns (output features): each rank computes its slice of Y."""
+
+    quantizable = True  # by --quantization (layers/quantization.py says which layers)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                  parallel: ParallelContext):
@@ -50,7 +52,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(source.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.gemm(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -110,6 +112,8 @@ class RowParallelLinear(LinearBase):
     """Y = X A with A split by rows (input features): each rank multiplies its slice of X and
     the partial sums are all-reduced. The bias is added once, after the reduction."""
 
+    quantizable = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                  parallel: ParallelContext):
         tp_size = parallel.shard.tp_size
@@ -126,7 +130,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(source.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
+        y = self.tp.all_reduce(self.gemm(x, None))
         return y + self.bias if self.bias is not None else y
 
 
@@ -141,4 +145,4 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(source.expect(*param.shape).load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed_weight)
+        return self.gemm(x, None)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from parashift.defaults import QUANTIZATIONS
+from parashift.layers.gemm import Gemm
 from parashift.layers.kernel_dispatch import cpu_ops
 
 INT4_GROUP = 32  # input features per int4 group (a Q4_1 block)
@@ -55,6 +56,22 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return (self.qweight.numel() * self.qweight.element_size()
                 + self.scales.numel() * self.scales.element_size())
+
+
+class QuantizedGemm(Gemm):
+    """The GEMM of a quantized weight; the float weight is gone (a meta tensor)."""
+
+    kind = "quantized"
+
+    def __init__(self, quantized: QuantizedWeight):
+        self.quantized = quantized
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return quantized_linear(x, self.quantized, bias)
+
+    @property
+    def read_bytes(self) -> int:
+        return self.quantized.nbytes
 
 
 def check_quantization(method: str | None, device: str) -> None:

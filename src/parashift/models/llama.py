@@ -3,7 +3,8 @@ Qwen2 and Qwen3 are the same network with a few switches (see qwen2.py, qwen3.py
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from parashift.layers.linear import (
 from parashift.layers.norm import RMSNorm
 from parashift.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from parashift.layers.weights import WeightSource
-from parashift.models.fused_cpu_layers import FusedCpuLayers
 
 
 class LlamaAttention(nn.Module):
@@ -74,6 +74,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """What a decoder layer is made of, for a step that runs it whole in another form
+    (executor/fused_cpu_layers.py): norm -> attention -> norm -> dense gated MLP."""
+
+    input_norm: RMSNorm
+    attention: LlamaAttention
+    post_norm: RMSNorm
+    gate_up: MergedColumnParallelLinear
+    down: RowParallelLinear
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
                  parallel: ParallelContext, mlp: nn.Module, **attn_flags):
@@ -92,6 +104,15 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def parts(self) -> DecoderLayerParts | None:
+        """None where the MLP is not one dense gated MLP (MoE experts: the fused step has no
+        expert routing, so those layers run one op at a time)."""
+        if not isinstance(self.mlp, LlamaMLP):
+            return None
+        return DecoderLayerParts(self.input_layernorm, self.self_attn,
+                                 self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj)
+
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint projection name -> (our fused parameter, shard id)
@@ -103,7 +124,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     attn_flags: dict[str, bool] | None = None  # None: read attention_bias from the config
-    fused_layers: FusedCpuLayers | None = None  # made when the KV cache is bound
+    # A whole-stack step the executor installs when it binds the KV cache (the fused CPU
+    # layers); `can_run(hidden, metadata)` says whether it takes this step.
+    fused_layers: Callable | None = None
 
     def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend,
                  max_position: int, parallel: ParallelContext):
@@ -174,12 +197,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each attention layer's slice of the paged KV cache. The fused layers
-        (models/fused_cpu_layers.py) hold raw pointers to it and to the packed weights: they
-        are made again here, each time the cache is (after a sleep, too)."""
+        """Each attention layer's slice of the paged KV cache."""
         for layer, kv in zip(self.attention_layers, kv_caches, strict=True):
             layer.kv_cache = kv
-        self.fused_layers = FusedCpuLayers.for_model(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.compute_logits(hidden)

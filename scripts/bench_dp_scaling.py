@@ -1,4 +1,4 @@
-"""`parashift bench dp-scaling`: data-parallel scaling on CPU, interleaved so that a noisy
+"""`python scripts/bench_dp_scaling.py`: data-parallel scaling on CPU, interleaved so that a noisy
 machine hits every configuration alike. Each round starts a `parashift run` server per
 configuration (dp1 on 1 core, dpN on 1 core per rank, dp1 on N cores), sends the same
 decode-heavy workload at once over streaming HTTP, and stops it. Then, offline with one
@@ -11,18 +11,9 @@ import statistics
 from typing import Annotated, Any
 
 import typer
+from study_options import Dtype, InputLenRange, OutputLenRange, Repeat, ServerArgs, served_workload
 
-from parashift.bench.options import (
-    Dtype,
-    InputLenRange,
-    NumPrompts,
-    OutputLenRange,
-    Repeat,
-    SaveJson,
-    Seed,
-    ServerArgs,
-    served_workload,
-)
+from parashift.bench.options import NumPrompts, SaveJson, Seed
 from parashift.cli_options import ModelArg, fail, setup_logging
 
 
@@ -51,9 +42,10 @@ def dp_scaling(
     """Throughput of dpN (1 core per rank) against dp1 on 1 and on N cores, served, and what
     bounds the scaling, offline."""
     setup_logging()
+    from step_cost import TARGET_EFFICIENCY, efficiency_model, step_costs
+    from study_server import running_server, send_all, warm_up
+
     from parashift.bench import report
-    from parashift.bench.server import running_server, send_all, warm_up
-    from parashift.bench.step_cost import TARGET_EFFICIENCY, efficiency_model, step_costs
 
     if dp < 2:
         fail("--dp must be >= 2")
@@ -110,3 +102,7 @@ def dp_scaling(
             "input_len_range": input_len_range, "output_len_range": output_len_range,
             "dp": dp, "repeat": repeat, "offline_only": offline_only, "server_args": extra,
             "seed": seed}, result)
+
+
+if __name__ == "__main__":
+    typer.run(dp_scaling)

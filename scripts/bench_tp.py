@@ -1,8 +1,9 @@
-"""`parashift bench tp`: tensor parallel on CPU. Per-step decode latency and throughput of tp1
-(one core) and each tp > 1 (that many worker processes), and the share of the decode time spent
-in all-reduce; every tp > 1 is measured twice, all-reducing through shared memory (the default)
-and through gloo only. Decode time per step = (time for N tokens - time for 1) / (N - 1): the
-prefill drops out. Each layout also reports the peak memory its workers' model loads added."""
+"""`python scripts/bench_tp.py`: tensor parallel on CPU. Per-step decode latency and throughput
+of tp1 (one core) and each tp > 1 (that many worker processes), and the share of the decode time
+spent in all-reduce; every tp > 1 is measured twice, all-reducing through shared memory (the
+default) and through gloo only. Decode time per step = (time for N tokens - time for 1) / (N -
+1): the prefill drops out. Each layout also reports the peak memory its workers' model loads
+added."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
+from study_options import Dtype, Repeat
+from study_probes import EXTENSION
 
-from parashift.bench.options import Dtype, Repeat, SaveJson
+from parashift.bench.options import SaveJson
 from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 
@@ -39,7 +42,8 @@ def measure(model: str, tp: int, dtype: str, batch: int, steps: int, repeat: int
 
     with _all_reduce_path(shm):
         llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, max_model_len=512,
-                  kv_cache_memory=256 << 20, num_threads=1 if tp == 1 else None)
+                  kv_cache_memory=256 << 20, num_threads=1 if tp == 1 else None,
+                  worker_extension_cls=EXTENSION)
     try:
         vocab = llm.config.model.vocab_size
         prompts = [[(100 + 7 * i + j) % vocab for j in range(16)] for i in range(batch)]
@@ -99,8 +103,9 @@ def tp(
     """Decode step time of tp1 and tp > 1 (shared-memory and gloo all-reduce) on a random Llama
     or MODEL."""
     setup_logging()
+    from random_model import random_llama
+
     from parashift.bench import report
-    from parashift.bench.random_model import random_llama
 
     sizes = parse_counts(tp_sizes, "--tp", "1,2,4")
     for flag, value, least in (("--batch", batch, 1), ("--steps", steps, 2),
@@ -140,3 +145,7 @@ def tp(
         report.save_json(save_json, "tp", {
             "model": folder, "tp": sizes, "dtype": dtype, "batch": batch, "steps": steps,
             "repeat": repeat}, {"results": results})
+
+
+if __name__ == "__main__":
+    typer.run(tp)

@@ -1,6 +1,7 @@
-"""`parashift bench pipeline`: pipeline parallel on CPU. pp2 with one core per stage against pp1
-on one core and pp1 on two, for a prefill-heavy and a decode-heavy workload, each at several
-concurrencies (a closed loop: `c` requests in flight, a new one as soon as one finishes).
+"""`python scripts/bench_pipeline.py`: pipeline parallel on CPU. pp2 with one core per stage
+against pp1 on one core and pp1 on two, for a prefill-heavy and a decode-heavy workload, each at
+several concurrencies (a closed loop: `c` requests in flight, a new one as soon as one
+finishes).
 
 Per run: throughput, TTFT and TPOT, and for pp > 1 the measured bubble (the share of the run a
 stage spends outside its steps, averaged over the stages) beside the bubble `plan` predicts for
@@ -19,8 +20,10 @@ import time
 from typing import Annotated, Any
 
 import typer
+from study_options import Dtype, Repeat
+from study_probes import EXTENSION
 
-from parashift.bench.options import Dtype, Repeat, SaveJson
+from parashift.bench.options import SaveJson
 from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 # name -> (prompt tokens, output tokens) per request
@@ -89,7 +92,8 @@ def measure(model: str | None, layout: str, dtype: str, concurrencies: list[int]
 
     strategy, threads = LAYOUTS[layout]
     llm = LLM(model, dtype=dtype, strategy=strategy, num_threads=threads,
-              max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_MEMORY)
+              max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_MEMORY,
+              worker_extension_cls=EXTENSION)
     rows = []
     try:
         core, config = llm.engine, llm.config
@@ -232,3 +236,7 @@ def pipeline(
             "model": model, "dtype": dtype, "concurrency": levels, "num_requests": num_requests,
             "repeat": repeat, "layouts": chosen,
             "workloads": {w: WORKLOADS[w] for w in chosen_workloads}}, {"results": rows})
+
+
+if __name__ == "__main__":
+    typer.run(pipeline)

@@ -1,7 +1,7 @@
 """Random-weight models saved as Hugging Face folders, for benchmarks that need a model big
-enough for compute and weight streaming to dominate: a Llama (`parashift bench tp`) and a
-Mixtral-shaped MoE (`parashift bench moe`). Token ids are all that matter: SmolLM2's tokenizer
-(49k entries) detokenizes any id below its size."""
+enough for compute and weight streaming to dominate: a Llama (`python scripts/bench_tp.py`) and
+a Mixtral-shaped MoE (`python scripts/bench_moe.py`). Token ids are all that matter: SmolLM2's
+tokenizer (49k entries) detokenizes any id below its size."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `parashift bench soak` command: starts the server, runs the soak (bench/soak.py),
+"""The `python scripts/soak.py` command: starts the server, runs the soak (scripts/soak_run.py),
 prints what happened and exits non-zero when a promise broke."""
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def soak(
     MODEL: default a random-weight Llama (hidden 256, 4 layers) with SmolLM2's tokenizer and
     its whole vocabulary (chat text tokenizes to any of its ids)."""
     setup_logging()
+    from random_model import random_llama
+    from soak_requests import plan
+    from soak_run import SERVER_ARGS, run_soak
+    from study_server import running_server
+
     from parashift.bench import report
-    from parashift.bench.random_model import random_llama
-    from parashift.bench.server import running_server
-    from parashift.bench.soak import SERVER_ARGS, run_soak
-    from parashift.bench.soak_requests import plan
     from parashift.models.loader import load_hf_config, resolve_model_path
 
     if num_requests < 1 or concurrency < 1:
@@ -88,3 +89,7 @@ def format_report(r) -> str:
             f"{name} {warm.get(name, 0):.0f} -> {mib:.0f}" for name, mib in sorted(end.items())))
     lines.append(f"  KV cache usage after the run: {r.kv_usage_after}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    typer.run(soak)

@@ -18,7 +18,7 @@ def step_costs(model: str | None, dtype: str, batches: tuple[int, ...], steps: i
     import torch
 
     from parashift import LLM, SamplingParams
-    from parashift.layers.gemm import gemm_weight_bytes, linear
+    from parashift.layers.gemm import Gemm
 
     torch.set_num_threads(1)
     llm = LLM(model, dtype=dtype, num_threads=1)
@@ -35,15 +35,15 @@ def step_costs(model: str | None, dtype: str, batches: tuple[int, ...], steps: i
                 ms = (time.perf_counter() - start) / steps * 1e3
                 step[batch] = min(ms, step.get(batch, ms))
         gemms = [m for m in llm.engine.executor.worker.model.modules()
-                 if hasattr(m, "packed_weight")]
-        weight_bytes = sum(gemm_weight_bytes(m) for m in gemms)
+                 if isinstance(getattr(m, "gemm", None), Gemm)]
+        weight_bytes = sum(m.gemm.read_bytes for m in gemms)
         floor = float("inf")
         with torch.inference_mode():
             for _ in range(5):
                 start = time.perf_counter()
                 for m in gemms:
                     x = torch.ones(1, m.weight.shape[1], dtype=m.weight.dtype)
-                    linear(x, m.weight, getattr(m, "bias", None), m.packed_weight)
+                    m.gemm(x, getattr(m, "bias", None))
                 floor = min(floor, (time.perf_counter() - start) * 1e3)
     finally:
         llm.shutdown()

@@ -1,11 +1,11 @@
-"""`parashift bench moe`: expert parallel against replicated experts, served. A random-weight
-Mixtral-shaped model (8 experts, top-2, hidden 1024, 8 layers by default) under `dp2xep`
-(each engine holds half the experts, tokens dispatched between them every MoE layer, the
-engines in lockstep waves) and under `dp2` (every engine holds every expert), one core per
-engine. Per layout: the weights and the peak resident memory of each engine, the expert share
-of the weights (from `plan`, which the plan-truth tests hold equal to the engine), throughput
-and TTFT/TPOT at a fixed concurrency (a closed loop over streaming HTTP), the share of step
-time in the dispatch / combine collectives, and the lockstep waves and dummy steps."""
+"""`python scripts/bench_moe.py`: expert parallel against replicated experts, served. A
+random-weight Mixtral-shaped model (8 experts, top-2, hidden 1024, 8 layers by default) under
+`dp2xep` (each engine holds half the experts, tokens dispatched between them every MoE layer,
+the engines in lockstep waves) and under `dp2` (every engine holds every expert), one core per
+engine. Per layout: the weights and the peak resident memory of each engine, the expert share of
+the weights (from `plan`, which the plan-truth tests hold equal to the engine), throughput and
+TTFT/TPOT at a fixed concurrency (a closed loop over streaming HTTP), the share of step time in
+the dispatch / combine collectives, and the lockstep waves and dummy steps."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import urllib.request
 from typing import Annotated, Any
 
 import typer
+from study_options import Dtype, InputLenRange, OutputLenRange, Repeat
 
-from parashift.bench.options import Dtype, InputLenRange, OutputLenRange, Repeat, SaveJson
+from parashift.bench.options import SaveJson
 from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 LAYOUTS = {"dp2 (experts replicated)": "dp2", "dp2xep": "dp2xep"}
@@ -30,7 +31,7 @@ RUN_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
 
 def engine_peak_rss(server_pid: int) -> dict[int, int]:
     """Rank -> peak resident bytes (VmHWM) of the server's engine processes (Linux /proc)."""
-    from parashift.bench.server import process_title, process_tree
+    from study_server import process_title, process_tree
 
     peaks = {}
     for pid in process_tree(server_pid):
@@ -81,9 +82,10 @@ def plan_experts(model: str, strategy: str, dtype: str) -> dict[str, Any]:
 
 def measure(model: str, strategy: str, dtype: str, requests, concurrency: int, repeat: int,
             vocab: int) -> dict[str, Any]:
+    from study_server import reset_prefix_cache, running_server, warm_up
+
     from parashift.bench.metrics import summarize
     from parashift.bench.serve_client import run_load
-    from parashift.bench.server import reset_prefix_cache, running_server, warm_up
 
     runs = []
     with running_server(model, ["--strategy", strategy, "--dtype", dtype, *RUN_ARGS]) as server:
@@ -151,9 +153,10 @@ def moe(
     concurrency, dispatch share of the step, dummy steps. MODEL: an MoE checkpoint (default: a
     random Mixtral-shaped model, 8 experts, top-2, hidden 1024, 8 layers)."""
     setup_logging()
+    from random_model import random_mixtral
+    from study_options import random_workload
+
     from parashift.bench import report
-    from parashift.bench.options import random_workload
-    from parashift.bench.random_model import random_mixtral
 
     if concurrency < 1 or repeat < 1:
         fail("--concurrency and --repeat must be >= 1")
@@ -206,7 +209,8 @@ def moe(
 
 
 def dispatch_comparison(model: str, token_counts: list[int]) -> dict[int, dict[str, float]]:
-    from parashift.bench.dispatch import time_dispatch
+    from moe_dispatch import time_dispatch
+
     from parashift.models.loader import load_hf_config
 
     cfg = load_hf_config(model)
@@ -217,3 +221,7 @@ def dispatch_comparison(model: str, token_counts: list[int]) -> dict[int, dict[s
         typer.echo(f"one layer's token exchange, {tokens} tokens per rank: " + ", ".join(
             f"{name} {seconds * 1e3:.2f} ms" for name, seconds in out[tokens].items()))
     return out
+
+
+if __name__ == "__main__":
+    typer.run(moe)

@@ -1,7 +1,7 @@
-"""`parashift bench serving-vs-offline`: serving throughput against the offline engine, in one
-run. The workload goes through `LLM.generate` in this process, then, with that engine freed,
-the same requests are sent at once over HTTP (streaming /v1/completions, token-id prompts) to
-a `parashift run` server this command starts."""
+"""`python scripts/bench_serving_vs_offline.py`: serving throughput against the offline engine,
+in one run. The workload goes through `LLM.generate` in this process, then, with that engine
+freed, the same requests are sent at once over HTTP (streaming /v1/completions, token-id
+prompts) to a `parashift run` server this command starts."""
 
 from __future__ import annotations
 
@@ -10,18 +10,9 @@ import statistics
 from typing import Annotated, Any
 
 import typer
+from study_options import Dtype, InputLenRange, OutputLenRange, Repeat, ServerArgs, served_workload
 
-from parashift.bench.options import (
-    Dtype,
-    InputLenRange,
-    NumPrompts,
-    OutputLenRange,
-    Repeat,
-    SaveJson,
-    Seed,
-    ServerArgs,
-    served_workload,
-)
+from parashift.bench.options import NumPrompts, SaveJson, Seed
 from parashift.cli_options import ModelArg, fail, setup_logging
 
 
@@ -40,10 +31,11 @@ def serving_vs_offline(
 ) -> None:
     """Both throughputs, their ratio, and the server's TTFT / TPOT / end-to-end percentiles."""
     setup_logging()
+    from study_server import reset_prefix_cache, running_server, send_all, warm_up
+
     from parashift.bench import report
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_throughput
-    from parashift.bench.server import reset_prefix_cache, running_server, send_all, warm_up
     from parashift.config import EngineArgs
 
     if repeat < 1:
@@ -107,3 +99,7 @@ def serving_vs_offline(
             "seed": seed}, result,
             [{"run": i, **dataclasses.asdict(r)} for i, (_, recs) in enumerate(runs)
              for r in recs])
+
+
+if __name__ == "__main__":
+    typer.run(serving_vs_offline)

@@ -1,4 +1,4 @@
-"""The decoder layers as one CPU kernel call each (models/fused_cpu_layers.py) against the same
+"""The decoder layers as one CPU kernel call each (executor/fused_cpu_layers.py) against the same
 layers called one by one: the same kernels in the same order, so greedy tokens and logprobs
 agree exactly, through decodes, prefills, chunked prefills mixed with decodes, a q/k/v bias
 and a sliding window, with bf16 or int8 weights (`--quantization int8` on our int8 GEMM); and
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.layers.quantization import own_int8_kernel
-from parashift.models.fused_cpu_layers import FusedCpuLayers
 from tests.kernels.builds import MARCHES, cpu_flags
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_attention,
@@ -41,7 +41,7 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
         m.setattr(gemm_paths.GemmPaths, "row_limit", lambda self, *a: 1 << 20)
         m.setattr(FusedCpuLayers, "__call__", counted)
         if not fused:
-            m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, layers: None))
+            m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, model: None))
         llm = LLM(folder, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
                   max_num_batched_tokens=64, seed=0, quantization=quantization)
         try:

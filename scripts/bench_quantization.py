@@ -1,10 +1,9 @@
-"""`parashift bench quantization`: weight-only int8 / int4 against the unquantized model, on the
-same engine. Accuracy is measured on the reference's own greedy continuations of a set of
-prompts, teacher-forced: at every position the quantized engine sees the reference's prefix
-and is scored on whether its top token is the reference's (agreement) and on the
+"""`python scripts/bench_quantization.py`: weight-only int8 / int4 against the unquantized
+model, on the same engine. Accuracy is measured on the reference's own greedy continuations of a
+set of prompts, teacher-forced: at every position the quantized engine sees the reference's
+prefix and is scored on whether its top token is the reference's (agreement) and on the
 log-probability it gives the reference's token. A free-running greedy run adds how many
-continuations stay identical. Speed: decode tokens/s at each batch size, and the weights'
-bytes."""
+continuations stay identical. Speed: decode tokens/s at each batch size, and the weights' bytes."""
 
 from __future__ import annotations
 
@@ -207,3 +206,7 @@ def format_comparison(results: dict[str, Any]) -> str:
         lines.append(f"{name:<8}{row['weight_bytes'] / 2**20:>7.0f}{accuracy}"
                      + "".join(f"{row['decode_tok_s'][b]:>12.1f}" for b in speeds))
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    typer.run(quantization)

@@ -1,7 +1,7 @@
-"""`parashift bench backends`: start-up time (the command to its "is serving" line) and serving
-throughput of `parashift run` with the mp and Ray backends, alternating round by round so that
-a noisy machine hits both alike. Without RAY_ADDRESS / --ray-address in --server-args the
-launcher starts a local Ray cluster sized for the strategy."""
+"""`python scripts/bench_backends.py`: start-up time (the command to its "is serving" line) and
+serving throughput of `parashift run` with the mp and Ray backends, alternating round by round
+so that a noisy machine hits both alike. Without RAY_ADDRESS / --ray-address in --server-args
+the launcher starts a local Ray cluster sized for the strategy."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import dataclasses
 from typing import Annotated, Any
 
 import typer
+from study_options import ServerArgs, served_workload
 
-from parashift.bench.options import NumPrompts, SaveJson, Seed, ServerArgs, served_workload
+from parashift.bench.options import NumPrompts, SaveJson, Seed
 from parashift.cli_options import ModelArg, fail, setup_logging
 
 # Ray would otherwise ask to report usage, and refuse a local cluster on macOS.
@@ -33,9 +34,10 @@ def backends(
 ) -> None:
     """Start-up and throughput of `parashift run --backend mp|ray`, alternating."""
     setup_logging()
+    from study_server import running_server, send_all
+
     from parashift.bench import report
     from parashift.bench.metrics import summarize
-    from parashift.bench.server import running_server, send_all
 
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in ("mp", "ray")]
@@ -78,3 +80,7 @@ def backends(
 def _joined(runs: list[dict[str, Any]], key: str) -> str:
     """One value per round: "16.9, 17.1"."""
     return ", ".join(f"{r[key]:.1f}" for r in runs)
+
+
+if __name__ == "__main__":
+    typer.run(backends)

@@ -1,4 +1,4 @@
-"""`parashift bench kernels`: every Triton kernel of `parashift.kernels` on the GPU, checked
+"""`python scripts/bench_kernels.py`: every Triton kernel of `parashift.kernels` on the GPU, checked
 against its torch reference at a serving-sized shape and timed against the memory-bandwidth
 floor (the bytes it must move, over the device-to-device copy bandwidth measured in the same
 run). bf16 on the GPU (its bf16 tl.dot is right; only the interpreter's is not)."""
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
+from kernel_sweep import time_cuda
 
 from parashift.bench.options import SaveJson
 from parashift.cli_options import fail, setup_logging
@@ -26,23 +27,6 @@ class KernelCase:
     tolerance: float
     flops: int = 0  # the arithmetic it must do at least (0: a memory-bound kernel)
     timed: Callable[[], Any] | None = None  # what is timed, where `run` adds a copy to check
-
-
-def time_cuda(fn: Callable[[], Any], reps: int) -> list[float]:
-    """Seconds per call, CUDA events around each of `reps` calls after 3 warm-ups."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def copy_bandwidth(reps: int) -> float:
@@ -64,7 +48,6 @@ def matmul_rate(reps: int) -> float:
 
 def cases(batch: int, context: int) -> list[KernelCase]:
     import torch
-
     from parashift.kernels import decode_attention as da
     from parashift.kernels import fused_moe as fm
     from parashift.kernels import kv_cache_write as kw
@@ -173,8 +156,8 @@ def kernels(
     import torch
 
     if not torch.cuda.is_available():
-        fail("bench kernels needs a CUDA GPU: on CPU the kernels run only under Triton's "
-             "interpreter, which times nothing real (tests/kernels checks them there)")
+        fail("scripts/bench_kernels.py needs a CUDA GPU: on CPU the kernels run only under "
+             "Triton's interpreter, which times nothing real (tests/kernels checks them there)")
     bandwidth, rate = copy_bandwidth(reps), matmul_rate(reps)
     rows = []
     typer.echo(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
@@ -196,7 +179,7 @@ def kernels(
                    f"{'' if ok else '  FAIL'}")
     swept = None
     if sweep:
-        from parashift.bench.kernel_sweep import run_sweep
+        from kernel_sweep import run_sweep
 
         swept = run_sweep(reps)
     if save_json:
@@ -207,3 +190,7 @@ def kernels(
                "sweep": swept})
     if not all(r["ok"] for r in rows):
         raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    typer.run(kernels)

@@ -1,4 +1,4 @@
-"""`parashift bench soak`: a long mixed run against a real server, with faults and hostile
+"""`python scripts/soak.py`: a long mixed run against a real server, with faults and hostile
 input, and the checks that nothing was lost on the way.
 
 The server is `dp2` behind two API servers (`--restart-dead-engines`). The requests mix
@@ -25,9 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
-
-from parashift.bench.server import process_title, process_tree
-from parashift.bench.soak_requests import Outcome, SoakRequest, send
+from soak_requests import Outcome, SoakRequest, send
+from study_server import process_title, process_tree
 
 SERVER_ARGS = ["--strategy", "dp2", "--api-server-count", "2", "--restart-dead-engines",
                "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32"]

@@ -1,4 +1,4 @@
-"""`parashift bench kernels --sweep`: the paged attention kernels timed over their launch
+"""`python scripts/bench_kernels.py --sweep`: the paged attention kernels timed over their launch
 configurations (cache blocks per key tile, warps, pipeline stages; query rows per program for
 prefill) at several serving shapes, each configuration checked against the torch reference.
 It is how the defaults in `kernels/decode_attention.py` and `kernels/prefill_attention.py`
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import typer
-
-from parashift.bench.kernels import time_cuda
 
 L2_FLUSH_BYTES = 256 << 20  # several times an H100/H200's 50-60 MB of L2
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -31,6 +30,23 @@ class SweepRow:
     seconds: float
     max_error: float
     default: bool
+
+
+def time_cuda(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Seconds per call, CUDA events around each of `reps` calls after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def _rotations(bytes_per_call: int) -> int:
@@ -77,7 +93,6 @@ def _time_launches(kernel: str, shape: str, default, launches: list, run, tables
 
 def sweep_decode(batch: int, context: int, reps: int) -> list[SweepRow]:
     import torch
-
     from parashift.kernels import decode_attention as da
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -104,7 +119,6 @@ def sweep_decode(batch: int, context: int, reps: int) -> list[SweepRow]:
 
 def sweep_prefill(num_seqs: int, cached: int, new: int, reps: int) -> list[SweepRow]:
     import torch
-
     from parashift.kernels import prefill_attention as pa
 
     blocks_per_seq = -(-(cached + new) // BLOCK)

@@ -1,4 +1,4 @@
-"""`parashift bench cpu-kernels`: each compiled CPU kernel (`kernels/cpu`) against the torch
+"""`python scripts/bench_cpu_kernels.py`: each compiled CPU kernel (`kernels/cpu`) against the torch
 ops it replaces, on this CPU, at a decode step's shapes (the embedded SmolLM2's: 9 query and 3
 kv heads of 64, hidden 576, intermediate 1536, vocabulary 49,152); in bf16 our GEMM too, where
 this CPU has one, against oneDNN's reordered weight or (`--gemm-against inductor`) inductor's C++
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from bench_kernels import KernelCase
 
-from parashift.bench.kernels import KernelCase
 from parashift.bench.options import SaveJson
 from parashift.cli_options import fail, setup_logging
 
@@ -134,10 +134,10 @@ def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
     F.linear where this torch or CPU has no oneDNN bf16) or inductor's compiled GEMM, SmolLM2's
     weight shapes at the batch's rows."""
     import torch
+    from inductor_gemm import compile_linear
 
-    from parashift.bench.inductor_gemm import compile_linear
-    from parashift.layers.gemm import linear
-    from parashift.layers.gemm_paths import can_reorder, prepare
+    from parashift.layers.gemm import Gemm, gemm_for_path
+    from parashift.layers.gemm_paths import can_reorder
 
     cases, kernel = [], GEMM_KERNELS[ops.bf16_gemm]
     for name, (n, k) in GEMM_SHAPES.items():
@@ -148,13 +148,13 @@ def _gemm_cases(ops, batch: int, against: str) -> list[KernelCase]:
             reference, seconds = compile_linear(weight, x)
             typer.echo(f"  (inductor compiled the {name} GEMM in {seconds:.1f} s)")
         else:
-            reordered = None
+            gemm = Gemm(weight)
             # oneDNN's bf16 needs AVX-512BW/VL/DQ or AVX-NE-CONVERT (not a Zen 3's)
             with contextlib.suppress(RuntimeError):
-                reordered = prepare(weight, "onednn")[1] if can_reorder() else None
+                gemm = gemm_for_path(weight, "onednn") if can_reorder() else gemm
 
-            def reference(x=x, w=weight, p=reordered):  # the GEMM path onednn, or F.linear
-                return linear(x, w, None, p)
+            def reference(x=x, gemm=gemm):  # the GEMM path onednn, or F.linear
+                return gemm(x, None)
         cases.append(KernelCase(f"{name} GEMM ({kernel})", f"{batch} x {k} -> {n}",
                                 lambda x=x, p=packed, n=n: ops.gemm_bf16(x, p, n, None),
                                 reference, 0, 0.1))
@@ -208,3 +208,7 @@ def cpu_kernels(
                                                "gemm_against": gemm_against}, {"kernels": rows})
     if not all(r["ok"] for r in rows):
         raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    typer.run(cpu_kernels)

@@ -1,4 +1,4 @@
-"""The soak's requests (bench/soak.py): a seeded mix of good, special, bad and disconnecting
+"""The soak's requests (scripts/soak_run.py): a seeded mix of good, special, bad and disconnecting
 requests, each sent once and checked against what it must get back."""
 
 from __future__ import annotations

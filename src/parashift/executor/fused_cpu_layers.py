@@ -1,5 +1,7 @@
-"""A Llama-family model's decoder layers as one call each into the CPU kernels
-(kernels/cpu/layer.cpp), where every piece of a layer runs on them anyway: bfloat16 weights on
+"""A model's decoder layers as one call each into the CPU kernels (kernels/cpu/layer.cpp),
+installed by the model runner on any model whose layers describe themselves as norm ->
+attention -> norm -> dense gated MLP (`parts()`, models/llama.py: the Llama, Qwen2, Qwen3 and
+Mistral families), where every piece of a layer runs on the kernels anyway: bfloat16 weights on
 our own GEMM path (layers/gemm_paths.py "own-bf16") or int8 weights on our int8 GEMM
 (`--quantization int8`), bf16 activations, bf16 decode attention in vector lanes
 (AVX512-BF16 or AVX2), one
@@ -9,7 +11,9 @@ the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).
 
 Layer by layer still: steps past a weight's row limit (big prefills, where F.linear takes
 over), steps with prefills where the attention backend leaves prefill tokens to SDPA (without
-AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown` splits the ops)."""
+AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown` splits the ops).
+MoE models (Mixtral, Qwen MoE) run layer by layer: the kernel's layer ends in a dense MLP, and
+their experts are routed in torch; a fused attention half without the MLP is not built yet."""
 
 from __future__ import annotations
 
@@ -21,90 +25,88 @@ import torch
 from torch import nn
 
 from parashift.layers.attention.cpu_backend import CpuAttentionBackend
-from parashift.layers.gemm_paths import OwnBf16Weight
+from parashift.layers.gemm import OwnBf16Gemm
 from parashift.layers.kernel_dispatch import cpu_ops
-from parashift.layers.quantization import QuantizedWeight
+from parashift.layers.quantization import QuantizedGemm
+from parashift.models.llama import DecoderLayerParts
 
-OwnWeight = OwnBf16Weight | QuantizedWeight
+OwnGemm = OwnBf16Gemm | QuantizedGemm
 
 
-def _own(linear: nn.Module) -> OwnWeight | None:
-    """The linear's weight where one of our GEMMs takes it (bf16, or int8 on our kernel)."""
-    packed = getattr(linear, "packed_weight", None)
-    if isinstance(packed, OwnBf16Weight) or (isinstance(packed, QuantizedWeight)
-                                             and packed.own_kernel):
-        return packed
+def _own(linear: nn.Module) -> OwnGemm | None:
+    """The linear's GEMM where it is one of ours (bf16, or int8 on our kernel)."""
+    gemm = getattr(linear, "gemm", None)
+    if isinstance(gemm, OwnBf16Gemm) or (isinstance(gemm, QuantizedGemm)
+                                         and gemm.quantized.own_kernel):
+        return gemm
     return None
 
 
-def _packed(w: OwnWeight) -> torch.Tensor:
-    return w.packed if isinstance(w, OwnBf16Weight) else w.qweight
+def _packed(g: OwnGemm) -> torch.Tensor:
+    return g.packed if isinstance(g, OwnBf16Gemm) else g.quantized.qweight
 
 
-def _scale(w: OwnWeight) -> torch.Tensor | None:
-    return w.scales if isinstance(w, QuantizedWeight) else None
+def _scale(g: OwnGemm) -> torch.Tensor | None:
+    return g.quantized.scales if isinstance(g, QuantizedGemm) else None
 
 
-def _max_rows(w: OwnWeight) -> int:
+def _max_rows(g: OwnGemm) -> int:
     """Past it F.linear takes a bf16 GEMM; int8 weights have no float weight to give it."""
-    return w.max_rows if isinstance(w, OwnBf16Weight) else sys.maxsize
+    return g.max_rows if isinstance(g, OwnBf16Gemm) else sys.maxsize
 
 
-def _fusable(layer: nn.Module) -> bool:
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
-               getattr(mlp, "down_proj", None))
-    return (all(m is not None and _own(m) is not None for m in linears)
+def _fusable(parts: DecoderLayerParts | None) -> bool:
+    if parts is None:
+        return False
+    attn = parts.attention
+    linears = (attn.qkv_proj, attn.o_proj, parts.gate_up, parts.down)
+    return (all(_own(m) is not None for m in linears)
             and len({type(_own(m)) for m in linears}) == 1
             and attn.q_norm is None and attn.qkv_proj.tp_size == 1
-            and attn.o_proj.bias is None and mlp.down_proj.bias is None
+            and attn.o_proj.bias is None and parts.down.bias is None
             and isinstance(attn.attn.backend, CpuAttentionBackend)
             and attn.head_dim in (64, 128) and attn.attn.kv_cache is not None
-            and layer.input_layernorm.weight.dtype == torch.bfloat16
-            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
+            and parts.input_norm.weight.dtype == torch.bfloat16
+            and parts.input_norm.eps == parts.post_norm.eps)
 
 
 class FusedCpuLayers:
     """The layers of one model (`for_model`), bound to its packed weights and KV cache: raw
-    pointers, so made again whenever either is (LlamaForCausalLM.bind_kv_cache)."""
+    pointers, so made again whenever either is (ModelRunner.bind_kv_cache)."""
 
-    def __init__(self, layers: nn.ModuleList, ops):
+    def __init__(self, layers: list[DecoderLayerParts], ops):
         from parashift.kernels.cpu.library import LayerWeights
 
         self.ops = ops
-        first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = layers[0].attention
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.intermediate = mlp.down_proj.weight.shape[1]
-        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+        self.intermediate = layers[0].down.weight.shape[1]
+        self.eps, self.scale = layers[0].input_norm.eps, attn.attn.scale
         self.block_size = attn.attn.kv_cache[0].shape[1]
-        self.max_rows = min(_max_rows(_own(m)) for layer in layers
-                            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        self.max_rows = min(_max_rows(_own(m)) for p in layers
+                            for m in (p.attention.qkv_proj, p.attention.o_proj, p.gate_up,
+                                      p.down))
         self.weights = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for p in layers:
+            attn = p.attention
             key_cache, value_cache = attn.attn.kv_cache
-            qkv, o, gate_up, down = (_own(m) for m in (attn.qkv_proj, attn.o_proj,
-                                                       mlp.gate_up_proj, mlp.down_proj))
+            qkv, o, gate_up, down = (_own(m) for m in (attn.qkv_proj, attn.o_proj, p.gate_up,
+                                                       p.down))
             self.weights.append(LayerWeights.of(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                _packed(qkv), attn.qkv_proj.bias, _packed(o), _packed(gate_up),
-                mlp.gate_up_proj.bias, _packed(down), key_cache, value_cache, None,
-                _scale(qkv), _scale(o), _scale(gate_up), _scale(down)))
+                p.input_norm.weight, p.post_norm.weight, _packed(qkv), attn.qkv_proj.bias,
+                _packed(o), _packed(gate_up), p.gate_up.bias, _packed(down), key_cache,
+                value_cache, None, _scale(qkv), _scale(o), _scale(gate_up), _scale(down)))
         for layer, following in itertools.pairwise(self.weights):
             if bool(layer.qkv_scale) == bool(following.qkv_scale):  # of the same kind
                 layer.next_qkv = following.qkv  # fetched while the layer's last GEMM ends
 
     @classmethod
-    def for_model(cls, layers: nn.ModuleList) -> FusedCpuLayers | None:
-        from parashift.models.llama import LlamaDecoderLayer, LlamaMLP
-
+    def for_model(cls, model: nn.Module) -> FusedCpuLayers | None:
+        """The fused layers of `model`, or None where any layer cannot run fused here."""
         ops = cpu_ops()
-        if ops is None or not ops.bf16_attention or len(layers) == 0:
-            return None
-        if not all(isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)
-                   and _fusable(layer) for layer in layers):
+        layers = [layer.parts() if hasattr(layer, "parts") else None
+                  for layer in getattr(model, "layers", ())]
+        if ops is None or not ops.bf16_attention or not layers or not all(map(_fusable, layers)):
             return None
         return cls(layers, ops)
 

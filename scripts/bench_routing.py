@@ -1,5 +1,5 @@
-"""`parashift bench routing`: the dp routing policies side by side, served (dp2, one core per
-engine). Two workloads per policy, on the same server:
+"""`python scripts/bench_routing.py`: the dp routing policies side by side, served (dp2, one
+core per engine). Two workloads per policy, on the same server:
 
 - chat: C conversations that share a long system prompt, each one turn after another (the
   next user message follows the reply), the conversations at once: the prefix cache's case;
@@ -97,7 +97,7 @@ def measure(model: str | None, policy: str, conversations: int, turns: int, max_
             random_requests_: list, repeat: int, api_servers: int,
             thresholds: tuple[int, float] | None = None) -> dict[str, Any]:
     """`thresholds`: prefix routing's (balance threshold, min match); None: the defaults."""
-    from parashift.bench.server import reset_prefix_cache, running_server, send_all, warm_up
+    from study_server import reset_prefix_cache, running_server, send_all, warm_up
 
     label = policy if thresholds is None else f"{policy} {thresholds[0]}/{thresholds[1]:g}"
     row: dict[str, Any] = {"policy": label, "chat": [], "random": []}
@@ -203,3 +203,7 @@ def routing(
             "num_random": num_random, "repeat": repeat, "run_args": RUN_ARGS, "seed": seed,
             "api_server_count": api_server_count, "prefix_thresholds": sweep},
             {"policies": rows})
+
+
+if __name__ == "__main__":
+    typer.run(routing)
