@@ -194,9 +194,9 @@ def run(
     engine_args.seed = seed
     if engine_args.max_waiting_requests is None:  # served: a bounded queue, 429 beyond it
         engine_args.max_waiting_requests = served_max_waiting(engine_args.max_num_seqs)
+    from parashift.processes import exit_now
     from parashift.runtime.launcher import run as run_server
     from parashift.runtime.node import ServeArgs
-    from parashift.wire.process_util import exit_now
 
     if request_timeout is not None and request_timeout <= 0:
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")

@@ -120,10 +120,10 @@ def test_bad_settings_name_their_flag(config, message):
 
 
 def test_the_pin_wins_and_its_blocks_are_recorded_there(tmp_path):
-    from parashift.serve.broker import Broker
+    from parashift.serve.engine_client import EngineClient
     from parashift.wire import protocol as p
 
-    broker = Broker(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
+    broker = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
     try:
         for rank in (0, 1):
             broker.ready[rank] = p.EngineReady(rank, 256, 100, 0, 16)
@@ -139,10 +139,10 @@ def test_the_pin_wins_and_its_blocks_are_recorded_there(tmp_path):
 def test_a_cache_emptied_through_another_api_server_is_forgotten_here(tmp_path):
     """/reset_prefix_cache or /sleep called on API server 0: server 1 hears it through the
     coordinator's load vector (the rank's reset count moved) and forgets the rank's blocks."""
-    from parashift.serve.broker import Broker
+    from parashift.serve.engine_client import EngineClient
     from parashift.wire import protocol as p
 
-    broker = Broker(1, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
+    broker = EngineClient(1, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
     try:
         for rank in (0, 1):
             broker.on_ready(p.EngineReady(rank, 256, 100, 0, 16))

@@ -124,7 +124,7 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
     places its own workers on them, by the same rule)."""
     import os
 
-    from parashift.wire.process_util import die_with_parent
+    from parashift.processes import die_with_parent
 
     die_with_parent()
     if cpu_ids:

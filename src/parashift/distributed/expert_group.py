@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.strategies.spec import StrategySpec
-from parashift.wire.process_util import listen_tcp, tcp_url
+from parashift.wire.sockets import listen_tcp, tcp_url
 
 EP_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # the other engines may still be loading

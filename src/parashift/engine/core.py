@@ -34,12 +34,13 @@ def make_executor(config: EngineConfig, placement: EnginePlacement | None = None
         placement = place(par.strategy, config.device.device, par.data_parallel_rank)
     if len(placement.workers) == 1:
         return LocalExecutor(config, placement)
+    from parashift.executor.multiproc import MultiprocExecutor, WorkerProcesses
+
+    workers: type = WorkerProcesses
     if par.distributed_executor_backend == "ray":
-        from parashift.executor.ray_executor import RayExecutor as Executor
-    else:
-        from parashift.executor.multiproc import MultiprocExecutor as Executor
-    return Executor(config, placement, logging.getLevelName(
-        logging.getLogger().getEffectiveLevel()))
+        from parashift.executor.ray_executor import RayWorkers as workers
+    return MultiprocExecutor(config, placement, logging.getLevelName(
+        logging.getLogger().getEffectiveLevel()), workers=workers)
 
 
 class EngineCore:

@@ -21,18 +21,17 @@ from parashift.engine.request import Request
 from parashift.engine.scheduler import QueueFullError
 from parashift.engine.sleep_state import ASLEEP_MESSAGE, SleepState
 from parashift.engine.wave import WaveState
-from parashift.strategies.mesh import EnginePlacement, engine_process_name
-from parashift.strategies.spec import StrategySpec
-from parashift.types.outputs import EngineCoreOutput
-from parashift.wire import protocol as p
-from parashift.wire.process_util import (
+from parashift.processes import (
     die_with_parent,
     keep_temp_files_in_launch_folder,
     set_process_name,
     setup_child_logging,
-    subscriber,
-    zmq_context,
 )
+from parashift.strategies.mesh import EnginePlacement, engine_process_name
+from parashift.strategies.spec import StrategySpec
+from parashift.types.outputs import EngineCoreOutput
+from parashift.wire import protocol as p
+from parashift.wire.sockets import subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,11 @@ from parashift import env
 from parashift.config import EngineConfig
 from parashift.distributed import shm_all_reduce
 from parashift.executor.worker_process import WorkerArgs, run_worker
+from parashift.processes import exit_after, join_within
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.wire import protocol as p
-from parashift.wire.process_util import exit_after, join_within, zmq_context
+from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -41,27 +42,11 @@ class WorkerDiedError(RuntimeError):
     pass
 
 
-class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, placement: EnginePlacement,
-                 log_level: str = "INFO", startup_timeout: float = 600.0):
-        count = len(placement.workers)
-        self.max_batches_in_flight = config.parallel.strategy.processes().max_batches_in_flight
-        self._results: collections.deque[ModelRunnerOutput] = collections.deque()
-        self._start_workers(config, placement, log_level)
-        # However this executor ends (even unreferenced, or at exit), no worker outlives it.
-        self._cleanup = weakref.finalize(self, *self._cleanup_call())
-        try:
-            self._collect(p.WorkerReady, count, startup_timeout)
-        except Exception:
-            self.shutdown()
-            raise
-        logger.info("%d workers ready (%s)", count,
-                    "gloo" if config.device.device == "cpu" else "nccl")
+class WorkerProcesses:
+    """An engine's workers as processes of this node, spawned: ipc sockets and a FileStore
+    in a private folder."""
 
-    def _start_workers(self, config: EngineConfig, placement: EnginePlacement,
-                       log_level: str) -> None:
-        """One process per worker of the placement; ipc sockets and a FileStore in a private
-        folder."""
+    def __init__(self, config: EngineConfig, placement: EnginePlacement, log_level: str):
         self.dir = tempfile.mkdtemp(prefix=f"parashift-dp{placement.engine}-workers-")
         self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)
@@ -89,11 +74,42 @@ class MultiprocExecutor:
             proc.start()
             self.procs.append(proc)
 
-    def _cleanup_call(self) -> tuple:
+    def check_health(self) -> None:
+        for proc in self.procs:
+            if proc.exitcode is not None:
+                raise WorkerDiedError(f"worker {proc.name} exited with code "
+                                      f"{proc.exitcode}")
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def cleanup_call(self) -> tuple:
+        """What ends them, as a weakref.finalize callback and its arguments."""
         return _kill_workers, self.procs, self.commands, self.ctx, self.dir, self.shm_path
 
-    def _alive(self) -> bool:
-        return all(proc.is_alive() for proc in self.procs)
+
+class MultiprocExecutor:
+    """`workers`: how the workers are started and watched (WorkerProcesses here; the Ray
+    executor's actors, executor/ray_executor.py); the executor talks to them over ZMQ."""
+
+    def __init__(self, config: EngineConfig, placement: EnginePlacement,
+                 log_level: str = "INFO", startup_timeout: float = 600.0,
+                 workers: type = WorkerProcesses):
+        count = len(placement.workers)
+        self.max_batches_in_flight = config.parallel.strategy.processes().max_batches_in_flight
+        self._results: collections.deque[ModelRunnerOutput] = collections.deque()
+        self.workers = workers(config, placement, log_level)
+        self.results, self.commands = self.workers.results, self.workers.commands
+        self.names = self.workers.names
+        # However this executor ends (even unreferenced, or at exit), no worker outlives it.
+        self._cleanup = weakref.finalize(self, *self.workers.cleanup_call())
+        try:
+            self._collect(p.WorkerReady, count, startup_timeout)
+        except Exception:
+            self.shutdown()
+            raise
+        logger.info("%d workers ready (%s)", count,
+                    "gloo" if config.device.device == "cpu" else "nccl")
 
     # --- the executor interface (LocalExecutor's, plus submit / wait for batches in flight) --
     def determine_num_blocks(self) -> int:
@@ -131,16 +147,13 @@ class MultiprocExecutor:
 
     def check_health(self) -> None:
         """Raises if a worker has died (the engine calls this even when idle)."""
-        for proc in self.procs:
-            if proc.exitcode is not None:
-                raise WorkerDiedError(f"worker {proc.name} exited with code "
-                                      f"{proc.exitcode}")
+        self.workers.check_health()
 
     def shutdown(self) -> None:
         if not self._cleanup.alive:
             return
         try:
-            if self._alive():
+            if self.workers.alive():
                 self.collective_rpc("stop", timeout=10)
         except (WorkerDiedError, TimeoutError):
             pass

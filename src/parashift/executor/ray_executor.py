@@ -1,4 +1,4 @@
-"""The executor for `--backend ray` with workers: each worker of the engine's placement is a
+"""The workers of an engine under `--backend ray` (MultiprocExecutor's `workers`): each is a
 Ray actor in bundle 1 + its index of the engine's placement group. The mesh names and orders
 the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
 commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous
@@ -14,10 +14,11 @@ import zmq
 
 from parashift import env
 from parashift.config import EngineConfig
-from parashift.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from parashift.executor.multiproc import WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
+from parashift.processes import named_actor_class
 from parashift.strategies.mesh import EnginePlacement
-from parashift.wire.process_util import listen_tcp, named_actor_class, tcp_url, zmq_context
+from parashift.wire.sockets import listen_tcp, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ class _WorkerActor:
         run_worker(args)
 
 
-class RayExecutor(MultiprocExecutor):
-    def _start_workers(self, config: EngineConfig, placement: EnginePlacement,
-                       log_level: str) -> None:
+class RayWorkers:
+    """An engine's workers as Ray actors (MultiprocExecutor's `workers`), tcp sockets."""
+
+    def __init__(self, config: EngineConfig, placement: EnginePlacement, log_level: str):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,13 +97,13 @@ class RayExecutor(MultiprocExecutor):
                 reason = str(e).splitlines()[0][:200]
             raise WorkerDiedError(f"worker {self.names[rank]} (Ray actor) stopped: {reason}")
 
-    def _alive(self) -> bool:
+    def alive(self) -> bool:
         import ray
 
         done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return not done
 
-    def _cleanup_call(self) -> tuple:
+    def cleanup_call(self) -> tuple:
         return _kill_actors, self.actors, self.ctx
 
 

@@ -26,15 +26,11 @@ from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
+from parashift.processes import die_with_parent, set_process_name, setup_child_logging
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
-from parashift.wire.process_util import (
-    die_with_parent,
-    set_process_name,
-    setup_child_logging,
-    zmq_context,
-)
+from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
 

@@ -21,14 +21,9 @@ from typing import Any
 
 import zmq
 
+from parashift.processes import die_with_parent, set_process_name, setup_child_logging
 from parashift.wire import protocol as p
-from parashift.wire.process_util import (
-    bind,
-    die_with_parent,
-    set_process_name,
-    setup_child_logging,
-    zmq_context,
-)
+from parashift.wire.sockets import bind, zmq_context
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from parashift.runtime.errors import StartupError
-from parashift.wire.process_util import listen_tcp, tcp_url
+from parashift.runtime.node import StartupError
+from parashift.wire.sockets import listen_tcp, tcp_url
 
 
 @dataclass

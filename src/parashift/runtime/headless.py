@@ -14,12 +14,11 @@ import zmq
 
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
-from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines
-from parashift.runtime.node import ServeArgs
+from parashift.runtime.node import ServeArgs, StartupError
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import handshake_failed
-from parashift.wire.process_util import subscriber, tcp_url, zmq_context
+from parashift.wire.sockets import subscriber, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 

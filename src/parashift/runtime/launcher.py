@@ -23,13 +23,12 @@ from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener
-from parashift.runtime.errors import StartupError
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
-from parashift.runtime.node import ServeArgs
+from parashift.runtime.node import ServeArgs, StartupError
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
-from parashift.wire.process_util import tcp_url, zmq_context
+from parashift.wire.sockets import tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 

@@ -10,18 +10,18 @@ import logging
 import multiprocessing
 
 from parashift.engine.engine_process import run_engine
+from parashift.processes import exit_after, join_within
 from parashift.runtime import child_processes
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
 from parashift.strategies.mesh import EnginePlacement
-from parashift.wire.process_util import exit_after, join_within
 
 logger = logging.getLogger(__name__)
 
 
-class LocalEngines(RestartPolicy):
+class LocalEngines:
     def __init__(self, placements: dict[int, EnginePlacement], handshake_address: str,
                  log_level: str, handshake_timeout: float, restart: bool = False):
-        super().__init__(restart)
+        self.restarts = RestartPolicy(restart)
         self.ranks = sorted(placements)
         self.handshake_address = handshake_address
         self.placements = placements
@@ -34,6 +34,10 @@ class LocalEngines(RestartPolicy):
         for rank in self.ranks:
             self._spawn(rank)
 
+    def restart_due(self) -> None:
+        for rank in self.restarts.due():
+            self._spawn(rank)
+
     def _spawn(self, rank: int) -> None:
         placement = self.placements[rank]
         proc = self._mp.Process(target=exit_after, name=placement.process_name, args=(
@@ -41,7 +45,7 @@ class LocalEngines(RestartPolicy):
             self.handshake_timeout))
         proc.start()
         self.procs[rank] = proc
-        self._spawned(rank)
+        self.restarts.started(rank)
 
     def reap(self) -> list[EngineDeath]:
         """Ranks that died since the last call; with restart on, each gets a restart time."""
@@ -51,7 +55,7 @@ class LocalEngines(RestartPolicy):
                 continue
             del self.procs[rank]
             deaths.append(EngineDeath(rank, proc.pid, f"process exited with code {proc.exitcode}"))
-            self._schedule_restart(rank)
+            self.restarts.died(rank)
         return deaths
 
     def kill(self, rank: int, incarnation: int) -> None:

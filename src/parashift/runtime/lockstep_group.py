@@ -15,7 +15,7 @@ import zmq
 
 from parashift.distributed.expert_group import GroupStore
 from parashift.wire import protocol as p
-from parashift.wire.process_util import subscriber
+from parashift.wire.sockets import subscriber
 
 logger = logging.getLogger(__name__)
 

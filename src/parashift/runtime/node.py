@@ -1,5 +1,6 @@
-"""The `parashift run` settings (ServeArgs), with the multi-node flags and their checks. Where
-this node's ranks go is the device mesh's to say (engine/placement.py)."""
+"""The `parashift run` settings (ServeArgs), with the multi-node flags and their checks, and
+the error that ends a launch before it serves (StartupError). Where this node's ranks go is
+the device mesh's to say (engine/placement.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from dataclasses import dataclass, field
 from parashift import env
 from parashift.config import EngineArgs
 from parashift.serve.prefix_router import RoutingConfig
+
+
+class StartupError(RuntimeError):
+    """What ends a launch before it serves: one error naming the cause and the flag."""
 
 
 @dataclass

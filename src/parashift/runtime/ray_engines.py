@@ -11,6 +11,7 @@ import logging
 
 from parashift import env
 from parashift.config import EngineConfig
+from parashift.processes import named_actor_class
 from parashift.runtime.ray_cluster import (
     RayStartupError,
     check_capacity,
@@ -19,7 +20,6 @@ from parashift.runtime.ray_cluster import (
 )
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
 from parashift.strategies.mesh import engine_process_name
-from parashift.wire.process_util import named_actor_class
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ class _EngineActor:
         run_engine(rank, handshake_address, log_level, None, timeout)
 
 
-class RayEngines(RestartPolicy):
+class RayEngines:
     def __init__(self, ranks: list[int], config: EngineConfig, log_level: str,
                  handshake_timeout: float, address: str | None = None, placement: str = "pack",
                  restart: bool = False):
-        super().__init__(restart)
+        self.restarts = RestartPolicy(restart)
         self.ranks = ranks
         self.handshake_address = ""  # the launcher's, once it knows this node's address
         self.log_level = log_level
@@ -85,6 +85,10 @@ class RayEngines(RestartPolicy):
                     f"placed within {PLACEMENT_TIMEOUT_S:.0f} s: no node has room") from None
             self._spawn(rank)
 
+    def restart_due(self) -> None:
+        for rank in self.restarts.due():
+            self._spawn(rank)
+
     def _spawn(self, rank: int) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -100,7 +104,7 @@ class RayEngines(RestartPolicy):
         self.actors[rank] = actor
         self.refs[rank] = actor.run.remote(rank, self.handshake_address, self.log_level,
                                            self.handshake_timeout, env.cluster_secret())
-        self._spawned(rank)
+        self.restarts.started(rank)
 
     def reap(self) -> list[EngineDeath]:
         import ray
@@ -120,7 +124,7 @@ class RayEngines(RestartPolicy):
             except Exception as e:  # RayActorError when killed, the engine's own error
                 reason = f"Ray actor died: {str(e).splitlines()[0][:200]}"
             deaths.append(EngineDeath(rank, 0, reason))
-            self._schedule_restart(rank)
+            self.restarts.died(rank)
         return deaths
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -12,7 +12,7 @@ from parashift.runtime.ray_cluster import bundle_totals
 
 
 @dataclass
-class RankPlacement:
+class RankNode:
     rank: int
     node: str | None  # node address, None when no node has room
     node_id: str | None
@@ -38,7 +38,7 @@ def alive_nodes(ray) -> list[dict]:
 
 
 def place(nodes: list[dict], bundles: list[dict[str, float]], num_ranks: int
-          ) -> list[RankPlacement]:
+          ) -> list[RankNode]:
     free = [dict(n["resources"]) for n in nodes]
     used = [0] * len(nodes)
     need = bundle_totals(bundles)
@@ -52,5 +52,5 @@ def place(nodes: list[dict], bundles: list[dict[str, float]], num_ranks: int
             for k, v in need.items():
                 free[spot][k] = free[spot].get(k, 0.0) - v
         node = nodes[spot] if spot is not None else {}
-        out.append(RankPlacement(rank, node.get("address"), node.get("node_id"), bundles))
+        out.append(RankNode(rank, node.get("address"), node.get("node_id"), bundles))
     return out

@@ -1,10 +1,11 @@
 """What every set of engine ranks a launcher runs shares, local processes or Ray actors: how
-a death is reported, and when a dead rank starts again."""
+a death is reported (EngineDeath), and when a dead rank starts again (RestartPolicy)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -23,36 +24,36 @@ class EngineDeath:
 
 class RestartPolicy:
     """When a dead rank starts again (with restart on): after 1 s, doubling for each quick
-    death in a row up to 30 s; a rank that lived a minute starts from 1 s again. Subclasses
-    provide `_spawn(rank)` and call `_spawned` / `_schedule_restart`."""
+    death in a row up to 30 s; a rank that lived a minute starts from 1 s again. The engine
+    sets (local processes, Ray actors) tell it when a rank starts and dies, and start the
+    ranks it says are due. `clock`: seconds, monotonic (tests pass their own)."""
 
-    def __init__(self, restart: bool):
+    def __init__(self, restart: bool, clock: Callable[[], float] = time.monotonic):
         self.restart = restart
+        self.clock = clock
         self.started_at: dict[int, float] = {}
-        self.restart_delay: dict[int, float] = {}
+        self.delay: dict[int, float] = {}  # each rank's last delay
         self.restart_at: dict[int, float] = {}  # dead ranks waiting for their restart
 
-    def _spawn(self, rank: int) -> None:
-        raise NotImplementedError
+    def started(self, rank: int) -> None:
+        self.started_at[rank] = self.clock()
 
-    def _spawned(self, rank: int) -> None:
-        self.started_at[rank] = time.monotonic()
-
-    def _schedule_restart(self, rank: int) -> None:
+    def died(self, rank: int) -> None:
         if not self.restart:
             return
-        lived = time.monotonic() - self.started_at.get(rank, 0.0)
-        previous = self.restart_delay.get(rank)
+        lived = self.clock() - self.started_at.get(rank, 0.0)
+        previous = self.delay.get(rank)
         delay = (FIRST_RESTART_DELAY_S if previous is None or lived > STABLE_AFTER_S
                  else min(MAX_RESTART_DELAY_S, 2 * previous))
-        self.restart_delay[rank] = delay
-        self.restart_at[rank] = time.monotonic() + delay
+        self.delay[rank] = delay
+        self.restart_at[rank] = self.clock() + delay
         logger.info("restarting engine dp%d in %.0f s", rank, delay)
 
-    def restart_due(self) -> None:
-        now = time.monotonic()
-        for rank, when in list(self.restart_at.items()):
-            if when <= now:
-                del self.restart_at[rank]
-                logger.info("starting engine dp%d again", rank)
-                self._spawn(rank)
+    def due(self) -> list[int]:
+        """The dead ranks whose restart time has come (each returned once)."""
+        now = self.clock()
+        ranks = [rank for rank, when in self.restart_at.items() if when <= now]
+        for rank in ranks:
+            del self.restart_at[rank]
+            logger.info("starting engine dp%d again", rank)
+        return ranks

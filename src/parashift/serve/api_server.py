@@ -17,8 +17,15 @@ import msgspec
 from aiohttp import web
 
 from parashift.engine.request import check_prompt_tokens
+from parashift.processes import (
+    die_with_parent,
+    exit_now,
+    remove_launch_folder,
+    set_process_name,
+    setup_child_logging,
+)
 from parashift.serve import responses, sse
-from parashift.serve.broker import Broker
+from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_routes import EngineRoutes
 from parashift.serve.generation import Generation
 from parashift.serve.http_guards import errors_to_openai, refuse_cross_site, require_key
@@ -35,13 +42,6 @@ from parashift.serve.openai_protocol import (
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
-from parashift.wire.process_util import (
-    die_with_parent,
-    exit_now,
-    remove_launch_folder,
-    set_process_name,
-    setup_child_logging,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,12 @@ class ApiServer:
         # tokenization: no token is longer than the longest in the vocabulary.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = args.max_model_len * max(1, longest)
-        self.broker = Broker(args.index, args.request_address, args.output_address,
+        self.engines = EngineClient(args.index, args.request_address, args.output_address,
                              args.num_engines, args.coordinator_address, args.bound,
                              args.routing)
         self.metrics = Metrics()
-        self.broker.on_outputs = self.metrics.on_engine_outputs
-        self.broker.on_load = self.metrics.on_load_vector
+        self.engines.on_outputs = self.metrics.on_engine_outputs
+        self.engines.on_load = self.metrics.on_load_vector
         self.metrics.api_server.labels(str(args.index)).set(1)
 
     def app(self) -> web.Application:
@@ -104,7 +104,7 @@ class ApiServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/openapi.json", self.openapi)
-        EngineRoutes(self.broker, self.metrics).add_to(app)
+        EngineRoutes(self.engines, self.metrics).add_to(app)
         return app
 
     @web.middleware
@@ -126,14 +126,14 @@ class ApiServer:
             "owned_by": "parashift", "max_model_len": self.args.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        ok, reason = self.broker.health()
+        ok, reason = self.engines.health()
         return _json({"status": "ok" if ok else "unavailable", "detail": reason},
                      200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         for rank in range(self.args.num_engines):
             self.metrics.engine_up.labels(f"dp{rank}").set(
-                1 if rank in self.broker.ready and rank not in self.broker.dead else 0)
+                1 if rank in self.engines.ready and rank not in self.engines.dead else 0)
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8")
 
@@ -238,7 +238,7 @@ class ApiServer:
         params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
-        gen = Generation(self.broker, self.tokenizer, request_id, prompts, params,
+        gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,
                          self.args.eos_token_id, self._rank(request), req.stream,
                          lambda outcome: self.metrics.failovers.labels(outcome).inc())
         self.metrics.routed.labels(f"dp{gen.engine}").inc()
@@ -270,7 +270,7 @@ class ApiServer:
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
     server = ApiServer(args)
-    server.broker.start()
+    server.engines.start()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.SockSite(runner, sock)
@@ -278,25 +278,25 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     ended = [asyncio.create_task(stop.wait()),
-             asyncio.create_task(server.broker.shutdown_requested.wait())]
+             asyncio.create_task(server.engines.shutdown_requested.wait())]
     # Accept only once every engine is ready, as vLLM does: until then a client's connection
     # waits in the listener's backlog, so that a client polling /v1/models (or /health) is
     # answered when its requests can run, not with a 503 during the engines' start-up.
-    ready = asyncio.create_task(server.broker.all_ready.wait())
+    ready = asyncio.create_task(server.engines.all_ready.wait())
     await asyncio.wait([ready, *ended], return_when=asyncio.FIRST_COMPLETED)
     serving = ready.done()
     ready.cancel()
     if serving:
         await site.start()
-        await server.broker.tell_launcher_ready()
+        await server.engines.tell_launcher_ready()
         await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
         # Stop accepting, let in-flight requests drain within the timeout, abort the rest.
         await site.stop()
-    deadline = time.monotonic() + server.broker.shutdown_timeout
-    while server.broker.sinks and time.monotonic() < deadline:
+    deadline = time.monotonic() + server.engines.shutdown_timeout
+    while server.engines.sinks and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
-    await server.broker.close()
+    await server.engines.close()
     remove_launch_folder(args.request_address)  # here, where a 2nd SIGTERM cannot cut it short
 
 

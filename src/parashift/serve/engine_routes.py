@@ -11,8 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from parashift.serve.broker import Broker
-from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
 
@@ -22,8 +21,8 @@ def _json(data: Any) -> web.Response:
 
 
 class EngineRoutes:
-    def __init__(self, broker: Broker, metrics: Metrics):
-        self.broker, self.metrics = broker, metrics
+    def __init__(self, engines: EngineClient, metrics: Metrics):
+        self.engines, self.metrics = engines, metrics
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
@@ -34,10 +33,10 @@ class EngineRoutes:
     async def _call_all(self, method: str, arg: int = 0) -> dict[int, Any]:
         """Every live engine's answer, by rank. A rank that died or cannot be reached makes
         it a 503 naming it; an engine's refusal a 400."""
-        ranks = self.broker.alive_engines()
+        ranks = self.engines.alive_engines()
         if not ranks:
             raise OpenAIError(503, "no engine is up", "service_unavailable_error")
-        results = await asyncio.gather(*(self.broker.utility(method, r, arg) for r in ranks),
+        results = await asyncio.gather(*(self.engines.utility(method, r, arg) for r in ranks),
                                        return_exceptions=True)
         answers = dict(zip(ranks, results, strict=True))
         for rank, result in answers.items():
@@ -50,15 +49,15 @@ class EngineRoutes:
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])
             self.metrics.sleep_released.labels(f"dp{rank}").set(result["released_bytes"])
             if method != "is_sleeping":  # the rank's prefix cache is empty now
-                self.broker.router.forget(rank)
+                self.engines.router.forget(rank)
         return answers
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         results = {}
-        for rank in self.broker.alive_engines():
-            results[f"dp{rank}"] = await self.broker.utility("reset_prefix_cache", rank)
+        for rank in self.engines.alive_engines():
+            results[f"dp{rank}"] = await self.engines.utility("reset_prefix_cache", rank)
             if results[f"dp{rank}"]:
-                self.broker.router.forget(rank)  # at once here; the others via the coordinator
+                self.engines.router.forget(rank)  # at once here; the others via the coordinator
         return _json({"reset": results})
 
     async def sleep(self, request: web.Request) -> web.Response:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.request_tracker import RequestTracker, SampleDelta
-from parashift.serve.broker import Broker
-from parashift.serve.engine_errors import (
+from parashift.serve.engine_client import (
+    EngineClient,
     EngineDeadError,
     EngineUnavailableError,
     RequestFailedError,
@@ -40,11 +40,11 @@ class Timing:
 
 
 class Generation:
-    def __init__(self, broker: Broker, tokenizer: Any, request_id: str,
+    def __init__(self, engines: EngineClient, tokenizer: Any, request_id: str,
                  prompts: list[list[int]], params: list[SamplingParams],
                  eos_token_id: int | None, rank: int | None, streamed: bool = False,
                  on_failover: Callable[[str], None] | None = None):
-        self.broker = broker
+        self.engines = engines
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -57,13 +57,13 @@ class Generation:
         self._attempt = 0  # items of an earlier attempt's requests are stale
         self._shown = False  # a delta with tokens went out to the client
         self._track()
-        self.engine = broker.pick_engine(rank, prompts=prompts)
+        self.engine = engines.pick_engine(rank, prompts=prompts)
         try:
             try:
                 self._send_all()
-            except EngineUnavailableError:  # it died before the broker heard: the next rank
+            except EngineUnavailableError:  # it died before the engines heard: the next rank
                 self.abort_unfinished()
-                self.engine = broker.pick_engine(exclude=self.engine, prompts=prompts)
+                self.engine = engines.pick_engine(exclude=self.engine, prompts=prompts)
                 self._attempt = 1
                 self._send_all()
                 self._count("resent")
@@ -90,7 +90,7 @@ class Generation:
 
     def _send_all(self) -> None:
         for sample_id, (prompt, params) in self._samples.items():
-            self.broker.add_request(sample_id, prompt, params, self.eos_token_id, self.engine,
+            self.engines.add_request(sample_id, prompt, params, self.eos_token_id, self.engine,
                                     functools.partial(self._receive, self._attempt, sample_id))
 
     def _receive(self, attempt: int, child_id: str,
@@ -100,13 +100,13 @@ class Generation:
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
         dead = self.engine
-        if self._attempt or (self.streamed and self._shown) or self.broker.num_engines < 2:
+        if self._attempt or (self.streamed and self._shown) or self.engines.num_engines < 2:
             self._count("failed")
             raise error
         deadline = time.monotonic() + FAILOVER_WAIT_S
         while True:
             try:
-                self.engine = self.broker.pick_engine(exclude=dead, prompts=self.prompts)
+                self.engine = self.engines.pick_engine(exclude=dead, prompts=self.prompts)
                 break
             except EngineUnavailableError:
                 if time.monotonic() > deadline:
@@ -177,10 +177,10 @@ class Generation:
             self._cached[prompt] = max(self._cached.get(prompt, 0), out.num_cached_tokens)
         delta = self.tracker.apply(out)
         if delta is not None and delta.abort:
-            self.broker.abort([out.request_id])
+            self.engines.abort([out.request_id])
         return delta
 
     def abort_unfinished(self) -> None:
         pending = self.tracker.unfinished_ids()
         if pending:
-            self.broker.abort(pending)
+            self.engines.abort(pending)

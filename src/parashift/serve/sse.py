@@ -10,7 +10,7 @@ import logging
 from aiohttp import web
 
 from parashift.serve import responses
-from parashift.serve.engine_errors import EngineDeadError
+from parashift.serve.engine_client import EngineDeadError
 from parashift.serve.generation import Generation
 from parashift.serve.openai_protocol import OpenAIError
 

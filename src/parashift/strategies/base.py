@@ -1,6 +1,6 @@
 """The strategy plugin interface: one class per parallel axis. The layout is decided by these
 objects and nowhere else: every consumer (mesh, launcher, executors, model loading, Ray, plan)
-calls the hooks below, composed over the axes of a spec by `HybridStrategy`."""
+calls the hooks below, composed over the axes of a spec by `AxesComposition`."""
 
 from __future__ import annotations
 

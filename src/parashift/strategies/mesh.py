@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parashift.strategies.hybrid import unravel
+from parashift.strategies.composition import unravel
 from parashift.strategies.spec import StrategySpec
 
 

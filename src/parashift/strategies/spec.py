@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parashift.strategies.base import Strategy
-from parashift.strategies.hybrid import HybridStrategy
+from parashift.strategies.composition import AxesComposition
 from parashift.strategies.registry import check_hooks, known_strategies, load_class
 from parashift.wire.protocol import StrategyAxis
 
@@ -26,7 +26,7 @@ def _ordered(axes: list[Strategy]) -> tuple[Strategy, ...]:
 
 
 @dataclass(frozen=True)
-class StrategySpec(HybridStrategy):
+class StrategySpec(AxesComposition):
     axes: tuple[Strategy, ...]
 
     @classmethod

@@ -9,7 +9,7 @@ ipc:// sockets (one node, in a 0700 folder) stay plain.
 
 The secret reaches each process through its environment (PARASHIFT_CLUSTER_SECRET: children
 inherit it; Ray actors get it as an argument): every ZMQ context a process makes
-(`process_util.zmq_context`) then secures the sockets it binds and connects over tcp."""
+(`wire/sockets.py` zmq_context) then secures the sockets it binds and connects over tcp."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Small helpers shared by the launcher's child processes."""
+"""What every child process of a launch does to start, name itself, find its launch folder
+and end: the process lifecycle, apart from the sockets it talks through (wire/sockets.py)."""
 
 from __future__ import annotations
 
@@ -7,34 +8,11 @@ import logging
 import multiprocessing.forkserver
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
-
-import zmq
-import zmq.asyncio
-
-from parashift import env
-from parashift.wire.cluster_auth import ClusterKeys, secured_context
-
-# A frame larger than this is refused by ZMQ itself on every socket (no message of ours comes
-# near it): a peer cannot make a process allocate without bound.
-MAX_FRAME_BYTES = 256 << 20
-
-
-def zmq_context(asyncio: bool = False) -> zmq.Context:
-    """A ZMQ context whose sockets all refuse frames over MAX_FRAME_BYTES and, where this
-    process holds the cluster secret, bind and connect over tcp:// only with CURVE."""
-    secret = env.cluster_secret()
-    if secret is not None:
-        ctx = secured_context(ClusterKeys.from_secret(secret), asyncio)
-    else:
-        ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
-    ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the default of every socket it makes
-    return ctx
 
 
 def set_process_name(name: str) -> None:
@@ -117,46 +95,6 @@ def exit_after(entry: Callable[..., Any], *args: Any) -> NoReturn:
     except SystemExit as e:
         exit_now(e.code if isinstance(e.code, int) else 1)
     exit_now(0)
-
-
-def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """A SUB socket on everything published at `address`, dropped unsent at close."""
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
-
-
-def tcp_url(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def listen_tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
-    """A listening TCP socket that child processes can inherit (OSError if it cannot bind)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-def bind(sock: zmq.Socket, address: str, bound: dict[str, socket.socket] | None = None
-         ) -> None:
-    """Bind `sock` at `address`, on the listening socket a launcher bound there for us when
-    it handed one over (zmq takes the file descriptor over)."""
-    listener = (bound or {}).get(address)
-    if listener is not None:
-        sock.setsockopt(zmq.USE_FD, listener.detach())
-    sock.bind(address)
 
 
 def named_actor_class(base: type, process_name: str) -> type:

@@ -8,13 +8,12 @@ import time
 import pytest
 import zmq
 
-from parashift.serve.broker import Broker
-from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
 from parashift.wire import protocol as p
 
 
-def _broker(tmp_path, lockstep: bool) -> Broker:
-    broker = Broker(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 3)
+def _broker(tmp_path, lockstep: bool) -> EngineClient:
+    broker = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 3)
     for rank in range(3):
         broker.on_ready(p.EngineReady(rank, 256, 100, 1000 + rank, 16, lockstep))
     return broker

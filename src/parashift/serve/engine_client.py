@@ -1,6 +1,8 @@
-"""The async ZMQ broker inside each API server process: it owns the sockets to every engine,
-picks the engine for a request, and fans each engine's outputs back to each request's sink.
-There is no broker process: one hop less, no single point of failure."""
+"""Each API server's client of the engines: it owns the ZMQ sockets to every engine (no
+process between them: one hop less, no single point of failure), picks the engine for a
+request, and fans each engine's outputs back to each request's sink. What can go wrong with a
+request on the way (the engine died, the engine refused it alone, no engine can take it now)
+are its errors below; the HTTP side turns each into its status."""
 
 from __future__ import annotations
 
@@ -16,21 +18,35 @@ import zmq
 import zmq.asyncio
 
 from parashift.engine.block_hash import block_hashes
-from parashift.serve.engine_errors import (
-    EngineDeadError,
-    EngineUnavailableError,
-    RequestFailedError,
-)
 from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
-from parashift.wire.process_util import bind, subscriber, zmq_context
+from parashift.wire.sockets import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
 
-class Broker:
+class EngineDeadError(RuntimeError):
+    """The engine serving a request died; the request cannot finish."""
+
+
+class RequestFailedError(ValueError):
+    """The engine refused one request (400: bad; 429: its waiting queue is full), apart from
+    any engine death."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+        self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
+            status, "invalid_request_error")
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine can take a request right now (still starting, or all dead)."""
+
+
+class EngineClient:
     def __init__(self, client_index: int, request_address: str, output_address: str,
                  num_engines: int, coordinator_address: str | None = None,
                  bound: dict[str, socket.socket] | None = None,

@@ -24,7 +24,7 @@ def unravel(index: int, axes: list[MeshAxis]) -> dict[str, int]:
     return {axis.name: coords[axis.name] for axis in axes}
 
 
-class HybridStrategy:
+class AxesComposition:
     axes: tuple[Strategy, ...]
 
     def validate_errors(self, hf_config: Any) -> list[str]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parashift.wire.process_util import exit_after
+from parashift.processes import exit_after
 
 
 def finishes() -> None:
