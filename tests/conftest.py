@@ -9,9 +9,12 @@ import sys
 import pytest
 import torch
 
+import parashift  # noqa: F401  (before transformers: keeps the checkout's kernels/ off sys.path)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The studies in scripts/ (layouts, kernels, backends, soak) import each other by module name,
 # as they do when run as `python scripts/NAME.py`.
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

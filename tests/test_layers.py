@@ -17,15 +17,29 @@ LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imp
         "--no-cache"]
 
 
-def _lint(package_parent: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=package_parent)
-    return subprocess.run(LINT, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+def _lint(package_parent: str, kernels_parent: str = ROOT) -> subprocess.CompletedProcess:
+    """import-linter over parashift (in `package_parent`) and kernels/ (in `kernels_parent`,
+    as the top-level package it is in the tree)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_parent, kernels_parent]))
+    # import-linter puts its working directory first on sys.path: the kernels' folder
+    return subprocess.run(LINT, capture_output=True, text=True, env=env, cwd=kernels_parent,
+                          timeout=120)
 
 
 def test_the_tree_keeps_the_layers():
     result = _lint(os.path.dirname(os.path.dirname(parashift.__file__)))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "package layers KEPT" in result.stdout
+    assert "package layers KEPT" in result.stdout and "kernels are a leaf KEPT" in result.stdout
+
+
+def test_a_kernel_that_imports_parashift_breaks_the_leaf(tmp_path):
+    shutil.copytree(os.path.join(ROOT, "kernels"), tmp_path / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "kernels" / "bad_leaf.py").write_text("import parashift.config  # noqa\n")
+    result = _lint(os.path.dirname(os.path.dirname(parashift.__file__)), str(tmp_path))
+    assert result.returncode != 0
+    assert "kernels are a leaf BROKEN" in result.stdout
+    assert "kernels.bad_leaf -> parashift.config" in result.stdout
 
 
 def test_an_upward_import_breaks_them(tmp_path):
@@ -47,7 +61,7 @@ def test_an_upward_import_breaks_them(tmp_path):
 CYCLES = """
 import json, sys
 import grimp
-graph = grimp.build_graph("parashift", exclude_type_checking_imports=True)
+graph = grimp.build_graph("parashift", "kernels", exclude_type_checking_imports=True)
 edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
 index, low, stack, on_stack, found = {}, {}, [], set(), []
 def visit(root):
@@ -81,7 +95,7 @@ print(json.dumps(sorted(found)))
 
 
 def _cycles(package_parent: str) -> list[list[str]]:
-    env = dict(os.environ, PYTHONPATH=package_parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_parent, ROOT]))
     result = subprocess.run([sys.executable, "-c", CYCLES], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -1,5 +1,5 @@
-"""Builds the CPU kernels (`elementwise.cpp`, `attention.cpp`, `prefill_attention.cpp`,
-`gemm.cpp`, `layer.cpp`, `sampling.cpp` and their headers) into one library for the CPU at hand.
+"""Builds the CPU kernels (every `.cpp` of this folder, with its headers) into one library for
+the CPU at hand.
 
 The build is one g++ call (a few seconds: no torch headers) with -march=native (-mcpu=native on
 ARM), cached per source, compiler flags and CPU (model name and instruction-set flags), so a
@@ -16,14 +16,10 @@ import shutil
 import subprocess
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name)
-           for name in ("elementwise.cpp", "attention.cpp", "prefill_attention.cpp", "gemm.cpp",
-                        "layer.cpp", "sampling.cpp")]
-HEADERS = [os.path.join(_HERE, name)
-           for name in ("common.h", "entry_points.h", "amx.h", "attention_avx2.h",
-                        "attention_bf16.h", "bf16_lanes.h", "column_shares.h",
-                        "elementwise_bf16.h", "gemm_amx.h", "gemm_fma.h", "gemm_int8.h",
-                        "prefill_blocks.h", "prefill_amx.h", "prefill_dot.h", "row_stream.h")]
+# Every translation unit and every header of this folder: the headers are read into the
+# cache key too, so a new or changed one rebuilds the library (no list to keep by hand).
+SOURCES = sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE) if name.endswith(".cpp"))
+HEADERS = sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE) if name.endswith(".h"))
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           # Let loops reduce in vector lanes; no -ffast-math: its crtfastmath would turn on
           # flush-to-zero for the whole process (torch included).

@@ -8,8 +8,8 @@ import json
 import pytest
 from bench_cpu_kernels import GEMM_KERNELS
 
+from bench.test_bench_commands import invoke
 from parashift.layers.kernel_dispatch import cpu_ops
-from tests.bench.test_bench_commands import invoke
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

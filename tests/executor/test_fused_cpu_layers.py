@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_tests.builds import MARCHES, cpu_flags
 
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.layers.quantization import own_int8_kernel
-from tests.kernels.builds import MARCHES, cpu_flags
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_attention,
                                 reason="the fused layers need a vector bf16 decode attention")

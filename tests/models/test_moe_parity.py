@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models.test_parity import assert_matches_reference, mixed_prompts
 
 from parashift import LLM
 from parashift.layers.fused_moe import route
-from tests.models.test_parity import assert_matches_reference, mixed_prompts
 
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 

@@ -17,9 +17,9 @@ import time
 
 import psutil
 import pytest
+from models.test_parity import assert_matches_reference
 
 from parashift import LLM, SamplingParams
-from tests.models.test_parity import assert_matches_reference
 
 from .conftest import running_server
 

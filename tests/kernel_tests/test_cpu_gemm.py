@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.builds import MARCHES, cpu_flags, load_for
+from kernel_tests.builds import MARCHES, cpu_flags, load_for
 
 
 @pytest.fixture(scope="module", params=[m for m in MARCHES if m != "x86-64"])

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from parashift.kernels.cpu import build as kernel_build
 
-from tests.kernels.builds import load_for
+from kernel_tests.builds import load_for
 
 CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 ARM_MARCH = "armv8.4-a+sve+bf16"  # a Neoverse V1 (Graviton 3): SVE for GCC's vectorizer

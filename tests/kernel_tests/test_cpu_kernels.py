@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from parashift.kernels.cpu import build as kernel_build
 from parashift.kernels.cpu import library
 
+from kernel_tests.builds import MARCHES, load_for
 from parashift.layers.attention.backend import AttentionStepInputs
 from parashift.layers.attention.torch_backend import TorchAttentionBackend
-from tests.kernels.builds import MARCHES, load_for
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -21,7 +21,7 @@ from parashift.kernels.prefill_attention import (
     paged_prefill_attention_reference,
 )
 
-from tests.kernels.conftest import DEVICE
+from kernel_tests.conftest import DEVICE
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 HEAD_DIM = 32

@@ -7,7 +7,7 @@ import torch
 from parashift.kernels.fused_moe import fused_moe, fused_moe_reference
 from parashift.kernels.moe_align import align_slots, align_slots_reference
 
-from tests.kernels.conftest import DEVICE
+from kernel_tests.conftest import DEVICE
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
 

@@ -7,8 +7,8 @@ import torch
 from parashift.kernels.rms_norm import rms_norm, rms_norm_reference
 from parashift.kernels.rotary import apply_rotary, apply_rotary_reference
 
+from kernel_tests.conftest import DEVICE
 from parashift.layers.rotary import RotaryEmbedding
-from tests.kernels.conftest import DEVICE
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 

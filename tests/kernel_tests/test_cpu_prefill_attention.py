@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.builds import load_for
+from kernel_tests.builds import load_for
 
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 16, 6, 2, 64
 
