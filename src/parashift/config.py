@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,7 @@ class ModelConfig:
     tokenizer_path: str
     seed: int = 0
     quantization: str | None = None  # layers/quantization.py
+    source: str | None = None  # the model as the user named it (None: the embedded SmolLM2)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -127,8 +129,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
+    while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
 
     def __post_init__(self) -> None:
+        if self.while_asleep not in ("reject", "wait"):
+            raise ValueError(f"--while-asleep {self.while_asleep!r}: use reject or wait")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(
                 f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
@@ -192,4 +197,12 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     worker_extension_cls: str | None = None
+
+    def for_engine(self, rank: int, backend: str, expert_group_address: str | None
+                   ) -> EngineConfig:
+        """This launch's config as engine `rank` runs it: its rank, the executor backend and
+        where this incarnation of its expert group meets (the launcher's to say)."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(
+            self.parallel, data_parallel_rank=rank, distributed_executor_backend=backend,
+            expert_group_address=expert_group_address))
 

@@ -100,15 +100,49 @@ def test_chat_messages():
                             ChatCompletionRequest))
 
 
-def test_engine_init_carries_typed_engine_args_and_the_strategy_axes():
-    from parashift.config import EngineArgs
-    from parashift.strategies.spec import StrategySpec
+def test_engine_init_carries_the_resolved_config_whole(tiny_llama, tmp_path):
+    """Every field of the launcher's config comes back equal (the model's transformers config
+    too, the dtype, the strategy's axes); on a node where the launcher's path is missing, the
+    engine finds the model the user named, and a different model there is an error naming the
+    node."""
+    import dataclasses
+    import shutil
 
-    spec = StrategySpec.parse("dp2xtp2")
-    init = p.EngineInit(EngineArgs(model="/m", max_num_seqs=7, strategy="dp2xtp2"),
-                        spec.to_wire(), ["ipc:///a"], ["ipc:///b"])
-    back = p.decode(p.encode(init), p.EngineInit)
-    assert isinstance(back.engine_args, EngineArgs) and back.engine_args.max_num_seqs == 7
-    again = StrategySpec.from_wire(back.strategy)
-    assert str(again) == "dp2xtp2"
-    assert [type(a) for a in again.axes] == [type(a) for a in spec.axes]
+    import torch
+
+    from parashift.config import EngineArgs
+    from parashift.engine.args import config_for_this_node, create_config
+    from parashift.wire.engine_config import config_to_wire
+
+    config = create_config(EngineArgs(tiny_llama, dtype="bfloat16", max_num_seqs=7,
+                                      strategy="dp2xtp2", while_asleep="wait"))
+    config = config.for_engine(1, "mp", "tcp://127.0.0.1:5")
+    init = p.EngineInit(config_to_wire(config), ["ipc:///a"], ["ipc:///b"])
+    back = config_for_this_node(p.decode(p.encode(init), p.EngineInit).config)
+    assert back.model.dtype == torch.bfloat16 and back.model.path == config.model.path
+    assert back.model.hf_config.to_dict() == config.model.hf_config.to_dict()
+    assert back.cache == config.cache and back.scheduler == config.scheduler
+    assert back.device == config.device
+    assert str(back.parallel.strategy) == "dp2xtp2"
+    assert [type(a) for a in back.parallel.strategy.axes] == [
+        type(a) for a in config.parallel.strategy.axes]
+    assert (back.parallel.data_parallel_rank, back.parallel.expert_group_address) == (
+        1, "tcp://127.0.0.1:5")
+
+    elsewhere = shutil.copytree(tiny_llama, tmp_path / "copy")
+    moved = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, path="/gone/on/this/node", tokenizer_path="/gone/on/this/node",
+        source=str(elsewhere)))
+    found = config_for_this_node(config_to_wire(moved))
+    assert found.model.path == found.model.tokenizer_path == str(elsewhere)
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama, other)
+    text = (other / "config.json").read_text().replace('"num_hidden_layers": 2',
+                                                       '"num_hidden_layers": 3')
+    (other / "config.json").write_text(text)
+    wrong = dataclasses.replace(moved, model=dataclasses.replace(moved.model,
+                                                                 source=str(other)))
+    with pytest.raises(ValueError, match=r"node .*: the model at .* is not the launcher's.*"
+                                         r"num_hidden_layers"):
+        config_for_this_node(config_to_wire(wrong))

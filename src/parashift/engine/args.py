@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import socket
 
 import torch
 
@@ -26,6 +28,7 @@ from parashift.models.loader import load_hf_config, resolve_model_path
 from parashift.models.registry import architecture_of, get_model_class
 from parashift.strategies.pipeline import parse_partition
 from parashift.strategies.spec import StrategySpec
+from parashift.wire.engine_config import EngineConfigWire, config_from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +73,6 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     hf_config = load_hf_config(path)
     get_model_class(architecture_of(hf_config))
     spec.validate(hf_config)
-    if args.while_asleep not in ("reject", "wait"):
-        raise ValueError(f"--while-asleep {args.while_asleep!r}: use reject or wait")
     device_name = args.device or DeviceConfig().device
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
         hf_config, "torch_dtype", None)
@@ -86,12 +87,13 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
-                        args.seed, args.quantization)
+                        args.seed, args.quantization, args.model)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, device_name,
         None if args.enable_chunked_prefill else max_model_len)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
-                                args.enable_chunked_prefill, args.max_waiting_requests)
+                                args.enable_chunked_prefill, args.max_waiting_requests,
+                                args.while_asleep)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
@@ -124,3 +126,34 @@ def resolve_attention_backend(name: str, device: str, block_size: int,
             raise ValueError(f"--attention-backend triton needs --block-size 16 or more, "
                              f"not {block_size}")
     return name
+
+
+_PER_FOLDER = {"transformers_version", "_name_or_path"}  # not the model: where and by what
+
+
+def config_for_this_node(wire: EngineConfigWire) -> EngineConfig:
+    """The config the launcher resolved (EngineInit), as this engine runs it, checked against
+    this node: its weights (the launcher's path where it exists here and holds the same
+    model, else the model the user named, found here; its transformers config must equal the
+    launcher's), the device and the attention backend. A mismatch is an error naming this
+    node; nothing is resolved again nor silently changed."""
+    node = socket.gethostname()
+    model = wire.model
+    path = model.path if os.path.isdir(model.path) else resolve_model_path(model.source)
+    here = load_hf_config(path).to_dict()
+    differ = sorted(key for key in here.keys() | model.hf_config.keys()
+                    if key not in _PER_FOLDER and here.get(key) != model.hf_config.get(key))
+    if differ:
+        raise ValueError(f"node {node}: the model at {path} is not the launcher's ({model.path}):"
+                         f" its config differs in {', '.join(differ[:8])}")
+    config = config_from_wire(wire, path)
+    device = config.device.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"node {node}: the launcher resolved --device {device}, but no CUDA "
+                         "device is visible here")
+    try:  # what the launcher checked for its own node
+        resolve_attention_backend(config.device.attention_backend, device,
+                                  config.cache.block_size, config.model.dtype)
+    except ValueError as e:
+        raise ValueError(f"node {node}: {e}") from None
+    return config

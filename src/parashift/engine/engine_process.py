@@ -3,7 +3,6 @@ input sockets -> scheduler step -> outputs, blocking on its sockets when there i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -14,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from parashift.engine.args import create_config
+from parashift.engine.args import config_for_this_node
 from parashift.engine.core import EngineCore
 from parashift.engine.heartbeat import Heartbeat
 from parashift.engine.request import Request
@@ -28,7 +27,6 @@ from parashift.processes import (
     setup_child_logging,
 )
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
-from parashift.strategies.spec import StrategySpec
 from parashift.types.outputs import EngineCoreOutput
 from parashift.wire import protocol as p
 from parashift.wire.sockets import subscriber, zmq_context
@@ -78,14 +76,12 @@ class EngineProcess:
         if self.placement is not None and self.placement.cpu_ids:
             # this rank's own cores (its workers'), so that ranks do not fight over them
             os.sched_setaffinity(0, self.placement.cpu_ids)
-        config = create_config(init.engine_args, StrategySpec.from_wire(init.strategy))
-        config = dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, expert_group_address=init.expert_group_address))
+        config = config_for_this_node(init.config)  # the launcher's, checked against here
         self.lockstep = config.parallel.strategy.processes().lockstep
         if self.lockstep:  # the coordinator's start-wave calls
             self.waves_in = subscriber(self.ctx, init.coordinator_publish_address)
         self.core = EngineCore(config, placement=self.placement)
-        self.hold_while_asleep = init.engine_args.while_asleep == "wait"
+        self.hold_while_asleep = config.scheduler.while_asleep == "wait"
         self.sleep = SleepState(self.rank, self.core, self._answer)
         for address in init.request_addresses:
             sock = self.ctx.socket(zmq.DEALER)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from parashift.config import EngineConfig
 from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.executor.worker import worker_class
+from parashift.executor.worker import threads_for, worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
@@ -22,14 +20,12 @@ class LocalExecutor:
         (rank,) = placement.workers
         if rank.cuda_index is not None:
             torch.cuda.set_device(rank.cuda_index)
-        if rank.cpu_ids and config.device.num_threads is None:
-            config = dataclasses.replace(config, device=dataclasses.replace(
-                config.device, num_threads=len(rank.cpu_ids)))
         spec = config.parallel.strategy
         shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
         groups = cross_engine_groups(spec, config.parallel.expert_group_address, rank.coords,
                                      rank.cuda_index is not None)
-        self.worker = worker_class(config)(config, ParallelContext(shard, groups))
+        self.worker = worker_class(config)(config, ParallelContext(shard, groups),
+                                           threads_for(config, rank.cpu_ids))
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

@@ -23,6 +23,12 @@ from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def threads_for(config: EngineConfig, cpu_ids: tuple[int, ...]) -> int | None:
+    """A CPU worker's threads: --threads, else one per core the mesh pinned it to (None:
+    torch's default)."""
+    return config.device.num_threads or len(cpu_ids) or None
+
+
 def worker_class(config: EngineConfig) -> type[Worker]:
     """Worker, or Worker with `config.worker_extension_cls` (module.Class) mixed in."""
     if config.worker_extension_cls is None:
@@ -40,12 +46,14 @@ class Worker:
     """`parallel`: this rank's shard plan and process groups (a size-1 context: the whole
     model, no collectives)."""
 
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
+                 num_threads: int | None = None):
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.device.torch_device
-        if self.device.type == "cpu" and config.device.num_threads:
-            torch.set_num_threads(config.device.num_threads)
+        num_threads = num_threads or config.device.num_threads
+        if self.device.type == "cpu" and num_threads:
+            torch.set_num_threads(num_threads)
         torch.manual_seed(config.model.seed)
         self.backend = get_attention_backend(config.device.attention_backend)
         self.num_blocks = 0

@@ -8,7 +8,6 @@ last stage's tp rank 0 answers with the sampled tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -88,7 +87,7 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 def _init(args: WorkerArgs):
-    from parashift.executor.worker import worker_class
+    from parashift.executor.worker import threads_for, worker_class
 
     config, placement = args.config, args.placement
     if placement.cuda_index is not None:
@@ -98,9 +97,6 @@ def _init(args: WorkerArgs):
         backend = "gloo"
         if placement.cpu_ids:
             os.sched_setaffinity(0, placement.cpu_ids)
-        threads = config.device.num_threads or len(placement.cpu_ids) or None
-        config = dataclasses.replace(config, device=dataclasses.replace(
-            config.device, num_threads=threads))
     spec = config.parallel.strategy
     world_size = spec.processes().workers_per_engine
     if args.init_method.startswith("tcp://"):  # worker 0 hosts the store on its bound socket
@@ -117,7 +113,8 @@ def _init(args: WorkerArgs):
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
                                       placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
-    return worker_class(config)(config, ParallelContext(shard, groups))
+    return worker_class(config)(config, ParallelContext(shard, groups),
+                                threads_for(config, placement.cpu_ids))
 
 
 def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None

@@ -6,7 +6,6 @@ handshake socket, which stays open so that restarted ranks can join again."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -28,6 +27,7 @@ from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
 from parashift.serve.api_server import ApiServerArgs, run_api_server
 from parashift.wire import protocol as p
+from parashift.wire.engine_config import config_to_wire
 from parashift.wire.sockets import tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -197,18 +197,13 @@ class Launcher:
         identity, frame = frames
         msg = p.decode_or_drop(frame, p.Handshake, "handshake")
         if isinstance(msg, p.Hello):
-            engine_args = dataclasses.replace(
-                self.args.engine, distributed_executor_backend=self.args.backend,
-                data_parallel_rank=msg.rank)
-            if self.args.backend == "mp" and msg.rank in self.local_ranks:
-                engine_args.model = self.config.model.path  # resolved: no second lookup
-            coordinator = self.endpoints.coordinator_load if self.coordinator else None
             group = self.lockstep
+            config = self.config.for_engine(msg.rank, self.args.backend,
+                                            group.address if group else None)
+            coordinator = self.endpoints.coordinator_load if self.coordinator else None
             self.handshake.send_multipart([identity, p.encode(p.EngineInit(
-                engine_args, self.spec.to_wire(), self.endpoints.requests,
-                self.endpoints.outputs, coordinator,
-                self.endpoints.coordinator_publish if group else None,
-                group.address if group else None))])
+                config_to_wire(config), self.endpoints.requests, self.endpoints.outputs,
+                coordinator, self.endpoints.coordinator_publish if group else None))])
         elif isinstance(msg, p.Ready):
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg

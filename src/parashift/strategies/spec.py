@@ -11,13 +11,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from parashift.strategies.base import Strategy
 from parashift.strategies.composition import AxesComposition
 from parashift.strategies.registry import check_hooks, known_strategies, load_class
-from parashift.wire.protocol import StrategyAxis
 
 _ORDER = ("dp", "pp", "tp", "ep")
 _TOKEN = re.compile(r"([a-z]+)(\d*)")
+
+
+class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
+    """One axis of a parsed strategy as it crosses the wire: its class (`module:Class`), size
+    and options (keyword arguments of the class, e.g. a pipeline's layer partition)."""
+
+    class_path: str
+    size: int
+    options: dict[str, Any] = {}
 
 
 def _ordered(axes: list[Strategy]) -> tuple[Strategy, ...]:

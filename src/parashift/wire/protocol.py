@@ -30,7 +30,6 @@ from typing import Any
 
 import msgspec
 
-from parashift.config import EngineArgs
 from parashift.types.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -38,21 +37,13 @@ from parashift.types.outputs import (
     SchedulerStats,
 )
 from parashift.types.sampling_params import SamplingParams
+from parashift.wire.engine_config import EngineConfigWire
 
 
 class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=True,
            forbid_unknown_fields=True):
     """forbid_unknown_fields: an array longer than the message is an error, not a message
     with its trailing fields ignored (a frame that merely starts like ours is never one)."""
-
-
-class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
-    """One axis of a parsed strategy: its class (`module:Class`), size and options (keyword
-    arguments of the class, e.g. a pipeline's layer partition)."""
-
-    class_path: str
-    size: int
-    options: dict[str, Any] = {}
 
 
 # --- handshake -------------------------------------------------------------------------------
@@ -62,18 +53,17 @@ class Hello(_Msg):
 
 
 class EngineInit(_Msg):
-    """Everything an engine needs to join: its engine arguments, the parsed strategy (plugin
-    axes included), and every API server's request (ROUTER) and output (PULL) addresses."""
+    """Everything an engine needs to join: the config the launcher resolved, for this rank
+    (strategy with its plugin axes, and, for expert parallel over engines, where this
+    incarnation of the group meets), and every API server's request (ROUTER) and output
+    (PULL) addresses."""
 
-    engine_args: EngineArgs
-    strategy: list[StrategyAxis]
+    config: EngineConfigWire
     request_addresses: list[str]
     output_addresses: list[str]
     coordinator_address: str | None = None  # where to push load and heartbeats (dp > 1)
-    # Lockstep (expert parallel over engines): the coordinator's PUB, for its start-wave
-    # calls, and where this incarnation of the expert group meets.
+    # Lockstep (expert parallel over engines): the coordinator's PUB, for its start-wave calls.
     coordinator_publish_address: str | None = None
-    expert_group_address: str | None = None
 
 
 class Ready(_Msg):
