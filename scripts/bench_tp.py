@@ -7,11 +7,8 @@ added."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -22,28 +19,13 @@ from parashift.bench.options import SaveJson
 from parashift.cli_options import ModelArg, fail, parse_counts, setup_logging
 
 
-@contextlib.contextmanager
-def _all_reduce_path(shm: bool) -> Iterator[None]:
-    """The executor reads PARASHIFT_SHM_ALL_REDUCE (env.py) when it starts the tp workers."""
-    before = os.environ.get("PARASHIFT_SHM_ALL_REDUCE")
-    os.environ["PARASHIFT_SHM_ALL_REDUCE"] = "1" if shm else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PARASHIFT_SHM_ALL_REDUCE"]
-        else:
-            os.environ["PARASHIFT_SHM_ALL_REDUCE"] = before
-
-
 def measure(model: str, tp: int, dtype: str, batch: int, steps: int, repeat: int,
             shm: bool = True) -> dict[str, Any]:
     from parashift import LLM, SamplingParams
 
-    with _all_reduce_path(shm):
-        llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, max_model_len=512,
-                  kv_cache_memory=256 << 20, num_threads=1 if tp == 1 else None,
-                  worker_extension_cls=EXTENSION)
+    llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, max_model_len=512,
+              kv_cache_memory=256 << 20, num_threads=1 if tp == 1 else None,
+              worker_extension_cls=EXTENSION, disable_shm_all_reduce=not shm)
     try:
         vocab = llm.config.model.vocab_size
         prompts = [[(100 + 7 * i + j) % vocab for j in range(16)] for i in range(batch)]

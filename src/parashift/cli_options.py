@@ -82,6 +82,9 @@ _ENGINE_FLAGS: dict[str, Any] = {
         help="auto: Triton kernels on CUDA, the compiled CPU kernels (cpu) on CPU")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
+    "disable_shm_all_reduce": Annotated[bool, typer.Option(
+        "--disable-shm-all-reduce",
+        help="CPU tensor parallel: all-reduce through gloo only, not shared memory")],
     "while_asleep": Annotated[Literal["reject", "wait"], typer.Option(
         "--while-asleep", help="a request to a sleeping server: 503, or wait for /wake_up")],
     "strategy": Annotated[str | None, typer.Option(

@@ -59,6 +59,9 @@ class EngineArgs:
     pipeline_parallel_size: int | None = None
     pp_layer_partition: str | None = None  # layers per pipeline stage, e.g. "10,10,10"
     enable_expert_parallel: bool = False
+    # CPU tensor parallel all-reduces through gloo only, not shared memory (to compare, or to
+    # rule the shared-memory path out)
+    disable_shm_all_reduce: bool = False
     data_parallel_rank: int = 0
     distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
     # A class (module.Class) mixed into every worker: its methods answer collective_rpc, as
@@ -161,6 +164,7 @@ class ParallelConfig:
     # Expert parallel over several engines: where this incarnation of the group meets
     # (tcp://host:port, from the launcher's handshake).
     expert_group_address: str | None = None
+    shm_all_reduce: bool = True  # CPU tp workers of one node sum through shared memory
 
     def __post_init__(self) -> None:
         num_engines = self.strategy.processes().num_engines

@@ -43,12 +43,6 @@ def log_level() -> str:
     return os.environ.get("PARASHIFT_LOG_LEVEL", "INFO").upper()
 
 
-def shm_all_reduce() -> bool:
-    """PARASHIFT_SHM_ALL_REDUCE=0 makes CPU tensor-parallel workers all-reduce through gloo
-    only (to compare, or to rule the shared-memory path out)."""
-    return os.environ.get("PARASHIFT_SHM_ALL_REDUCE", "1") != "0"
-
-
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton runs its kernels on CPU tensors (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

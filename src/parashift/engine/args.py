@@ -68,7 +68,8 @@ def _with_partition(spec: StrategySpec, partition: str | None) -> StrategySpec:
 
 def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineConfig:
     spec = spec or strategy_spec(args)
-    parallel = ParallelConfig(spec, args.data_parallel_rank, args.distributed_executor_backend)
+    parallel = ParallelConfig(spec, args.data_parallel_rank, args.distributed_executor_backend,
+                              shm_all_reduce=not args.disable_shm_all_reduce)
     path = resolve_model_path(args.model)
     hf_config = load_hf_config(path)
     get_model_class(architecture_of(hf_config))

@@ -23,7 +23,6 @@ from typing import Any
 
 import zmq
 
-from parashift import env
 from parashift.config import EngineConfig
 from parashift.distributed import shm_all_reduce
 from parashift.executor.worker_process import WorkerArgs, run_worker
@@ -55,7 +54,7 @@ class WorkerProcesses:
         self.names = [w.process_name for w in placement.workers]
         on_cpu = all(w.cuda_index is None for w in placement.workers)
         # Workers on CPU sum through shared memory; the files are gone once all have mapped them.
-        use_shm = on_cpu and env.shm_all_reduce() and shm_all_reduce.supported()
+        use_shm = on_cpu and config.parallel.shm_all_reduce and shm_all_reduce.supported()
         self.shm_path = (shm_all_reduce.shm_path(f"{os.getpid()}-dp{placement.engine}")
                          if use_shm else None)
         mp = multiprocessing.get_context("spawn")

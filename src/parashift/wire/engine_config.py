@@ -40,6 +40,7 @@ class ParallelWire(_Part):
     data_parallel_rank: int
     distributed_executor_backend: str
     expert_group_address: str | None
+    shm_all_reduce: bool
 
 
 class EngineConfigWire(_Part):
@@ -58,7 +59,8 @@ def config_to_wire(config: EngineConfig) -> EngineConfigWire:
                   m.max_model_len, m.tokenizer_path, m.seed, m.quantization),
         config.cache, config.scheduler,
         ParallelWire(par.strategy.to_wire(), par.data_parallel_rank,
-                     par.distributed_executor_backend, par.expert_group_address),
+                     par.distributed_executor_backend, par.expert_group_address,
+                     par.shm_all_reduce),
         config.device, config.worker_extension_cls)
 
 
@@ -77,6 +79,7 @@ def config_from_wire(wire: EngineConfigWire, model_path: str | None = None) -> E
     model = ModelConfig(path, hf_config, getattr(torch, m.dtype), m.max_model_len, tokenizer,
                         m.seed, m.quantization, m.source)
     parallel = ParallelConfig(StrategySpec.from_wire(par.strategy), par.data_parallel_rank,
-                              par.distributed_executor_backend, par.expert_group_address)
+                              par.distributed_executor_backend, par.expert_group_address,
+                              par.shm_all_reduce)
     return EngineConfig(model, wire.cache, wire.scheduler, parallel, wire.device,
                         wire.worker_extension_cls)
