@@ -109,10 +109,8 @@ class Launch:
 
 def decode_launch(blocks_per_seq: int, num_splits: int) -> Launch:
     """Tiles of 4 blocks where a program walks many blocks, else 2, both with 2 pipeline
-    stages: chosen with `parashift bench kernels --sweep` on an H200 (docs/BENCHMARKS.md).
-    Against one block a tile and 3 stages, tiles of 4 ran 1.38x at batch 64 x 2k context (128
-    blocks a program) and 1.56x at 16 x 8k in 3 splits, but 0.88x at batch 1 x 4k in 33 splits
-    (8 blocks a program), where tiles of 2 ran 1.19x (and 1.21x at 128 x 1k)."""
+    stages: chosen with `python scripts/bench_kernels.py --sweep` on an H200 (the figures:
+    docs/BENCHMARKS.md). Tiles of 4 lose where a program walks few blocks."""
     many = -(-blocks_per_seq // num_splits) >= 96
     return Launch(tile_blocks=4 if many else 2, num_warps=4, num_stages=2)
 

@@ -23,9 +23,7 @@ class PrefillLaunch(Launch):
     block_m: int = 64  # query rows per program (16 when no sequence has more new tokens)
 
 
-# Chosen with `parashift bench kernels --sweep` on an H200 (docs/BENCHMARKS.md): 1.11x at
-# 4 x (512 cached + 512 new) and 1.16x at one 2,048-token prompt against one block a tile,
-# 3 stages.
+# Chosen with `python scripts/bench_kernels.py --sweep` on an H200 (docs/BENCHMARKS.md).
 PREFILL_LAUNCH = PrefillLaunch(tile_blocks=4, num_warps=4, num_stages=2)
 
 

@@ -2,9 +2,8 @@
 every step: the packed GEMM weights (not the KV cache: see Worker._allocate_cache).
 
 With 4 KiB pages a decode step's ~240 MB of weights cross 60 thousand pages: a TLB miss each,
-and the hardware prefetchers stop at every page's end. Measured on a Zen 4 (2 threads, SmolLM2's
-121 packed weights in turn, cold, as in a step; 3 alternated pairs): 24.4-25.5 against
-22.4-23.5 ms at 32 rows, 11.5-12.7 against 9.0-10.2 ms at 8 rows. torch's allocator gives
+and the hardware prefetchers stop at every page's end (the GEMMs' gain: docs/BENCHMARKS.md,
+CPU kernels). torch's allocator gives
 64-byte-aligned memory that the kernel backs with small pages unless THP is "always"; here the
 memory is a private anonymous mapping, aligned to 2 MiB and advised MADV_HUGEPAGE (THP's
 "madvise" mode is the common default).

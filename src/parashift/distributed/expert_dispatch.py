@@ -6,9 +6,9 @@ largest engine's count, known from one small exchange per step (the token counts
 carry the waves' "does any engine still have work"). A rank with no tokens joins with zero
 rows, and nothing else is exchanged per layer.
 
-How the bytes move depends on the backend (measured with `python scripts/bench_moe.py`, see
-docs/BENCHMARKS.md): on gloo, torch's all_gather and reduce_scatter take 2.1-6x as long as an
-all-to-all of the same blocks, so on CPU both directions are equal-block all-to-alls (the
+How the bytes move depends on the backend (scripts/bench_moe.py; docs/BENCHMARKS.md): on gloo,
+torch's all_gather and reduce_scatter take several times as long as an all-to-all of the same
+blocks, so on CPU both directions are equal-block all-to-alls (the
 gather sends this rank's block to every rank; the combine sends each rank the partial outputs
 for its tokens and sums what comes back).
 On nccl the native all_gather and reduce_scatter are used. A routed all-to-all, moving only

@@ -166,10 +166,9 @@ class Worker:
                  layers[0].head_dim)
         dtype = self.config.model.dtype
         # Zeroed, not empty: masked-out padding positions must never hold NaNs. Not in huge
-        # pages on CPU (as the packed weights are): on these VMs fresh 2 MiB pages fault in at
-        # ~0.3 GB/s (the host backs guest memory on first touch), so a 2.2 GB cache took 6-9 s
-        # of start-up against 0.5-0.7 for torch.zeros, and W1-decode ran no faster from it
-        # (9.24 against 9.31 s, two engines alternated in one process, Zen 4).
+        # pages on CPU (as the packed weights are): on VMs that back guest memory on first
+        # touch, fresh 2 MiB pages fault in slowly enough to add seconds to start-up, and the
+        # decode ran no faster from them.
         zeros = functools.partial(torch.zeros, shape, dtype=dtype, device=self.device)
         kv = [(zeros(), zeros()) for _ in layers]
         self.runner.bind_kv_cache(kv)

@@ -1,6 +1,6 @@
 """Which GEMM path each weight shape takes on this CPU, chosen by timing, never assumed: the
-CPUs these engines run on differ (MKL's packed layout is 2-3.5x faster on one Xeon and 33%
-slower at 128 rows on a Zen 4; bf16 is native on some, emulated 5x slower on others).
+CPUs these engines run on differ (a layout that wins on one Xeon loses on a Zen 4; bf16 is
+native on some, emulated on others; docs/BENCHMARKS.md).
 
 At load time every distinct (dtype, shape) of the model's GEMM weights is timed once per
 candidate path at decode-sized rows, with the weight streamed as in a real step (several

@@ -9,11 +9,9 @@
   packed layout. The embedded SmolLM2 comes from a Q4_1 GGUF, blocks of 32 with a scale and a
   minimum: int4 in groups of 32 puts those values back almost exactly.
 
-The kernels take the activations in bfloat16 here, whatever the model's dtype: torch's ran
-35-90x slower (scalar code) in float32 on a Xeon with AMX. Measured there, at 32 rows torch's
-are 2.5-5x slower than our own bf16 GEMM, at 1 row 1.4-3x faster. Our int8 GEMM streams half
-the bytes: 1.1-1.2x faster than our bf16 one at 1 and 32 rows there, but level at 1 row and
-slower at 32 on a Zen 4 without AMX, where those rows are bound by compute (docs/BENCHMARKS.md).
+The kernels take the activations in bfloat16 here, whatever the model's dtype: torch's run
+scalar code in float32. Our int8 GEMM streams half the bytes of our bf16 one, a gain where the
+rows are bound by memory, not by compute (the figures per CPU: docs/BENCHMARKS.md).
 
 Quantized: the attention and MLP projections of every decoder layer (what a step streams
 most). Left as they are: the embedding and the LM head (tied in small models, and where an

@@ -3,9 +3,9 @@ straight from the paged cache, every cached key and value row read once, instead
 gathering each sequence's blocks into a fresh padded tensor for SDPA in every layer; the new K/V
 go into their slots in one pass over the strided projections. Where the kernel runs on
 AVX512-BF16 dot products (bf16, head_dim 64 or 128) prefill tokens take it too, each token a
-query over its own prefix in the cache (2-3x torch's flash SDPA at 140-256 causal rows), or,
-with head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chunk at a time
-(on AMX tiles, 2.5x the per-token kernel on a Xeon; on vdpbf16ps register blocks elsewhere);
+query over its own prefix in the cache (faster than torch's flash SDPA there), or, with
+head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chunk at a time (on
+AMX tiles where the CPU has them, on vdpbf16ps register blocks elsewhere);
 without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
 Without the kernels (PARASHIFT_CPU_KERNELS=0, or no compiler here) it is the torch backend."""
