@@ -62,7 +62,8 @@ def test_an_upward_import_breaks_them(tmp_path):
 CYCLES = """
 import json, sys
 import grimp
-graph = grimp.build_graph("parashift", "kernels", exclude_type_checking_imports=False)
+graph = grimp.build_graph("parashift", "kernels", exclude_type_checking_imports=False,
+                          cache_dir=None)
 edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
 index, low, stack, on_stack, found = {}, {}, [], set(), []
 def visit(root):
