@@ -2,6 +2,7 @@
 never a newer incarnation of the same rank that is still loading (the group-restart race)."""
 
 import multiprocessing
+import signal
 import time
 
 import zmq
@@ -31,18 +32,27 @@ def test_the_group_reads_each_verdicts_rank_and_incarnation():
 
 
 def test_a_verdict_about_an_earlier_process_of_the_rank_kills_nothing():
+    """The stale verdict sends no signal: the process then dies of the SIGTERM the test sends
+    it, not of a SIGKILL (which, once sent, would be how it ends whatever came after). The
+    verdict that names the running process kills it."""
     engines = LocalEngines({}, "ipc:///nowhere", "info", 10.0)
-    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
-    proc.start()
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=time.sleep, args=(60,)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
     try:
-        engines.procs[0] = proc
-        engines.kill(0, proc.pid + 1)  # the incarnation that was stopped before this one
-        time.sleep(0.2)
-        assert proc.is_alive()
-        engines.kill(0, proc.pid)
-        proc.join(10)
-        assert proc.exitcode == -9
+        first, second = procs
+        engines.procs[0] = second  # the rank's process now; `first` had the rank before
+        engines.kill(0, first.pid)  # the verdict about the earlier incarnation
+        second.terminate()
+        second.join(30)
+        assert second.exitcode == -signal.SIGTERM
+        engines.procs[0] = first  # a verdict that names the rank's running process
+        engines.kill(0, first.pid)
+        first.join(30)
+        assert first.exitcode == -signal.SIGKILL
     finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

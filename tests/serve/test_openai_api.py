@@ -500,18 +500,28 @@ def test_disconnect_frees_the_request(server, mode):
                 assert data, "the server closed the stream early"
                 received += data
             assert received.startswith(b"HTTP/1.1 200")
-        deadline = time.monotonic() + 10
+        elif mode == "stream-unread":  # tokens have come, and stay unread in the buffer
+            while b"data: " not in (data := sock.recv(65536, socket.MSG_PEEK)):
+                assert data, "the server closed the stream early"
+                time.sleep(0.02)
+            assert data.startswith(b"HTTP/1.1 200")
+        # Well into generation: the request has filled its first KV block and taken another
+        # (a prompt of a few tokens fills one block of 16 after some 14 generated tokens).
+        deadline = time.monotonic() + 30
         while server.metric(*running) != 1:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
-        time.sleep(0.3)  # well into generation (and, unread, into a blocked write)
+        first_block = server.metric(*kv_usage)
+        assert first_block > 0
+        while server.metric(*kv_usage) <= first_block:
+            assert time.monotonic() < deadline, "the request generates nothing"
+            time.sleep(0.02)
         assert server.metric(*running) == 1
-        assert server.metric(*kv_usage) > 0
     finally:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the handler's counter may land after the engine's
         if (server.metric(*running) == 0 and server.metric(*kv_usage) == 0
                 and server.metric(*disconnected) == before + 1):

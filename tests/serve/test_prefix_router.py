@@ -140,6 +140,7 @@ def test_a_cache_emptied_through_another_api_server_is_forgotten_here(tmp_path):
     """/reset_prefix_cache or /sleep called on API server 0: server 1 hears it through the
     coordinator's load vector (the rank's reset count moved) and forgets the rank's blocks."""
     from parashift.serve.engine_client import EngineClient
+    from parashift.types.outputs import SchedulerStats
     from parashift.wire import protocol as p
 
     broker = EngineClient(1, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
@@ -147,12 +148,14 @@ def test_a_cache_emptied_through_another_api_server_is_forgotten_here(tmp_path):
         for rank in (0, 1):
             broker.on_ready(p.EngineReady(rank, 256, 100, 0, 16))
         hashes = block_hashes(TOKENS, 16)
-        broker.take_load(p.LoadVector(1, [p.EngineLoad(r, 0, 0, 0.0) for r in (0, 1)]))
+        idle = SchedulerStats(0, 0, 0.0)
+        broker.take_load(p.LoadVector(1, [p.EngineLoad(r, idle) for r in (0, 1)]))
         broker.router.record(0, hashes)
         broker.router.record(1, hashes)
-        broker.take_load(p.LoadVector(2, [p.EngineLoad(0, 0, 0, 0.0),
-                                          p.EngineLoad(1, 0, 0, 0.0, sleep_level=1,
-                                                       num_prefix_cache_resets=1)]))
+        broker.take_load(p.LoadVector(2, [p.EngineLoad(0, idle),
+                                          p.EngineLoad(1, SchedulerStats(
+                                              0, 0, 0.0, num_prefix_cache_resets=1),
+                                              sleep_level=1)]))
         assert broker.router.indexes[0].matched(hashes) == 6
         assert broker.router.indexes[1].matched(hashes) == 0
     finally:

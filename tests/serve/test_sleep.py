@@ -108,36 +108,55 @@ def test_sleep_level_2_releases_kv_and_weights_and_wake_restores_them(wide_llama
         assert greedy(s) == before_texts
 
 
-def test_with_while_asleep_wait_a_request_waits_for_the_wake(tiny_llama):
-    """One engine (dp2's sleep reaching both ranks is tested above)."""
-    with running_server(tiny_llama, *ARGS[:-2], "--while-asleep", "wait") as s:
-        want = greedy(s)
-        status, body = s.request("POST", "/sleep?level=1", timeout=60)
-        assert status == 200 and json.loads(body)["engines"]["dp0"]["released_bytes"] > 0
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(greedy, s)
-            time.sleep(1.5)
-            assert not held.done()  # held, not refused
-            assert s.request("POST", "/wake_up", timeout=60)[0] == 200
-            assert held.result(timeout=60) == want
+@pytest.fixture(scope="module")
+def holding_server(tiny_llama):
+    """dp2 with --while-asleep wait and --max-num-seqs 1 (so at most 8 requests wait a rank)."""
+    with running_server(tiny_llama, *ARGS, "--while-asleep", "wait", "--max-num-seqs", "1") as s:
+        yield s
 
 
-def test_requests_held_while_asleep_count_against_the_default_cap(tiny_llama):
+def num_waiting(server) -> float:
+    """Requests waiting in either engine, those held while it sleeps included (an engine
+    reports its backlog to the metrics)."""
+    return sum(server.metric("parashift_num_requests_waiting", f'engine="dp{r}"') or 0
+               for r in (0, 1))
+
+
+def test_with_while_asleep_wait_a_request_waits_for_the_wake(holding_server):
+    """Held, not refused: the sleeping engine counts the request in its backlog, and it runs
+    at the wake with the outputs it would have had."""
+    s = holding_server
+    want = greedy(s)
+    status, body = s.request("POST", "/sleep?level=1", timeout=60)
+    assert status == 200 and json.loads(body)["engines"]["dp0"]["released_bytes"] > 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(greedy, s)  # its first request reaches an engine and is held there
+        deadline = time.monotonic() + 30
+        while num_waiting(s) != 1:
+            assert not held.done(), held.exception()  # refused: greedy's assert on the 200
+            assert time.monotonic() < deadline, num_waiting(s)
+            time.sleep(0.05)
+        assert not held.done()
+        assert s.request("POST", "/wake_up", timeout=60)[0] == 200
+        assert held.result(timeout=60) == want
+
+
+def test_requests_held_while_asleep_count_against_the_default_cap(holding_server):
     """--max-num-seqs 1: a served engine queues at most 8 x 1 requests by default, those held
     while it sleeps included; the next gets a 429 at once, and the held ones run at the wake."""
-    with running_server(tiny_llama, *ARGS, "--while-asleep", "wait", "--max-num-seqs", "1") as s:
-        assert s.request("POST", "/sleep?level=1", timeout=60)[0] == 200
-        body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        dp0 = {"X-data-parallel-rank": "0"}
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            held = [pool.submit(s.request, "POST", "/v1/completions", body, dp0, 120)
-                    for _ in range(8)]
-            deadline = time.monotonic() + 30  # the engine reports its backlog to the metrics
-            while s.metric("parashift_num_requests_waiting", 'engine="dp0"') != 8:
-                assert time.monotonic() < deadline, s.metric("parashift_num_requests_waiting",
-                                                            'engine="dp0"')
-                time.sleep(0.1)
-            status, raw = s.request("POST", "/v1/completions", body, dp0)
-            assert status == 429 and b"holds 8 requests" in raw, raw
-            assert s.request("POST", "/wake_up", timeout=60)[0] == 200
-            assert [f.result(timeout=120)[0] for f in held] == [200] * 8
+    s = holding_server
+    assert s.request("POST", "/sleep?level=1", timeout=60)[0] == 200
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    dp0 = {"X-data-parallel-rank": "0"}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        held = [pool.submit(s.request, "POST", "/v1/completions", body, dp0, 120)
+                for _ in range(8)]
+        deadline = time.monotonic() + 30  # the engine reports its backlog to the metrics
+        while s.metric("parashift_num_requests_waiting", 'engine="dp0"') != 8:
+            assert time.monotonic() < deadline, s.metric("parashift_num_requests_waiting",
+                                                        'engine="dp0"')
+            time.sleep(0.1)
+        status, raw = s.request("POST", "/v1/completions", body, dp0)
+        assert status == 429 and b"holds 8 requests" in raw, raw
+        assert s.request("POST", "/wake_up", timeout=60)[0] == 200
+        assert [f.result(timeout=120)[0] for f in held] == [200] * 8

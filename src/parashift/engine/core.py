@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import time
 
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
@@ -48,10 +47,6 @@ class EngineCore:
                  placement: EnginePlacement | None = None):
         self.config = config
         self.executor = executor or make_executor(config, placement)
-        # Lockstep: steps with nothing to schedule, waves ended, seconds stepping and in the
-        # expert dispatch within the steps.
-        self.num_dummy_steps = self.num_waves = 0
-        self.step_seconds = self.dispatch_seconds = 0.0
         try:
             self._init_kv_cache()
             self.weight_bytes = self.executor.weight_bytes()
@@ -104,22 +99,6 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
-        """Lockstep: one step of the wave (a dummy one when there is nothing to schedule, so
-        that the group's collectives have this engine), and whether any engine of the group
-        had work."""
-        scheduler_output = self.scheduler.schedule()
-        scheduler_output.has_work = self.scheduler.has_unfinished_requests
-        if scheduler_output.is_empty:
-            self.num_dummy_steps += 1
-        start = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
-        self.step_seconds += time.perf_counter() - start
-        self.dispatch_seconds += runner_output.dispatch_seconds
-        self.num_waves += 0 if runner_output.group_has_work else 1
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return outputs, bool(runner_output.group_has_work)
-
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         queue = self.batch_queue
         while len(queue) < self.scheduler.max_batches_in_flight:
@@ -137,10 +116,7 @@ class EngineCore:
         return self.scheduler.update_from_output(queue.popleft(), runner_output)
 
     def stats(self) -> SchedulerStats:
-        stats = self.scheduler.stats()
-        stats.num_dummy_steps, stats.num_waves = self.num_dummy_steps, self.num_waves
-        stats.step_seconds, stats.dispatch_seconds = self.step_seconds, self.dispatch_seconds
-        return stats
+        return self.scheduler.stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache.pool.reset_prefix_cache()

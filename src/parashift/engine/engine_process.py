@@ -16,10 +16,11 @@ import zmq
 from parashift.engine.args import config_for_this_node
 from parashift.engine.core import EngineCore
 from parashift.engine.heartbeat import Heartbeat
+from parashift.engine.lockstep import LockstepEngineCore, LockstepSteps
 from parashift.engine.request import Request
 from parashift.engine.scheduler import QueueFullError
 from parashift.engine.sleep_state import ASLEEP_MESSAGE, SleepState
-from parashift.engine.wave import WaveState
+from parashift.engine.steps import Steps
 from parashift.processes import (
     die_with_parent,
     keep_temp_files_in_launch_folder,
@@ -57,11 +58,9 @@ class EngineProcess:
         self.core: EngineCore | None = None
         self.load_out: zmq.Socket | None = None  # to the DP coordinator
         self._last_load: tuple[int, ...] | None = None
-        self.lockstep = False  # expert parallel over engines: every step in waves
-        self.wave = WaveState()
+        self.steps: Steps | None = None  # how it steps: alone, or in waves (lockstep)
         self.sleep: SleepState | None = None  # with the core
         self.hold_while_asleep = False  # --while-asleep wait (else: refuse with a 503)
-        self.waves_in: zmq.Socket | None = None
         self._heartbeat: Heartbeat | None = None
 
     def _send_handshake(self, msg: p._Msg) -> None:
@@ -77,10 +76,9 @@ class EngineProcess:
             # this rank's own cores (its workers'), so that ranks do not fight over them
             os.sched_setaffinity(0, self.placement.cpu_ids)
         config = config_for_this_node(init.config)  # the launcher's, checked against here
-        self.lockstep = config.parallel.strategy.processes().lockstep
-        if self.lockstep:  # the coordinator's start-wave calls
-            self.waves_in = subscriber(self.ctx, init.coordinator_publish_address)
-        self.core = EngineCore(config, placement=self.placement)
+        lockstep = config.parallel.strategy.processes().lockstep
+        self.core = (LockstepEngineCore if lockstep else EngineCore)(config,
+                                                                      placement=self.placement)
         self.hold_while_asleep = config.scheduler.while_asleep == "wait"
         self.sleep = SleepState(self.rank, self.core, self._answer)
         for address in init.request_addresses:
@@ -101,9 +99,12 @@ class EngineProcess:
             self.load_out.connect(init.coordinator_address)
             self._heartbeat = Heartbeat(self.ctx, init.coordinator_address, self.rank,
                                         self.incarnation)
+        self.steps = (LockstepSteps(self.rank, self.core, self.load_out, subscriber(
+            self.ctx, init.coordinator_publish_address), self._publish) if lockstep
+            else Steps(self.core, self._publish))
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
-                              self.incarnation, cfg.cache.block_size, self.lockstep)
+                              self.incarnation, cfg.cache.block_size, lockstep)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
@@ -111,17 +112,15 @@ class EngineProcess:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in self.inputs:
+        steps = self.steps
+        for sock in [*self.inputs, *steps.sockets()]:
             poller.register(sock, zmq.POLLIN)
-        if self.waves_in is not None:
-            poller.register(self.waves_in, zmq.POLLIN)
         core = self.core
         while not self.stopping:
-            asleep = self.sleep.level > 0
-            busy = not asleep and (core.has_unfinished_requests() or self.wave.running)
+            busy = not self.sleep.level and steps.has_work()
             for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
-                if sock is self.waves_in:
-                    self._drain_waves()
+                if sock not in self.inputs:
+                    steps.on_socket(sock)
                     continue
                 while True:
                     try:
@@ -131,58 +130,27 @@ class EngineProcess:
                     msg = p.decode_or_drop(frame, p.ToEngine, "requests")
                     if msg is not None:  # one bad message, not a dead engine
                         self._handle(msg)
-            if self.sleep.level and self.wave.running:  # a lockstep peer needs this rank
-                self.sleep.wake_for_wave()
-            self.sleep.settle(core.has_unfinished_requests() or self.wave.running)
+            steps.before_settle(self.sleep)
+            self.sleep.settle(steps.has_work())
             if self.sleep.level:  # asleep: no step, no wave; held requests wait for the wake
                 core.executor.check_health()
-            elif self.lockstep:
-                self._step_in_wave()
-            elif core.has_unfinished_requests():
-                self._publish(core.step())
             else:
-                core.executor.check_health()  # a dead tp worker takes its rank down now
+                steps.step()
             self._report_load()
-
-    def _drain_waves(self) -> None:
-        while True:
-            try:
-                msg = p.decode_or_drop(self.waves_in.recv(zmq.NOBLOCK), p.FromCoordinator,
-                                       "waves")
-            except zmq.Again:
-                return
-            if isinstance(msg, p.StartWave):
-                self.wave.on_start_wave(msg.wave)
-
-    def _step_in_wave(self) -> None:
-        """Lockstep: start a wave when work came while there was none (and ask the coordinator
-        to start it everywhere), then step with the group while the wave runs."""
-        core = self.core
-        wave = self.wave.start_if_needed(core.has_unfinished_requests())
-        if wave is not None:
-            self.load_out.send(p.encode(p.StartWave(wave, self.rank)))
-        if not self.wave.running:
-            core.executor.check_health()
-            return
-        outputs, group_has_work = core.step_in_wave()
-        self._publish(outputs)
-        self.wave.after_step(group_has_work)
 
     def _report_load(self) -> None:
         if self.load_out is None:
             return
         stats = self.core.stats()
         stats.num_waiting += len(self.sleep.held)  # held while asleep: a backlog all the same
+        wave = self.steps.wave_stats()
         # Lockstep: the counters and seconds go along when a wave ends (not every dummy step).
-        load = (stats.num_waiting, stats.num_running, stats.num_waves,
+        load = (stats.num_waiting, stats.num_running, wave and wave.num_waves,
                 stats.num_prefix_cache_resets, self.sleep.level, self.sleep.released)
         if load != self._last_load:
             self._last_load = load
-            self.load_out.send(p.encode(p.EngineLoad(
-                self.rank, stats.num_waiting, stats.num_running, stats.kv_cache_usage,
-                stats.num_dummy_steps, stats.num_waves, stats.step_seconds,
-                stats.dispatch_seconds, stats.num_prefix_cache_resets, self.sleep.level,
-                self.sleep.released)))
+            self.load_out.send(p.encode(p.EngineLoad(self.rank, stats, wave, self.sleep.level,
+                                                     self.sleep.released)))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from parashift.processes import die_with_parent, set_process_name, setup_child_logging
+from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
 from parashift.wire.sockets import bind, zmq_context
 
@@ -29,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 1.0
+
+
+
+def idle(rank: int) -> p.EngineLoad:
+    """The load of a rank that has none (not heard from yet, or dead)."""
+    return p.EngineLoad(rank, SchedulerStats(0, 0, 0.0))
 
 
 class Coordinator:
@@ -41,7 +48,7 @@ class Coordinator:
         self.publish = self.ctx.socket(zmq.PUB)
         self.publish.setsockopt(zmq.LINGER, 0)
         bind(self.publish, publish_address, bound)
-        self.load = [p.EngineLoad(rank, 0, 0, 0.0) for rank in range(num_engines)]
+        self.load = [idle(rank) for rank in range(num_engines)]
         self.heartbeat_timeout = heartbeat_timeout
         self.last_seen: dict[int, tuple[float, int]] = {}  # rank -> (time, incarnation)
         self.stopping = False
@@ -88,7 +95,7 @@ class Coordinator:
             reason = f"no heartbeat for {self.heartbeat_timeout:g} s"
             logger.error("engine dp%d: %s; declaring it dead", rank, reason)
             del self.last_seen[rank]  # until a new incarnation heartbeats
-            self.load[rank] = p.EngineLoad(rank, 0, 0, 0.0)  # a dead rank carries no load
+            self.load[rank] = idle(rank)  # a dead rank carries no load
             self.publish.send(p.encode(p.EngineDead(rank, reason, incarnation)))
         return bool(silent)
 

@@ -149,7 +149,8 @@ class EngineClient:
         load = self.load.get(rank)
         if load is None:
             return self.in_flight.get(rank, 0)
-        return 4 * load.num_waiting + load.num_running + self.sent_since_update.get(rank, 0)
+        return (4 * load.stats.num_waiting + load.stats.num_running
+                + self.sent_since_update.get(rank, 0))
 
     async def _recv_load(self) -> None:
         while True:
@@ -170,7 +171,8 @@ class EngineClient:
         blocks in this server's router too."""
         for load in vector.loads:
             last = self.load.get(load.rank)
-            if last is not None and last.num_prefix_cache_resets != load.num_prefix_cache_resets:
+            if last is not None and (last.stats.num_prefix_cache_resets
+                                     != load.stats.num_prefix_cache_resets):
                 self.router.forget(load.rank)
         self.load = {load.rank: load for load in vector.loads}
         self.sent_since_update.clear()

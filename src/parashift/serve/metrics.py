@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
 
 # Expert-parallel lockstep, per engine since it started: stats field -> (metric, help)
@@ -85,26 +84,23 @@ class Metrics:
         self.waiting.labels(engine).set(s.num_waiting)
         self.kv_usage.labels(engine).set(s.kv_cache_usage)
         self.preemptions.labels(engine).set(s.num_preemptions)
-        self._lockstep(engine, s)
         self.prefix_queried.labels(engine).set(s.prefix_cache_queried_tokens)
         self.prefix_hits.labels(engine).set(s.prefix_cache_hit_tokens)
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
 
-    def _lockstep(self, engine: str, s: SchedulerStats | p.EngineLoad) -> None:
-        for field, gauge in self.lockstep.items():
-            gauge.labels(engine).set(getattr(s, field))
-
     def on_load_vector(self, vector: p.LoadVector) -> None:
         for load in vector.loads:
             engine = f"dp{load.rank}"
-            self.running.labels(engine).set(load.num_running)
-            self.waiting.labels(engine).set(load.num_waiting)
-            self.kv_usage.labels(engine).set(load.kv_cache_usage)
+            self.running.labels(engine).set(load.stats.num_running)
+            self.waiting.labels(engine).set(load.stats.num_waiting)
+            self.kv_usage.labels(engine).set(load.stats.kv_cache_usage)
             self.sleep_level.labels(engine).set(load.sleep_level)
             self.sleep_released.labels(engine).set(load.sleep_released_bytes)
-            self._lockstep(engine, load)
+            if load.wave is not None:
+                for field, gauge in self.lockstep.items():
+                    gauge.labels(engine).set(getattr(load.wave, field))
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:

@@ -86,8 +86,14 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0  # since the engine started
     num_prefix_cache_resets: int = 0  # since the engine started: the cache emptied this often
-    # Lockstep, since the engine started: steps run with nothing to schedule, waves ended,
-    # and the seconds of all steps and of their expert dispatch / combine within them.
+
+
+@dataclass
+class WaveStats:
+    """Lockstep (expert parallel over engines), since the engine started: steps run with
+    nothing to schedule, waves ended, and the seconds of all steps and of their expert
+    dispatch / combine within them (engine/lockstep_core.py)."""
+
     num_dummy_steps: int = 0
     num_waves: int = 0
     step_seconds: float = 0.0

@@ -35,6 +35,7 @@ from parashift.types.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    WaveStats,
 )
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire.engine_config import EngineConfigWire
@@ -149,20 +150,14 @@ class ApiServerReady(_Msg):
 
 
 class EngineLoad(_Msg):
-    """Engine -> coordinator whenever its load changes."""
+    """Engine -> coordinator whenever its load changes. Every API server hears it through the
+    coordinator, not only the one that was called: its router forgets the rank's blocks when
+    the prefix cache's reset count moves; its /metrics show the load, the sleep and, in
+    lockstep, the waves."""
 
     rank: int
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-    # Lockstep, since the engine started (types/outputs.py SchedulerStats)
-    num_dummy_steps: int = 0
-    num_waves: int = 0
-    step_seconds: float = 0.0
-    dispatch_seconds: float = 0.0
-    # Every API server hears these through the coordinator, not only the one that was called:
-    # its router forgets the rank's blocks when the count moves; its /metrics show the sleep.
-    num_prefix_cache_resets: int = 0
+    stats: SchedulerStats
+    wave: WaveStats | None = None  # lockstep only
     sleep_level: int = 0
     sleep_released_bytes: int = 0
 

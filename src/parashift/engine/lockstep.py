@@ -1,0 +1,89 @@
+"""Expert parallel over engines (lockstep): every engine of the group steps in waves
+(engine/wave.py), a dummy step where it has nothing to schedule, so that the group's
+collectives (the expert dispatch) always have it. The generic EngineCore and engine loop know
+nothing of waves: this core subclass keeps their counters, and LockstepSteps is how the
+engine process steps it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import zmq
+
+from parashift.engine.core import EngineCore
+from parashift.engine.steps import Steps
+from parashift.engine.wave import WaveState
+from parashift.types.outputs import EngineCoreOutput, WaveStats
+from parashift.wire import protocol as p
+
+
+class LockstepEngineCore(EngineCore):
+    def __init__(self, *args, **kwargs):
+        self.wave_stats = WaveStats()
+        super().__init__(*args, **kwargs)
+
+    def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
+        """One step of the wave, and whether any engine of the group had work."""
+        scheduler_output = self.scheduler.schedule()
+        scheduler_output.has_work = self.scheduler.has_unfinished_requests
+        stats = self.wave_stats
+        if scheduler_output.is_empty:
+            stats.num_dummy_steps += 1
+        start = time.perf_counter()
+        runner_output = self.executor.execute_model(scheduler_output)
+        stats.step_seconds += time.perf_counter() - start
+        stats.dispatch_seconds += runner_output.dispatch_seconds
+        stats.num_waves += 0 if runner_output.group_has_work else 1
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs, bool(runner_output.group_has_work)
+
+
+class LockstepSteps(Steps):
+    """The engine process's side: the coordinator's start-wave calls (`waves_in`), starting a
+    wave when work comes while there is none (and asking the coordinator to start it on the
+    others, through `load_out`), stepping with the group while the wave runs, and waking from
+    a sleep when a peer's wave needs this rank."""
+
+    def __init__(self, rank: int, core: LockstepEngineCore, load_out: zmq.Socket,
+                 waves_in: zmq.Socket, publish: Callable[[list[EngineCoreOutput]], None]):
+        super().__init__(core, publish)
+        self.rank = rank
+        self.load_out = load_out
+        self.waves_in = waves_in
+        self.wave = WaveState()
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished_requests() or self.wave.running
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.waves_in]
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                msg = p.decode_or_drop(self.waves_in.recv(zmq.NOBLOCK), p.FromCoordinator,
+                                       "waves")
+            except zmq.Again:
+                return
+            if isinstance(msg, p.StartWave):
+                self.wave.on_start_wave(msg.wave)
+
+    def before_settle(self, sleep) -> None:
+        if sleep.level and self.wave.running:  # a lockstep peer needs this rank
+            sleep.wake_for_wave()
+
+    def step(self) -> None:
+        core = self.core
+        wave = self.wave.start_if_needed(core.has_unfinished_requests())
+        if wave is not None:
+            self.load_out.send(p.encode(p.StartWave(wave, self.rank)))
+        if not self.wave.running:
+            core.executor.check_health()
+            return
+        outputs, group_has_work = core.step_in_wave()
+        self.publish(outputs)
+        self.wave.after_step(group_has_work)
+
+    def wave_stats(self) -> WaveStats:
+        return self.core.wave_stats

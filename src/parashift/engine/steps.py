@@ -1,0 +1,41 @@
+"""How an engine process steps its core between polls of its sockets: on its own, when it has
+requests (Steps), or in waves with the other engines of its group (engine/lockstep.py). The
+engine's loop consults this one object; it knows no mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from parashift.engine.core import EngineCore
+from parashift.types.outputs import EngineCoreOutput, WaveStats
+
+
+class Steps:
+    def __init__(self, core: EngineCore, publish: Callable[[list[EngineCoreOutput]], None]):
+        self.core = core
+        self.publish = publish
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets of its own for the loop to poll beside the request sockets."""
+        return []
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        """One of `sockets()` is readable."""
+
+    def before_settle(self, sleep: Any) -> None:
+        """Before the loop lets a sleep call settle (SleepState)."""
+
+    def step(self) -> None:
+        if self.core.has_unfinished_requests():
+            self.publish(self.core.step())
+        else:
+            self.core.executor.check_health()  # a dead tp worker takes its rank down now
+
+    def wave_stats(self) -> WaveStats | None:
+        return None
