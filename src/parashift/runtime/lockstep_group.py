@@ -60,7 +60,7 @@ class LockstepGroup:
         logger.error("engine dp%d of the expert-parallel group died: stopping the group", rank)
         self.broken = True
         self.incarnation += 1
-        self.store = GroupStore(self.host)  # the old one closes: its engines cannot rejoin
+        self.store = GroupStore(self.host)  # a new port: the old incarnation cannot meet here
         self.ready.clear()
         return True
 
