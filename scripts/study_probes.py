@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from parashift.distributed.communicator import CommStats
+from parashift.processes import status_bytes
 
 EXTENSION = "study_probes.StudyProbes"
 
@@ -36,7 +37,7 @@ class StudyProbes:
         super()._load_model()
         # Peak resident memory the load added (a tp shard must read only its slice), the
         # GEMM paths' preparation included.
-        self.load_peak_rss = _status_kib("VmHWM") - before
+        self.load_peak_rss = status_bytes("VmHWM") - before
         self.stage = StageStats()
         self._time_stage()
 
@@ -109,15 +110,4 @@ def _reset_peak_rss() -> int:
             f.write("5")
     except OSError:
         pass
-    return _status_kib("VmRSS")
-
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    return status_bytes("VmRSS")

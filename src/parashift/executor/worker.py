@@ -18,6 +18,7 @@ from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm_paths import prepare_gemm_weights
 from parashift.layers.quantization import QuantizedGemm
 from parashift.models.loader import load_model
+from parashift.processes import status_bytes
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Worker:
     def memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return _status_kib("VmRSS")
+        return status_bytes("VmRSS")
 
     @property
     def is_output_rank(self) -> bool:
@@ -193,14 +194,3 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
