@@ -26,17 +26,17 @@ class LockstepEngineCore(EngineCore):
     def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
         """One step of the wave, and whether any engine of the group had work."""
         scheduler_output = self.scheduler.schedule()
-        scheduler_output.has_work = self.scheduler.has_unfinished_requests
         stats = self.wave_stats
         if scheduler_output.is_empty:
             stats.num_dummy_steps += 1
         start = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
+        step = self.executor.execute_wave_step(scheduler_output,
+                                               self.scheduler.has_unfinished_requests)
         stats.step_seconds += time.perf_counter() - start
-        stats.dispatch_seconds += runner_output.dispatch_seconds
-        stats.num_waves += 0 if runner_output.group_has_work else 1
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return outputs, bool(runner_output.group_has_work)
+        stats.dispatch_seconds += step.dispatch_seconds
+        stats.num_waves += 0 if step.group_has_work else 1
+        outputs = self.scheduler.update_from_output(scheduler_output, step.output)
+        return outputs, step.group_has_work
 
 
 class LockstepSteps(Steps):

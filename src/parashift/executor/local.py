@@ -10,7 +10,7 @@ from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.worker import threads_for, worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
 
 
 class LocalExecutor:
@@ -41,6 +41,10 @@ class LocalExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
+                          ) -> WaveStepOutput:
+        return self.worker.execute_wave_step(scheduler_output, has_work)
 
     def sleep(self, level: int) -> list[int]:
         return [self.worker.sleep(level)]

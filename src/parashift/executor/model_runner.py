@@ -19,7 +19,12 @@ from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.penalties import PenaltyInputs, TokenCounts
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
-from parashift.types.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from parashift.types.outputs import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    WaveStepOutput,
+)
 from parashift.types.sampling_params import SamplingParams
 
 
@@ -100,23 +105,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dispatcher is not None:  # its collectives need the step's count exchange
+            return self.execute_wave_step(out, has_work=False).output
         self._update_states(out)
-        if self.dispatcher is None:
-            return self._run(out) if not out.is_empty else ModelRunnerOutput({})
-        # Lockstep: every engine comes here every step of a wave, with work or without.
+        return self._run(out) if not out.is_empty else ModelRunnerOutput({})
+
+    @torch.inference_mode()
+    def execute_wave_step(self, out: SchedulerOutput, has_work: bool) -> WaveStepOutput:
+        """Lockstep: every engine comes here every step of a wave, with work or without;
+        `has_work`: whether this engine still has requests."""
+        self._update_states(out)
         comm = self.dispatcher.ep.stats
         waited = comm.seconds
-        group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens,
-                                                    out.has_work)
+        group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens, has_work)
         if not out.is_empty:
             result = self._run(out)
         else:  # a dummy step: our experts still serve the other engines' tokens
             if self.dispatcher.max_tokens:
                 self._forward_no_tokens()
             result = ModelRunnerOutput({})
-        result.group_has_work = group_has_work
-        result.dispatch_seconds = comm.seconds - waited
-        return result
+        return WaveStepOutput(result, group_has_work, comm.seconds - waited)
 
     def _forward_no_tokens(self) -> None:
         empty = np.zeros(0, dtype=np.int64)

@@ -19,7 +19,7 @@ from parashift.layers.gemm_paths import prepare_gemm_weights
 from parashift.layers.quantization import QuantizedGemm
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
-from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
+                          ) -> WaveStepOutput:
+        return self.runner.execute_wave_step(scheduler_output, has_work)
 
 
 def _trim_heap() -> None:

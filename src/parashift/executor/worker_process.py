@@ -144,6 +144,10 @@ def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None
             output = worker.execute_model(msg.scheduler_output)
             if answers:
                 results.send(p.encode(p.StepResult(output)))
+        elif isinstance(msg, p.ExecuteWaveStep):
+            result = worker.execute_wave_step(msg.scheduler_output, msg.has_work)
+            if answers:
+                results.send(p.encode(p.WaveStepResult(result)))
         elif msg.method == "stop":
             worker.stop()
             results.send(p.encode(p.WorkerReply(rank)))

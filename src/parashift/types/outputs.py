@@ -36,9 +36,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
-    # Lockstep (expert parallel over engines): whether this engine still has requests; the
-    # step's collectives tell every engine whether any has.
-    has_work: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -59,8 +56,17 @@ class ModelRunnerOutput:
     # Only requests whose prompt is complete sample; partial prefill chunks do not.
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] | None = None
-    group_has_work: bool | None = None  # lockstep: whether any engine of the group had work
-    dispatch_seconds: float = 0.0  # lockstep: this step's expert dispatch and combine
+
+
+@dataclass
+class WaveStepOutput:
+    """A lockstep step (expert parallel over engines): the runner's output, whether any
+    engine of the group had work (the step's first collective says), and the seconds of this
+    step's expert dispatch and combine."""
+
+    output: ModelRunnerOutput
+    group_has_work: bool
+    dispatch_seconds: float
 
 
 @dataclass

@@ -11,7 +11,8 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               StartWave (lockstep);
               coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank);
               -> engine SUB (lockstep only): StartWave
-  workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel, WorkerCall;
+  workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel (ExecuteWaveStep in
+              lockstep), WorkerCall;
               worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank
               (last pp stage, tp rank 0) answers ExecuteModel (StepResult), every rank
               answers a WorkerCall.
@@ -36,6 +37,7 @@ from parashift.types.outputs import (
     SchedulerOutput,
     SchedulerStats,
     WaveStats,
+    WaveStepOutput,
 )
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire.engine_config import EngineConfigWire
@@ -215,6 +217,14 @@ class ExecuteModel(_Msg):
     scheduler_output: SchedulerOutput
 
 
+class ExecuteWaveStep(_Msg):
+    """One lockstep step (expert parallel over engines): the step, and whether this engine
+    still has requests."""
+
+    scheduler_output: SchedulerOutput
+    has_work: bool
+
+
 class WorkerCall(_Msg):
     method: str  # "determine_num_blocks" | "kv_block_bytes" | "initialize_cache" | "stop"
     args: list[Any] = []
@@ -228,14 +238,18 @@ class StepResult(_Msg):
     output: ModelRunnerOutput
 
 
+class WaveStepResult(_Msg):
+    result: WaveStepOutput
+
+
 class WorkerReply(_Msg):
     rank: int
     result: Any = None
     error: str | None = None
 
 
-ToWorker = ExecuteModel | WorkerCall
-FromWorker = WorkerReady | StepResult | WorkerReply
+ToWorker = ExecuteModel | ExecuteWaveStep | WorkerCall
+FromWorker = WorkerReady | StepResult | WaveStepResult | WorkerReply
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
