@@ -1,5 +1,6 @@
 """How a launch starts its children (engine cores, API servers, the DP coordinator): forked
-from a fork server that imported, once, what they all import.
+from a fork server that imported, once, what they all import; and what a launch starts early
+beside its own start (the fork server, the CPU kernels' build).
 
 Spawned, each child imported torch, transformers and the engine or serving stack again: ~4 s
 of CPU each on the 2-core machines here, most of a small model's start-up, and in parallel
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import threading
 from multiprocessing.context import BaseContext
+
+from parashift.config import EngineArgs
 
 PRELOAD = ["parashift.runtime.fork_server_name", "torch", "transformers",
            "parashift.engine.engine_process", "parashift.serve.api_server",
@@ -30,3 +34,17 @@ def start_early() -> None:
     """Start the fork server now (its imports run beside the caller's)."""
     context()
     multiprocessing.forkserver.ensure_running()
+
+
+def build_cpu_kernels_early(engine: EngineArgs) -> None:
+    """On a fresh machine the engine's first use of the CPU kernels compiles them (seconds of
+    g++): a thread starts that build now, beside the model's conversion and the launcher's own
+    start, and the engines load the cached library."""
+    import torch
+
+    if engine.device not in (None, "cpu") or (engine.device is None
+                                               and torch.cuda.is_available()):
+        return
+    from parashift.layers.kernel_dispatch import cpu_ops
+
+    threading.Thread(target=cpu_ops, name="cpu-kernels-build", daemon=True).start()

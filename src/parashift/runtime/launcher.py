@@ -11,12 +11,10 @@ import multiprocessing
 import os
 import signal
 import socket
-import threading
 import time
 
 import zmq
 
-from parashift.config import EngineArgs
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
@@ -292,22 +290,8 @@ class Launcher:
         self.endpoints.remove()
 
 
-def _build_cpu_kernels_early(engine: EngineArgs) -> None:
-    """On a fresh machine the engine's first use of the CPU kernels compiles them (seconds of
-    g++): a thread starts that build now, beside the model's conversion and the launcher's own
-    start, and the engines load the cached library."""
-    import torch
-
-    if engine.device not in (None, "cpu") or (engine.device is None
-                                               and torch.cuda.is_available()):
-        return
-    from parashift.layers.kernel_dispatch import cpu_ops
-
-    threading.Thread(target=cpu_ops, name="cpu-kernels-build", daemon=True).start()
-
-
 def run(args: ServeArgs) -> int:
-    _build_cpu_kernels_early(args.engine)
+    child_processes.build_cpu_kernels_early(args.engine)
     if args.headless:
         from parashift.runtime.headless import HeadlessLauncher
 
