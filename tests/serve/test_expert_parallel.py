@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -83,6 +84,34 @@ def drop_after_first_chunk(server, prompt, max_tokens, rank=None) -> None:
     assert response.status == 200
     assert response.readline().startswith(b"data: ")
     conn.close()
+
+
+def stream_in_thread(pool, server, body, rank: int) -> concurrent.futures.Future:
+    """A streamed completion read in `pool`; the future gives (status, body) once it has ended,
+    and its `first_event` is set once the first token event has arrived (the API server then
+    counts the stream as shown: a stream the client has seen is never re-sent)."""
+    first_event = threading.Event()
+
+    def read() -> tuple[int, bytes]:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                         {"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            response = conn.getresponse()
+            lines = []
+            while line := response.readline():
+                lines.append(line)
+                if line.startswith(b"data: "):
+                    first_event.set()
+            return response.status, b"".join(lines)
+        finally:
+            first_event.set()  # never leave the test waiting on a stream that failed
+            conn.close()
+
+    future = pool.submit(read)
+    future.first_event = first_event  # type: ignore[attr-defined]
+    return future
 
 
 def lockstep_state(server, num_engines: int) -> dict[str, list[float]]:
@@ -279,13 +308,14 @@ def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_bac
         long_prompt = [(7 * j) % 250 + 1 for j in range(16)]
         body = {"prompt": long_prompt, "max_tokens": 8000, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
-            streams = [pool.submit(s.request, "POST", "/v1/completions", {
-                **body, "stream": True}, {"X-data-parallel-rank": str(r % 2)}, 60)
-                for r in range(4)]
+            streams = [stream_in_thread(pool, s, body, r % 2) for r in range(4)]
             whole = (pool.submit(s.request, "POST", "/v1/completions", {
                 **body, "max_tokens": 1500}, {"X-data-parallel-rank": "1"}, 120)
                 if how == signal.SIGKILL else None)
-            # Every request runs (and has had its first token out) before dp1 goes.
+            # Every stream has had its first token out, and every request runs, before dp1 goes
+            # (a stream the client has not seen yet would fail over and run to its end).
+            for f in streams:
+                assert f.first_event.wait(60) and not f.done(), f.result()
             want = [2, 2 if whole is None else 3]
             deadline = time.monotonic() + 60
             while [s.metric("parashift_num_requests_running", f'engine="dp{r}"')
