@@ -75,7 +75,7 @@ DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks
 # --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU: layers/quantization.py
-# Bytes a quantized parameter takes (for `plan`): int8 a byte (and a bf16 scale per output
-# row: under 0.5% more at SmolLM2's widths, left out); int4 half a byte and a bf16 scale and
-# offset per group of 32.
+# Bytes a quantized parameter takes (for `plan`): int8 a byte, int4 half a byte and a bf16
+# scale and offset per group of 32; and per output row: int8's bf16 scale.
 QUANTIZED_PARAM_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+QUANTIZED_ROW_BYTES = {"int8": 2, "int4": 0}

@@ -53,9 +53,10 @@ def test_int8_and_int4_stay_close_to_float32_on_smollm2():
     here: 97-98% top-1 agreement, mean |delta log-probability| 0.02-0.05 (docs/BENCHMARKS.md)."""
     results = compare(EngineArgs(dtype="float32"), ["int8", "int4"], PROMPTS[:8], 16, [])
     full = results["none"]["weight_bytes"]
-    for method, most_bytes in (("int8", 0.45), ("int4", 0.35)):
+    for method, most_bytes in (("int8", 0.55), ("int4", 0.47)):
         row = results[method]
         assert row["top1_agreement"] >= 0.9, row
         assert row["mean_abs_logprob_delta"] < 0.1 and row["not_in_top"] == 0, row
-        # the embedding (tied to the LM head) stays float32: 28 M of the 134.5 M parameters
+        # the embedding stays float32, and the LM head tied to it keeps its own prepared copy
+        # (layers/gemm_paths.py): twice 28 M of the 134.5 M parameters
         assert row["weight_bytes"] < most_bytes * full

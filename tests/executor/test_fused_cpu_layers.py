@@ -35,10 +35,9 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
         return call(self, hidden, residual, cos_sin, metadata)
 
     with monkeypatch.context() as m:
-        # our GEMM path on every weight, at every row count (timing may choose otherwise)
-        m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape: (
+        # our GEMM path on every weight (timing may choose otherwise)
+        m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape, shared=False: (
             "own-bf16" if dtype == torch.bfloat16 else "linear"))
-        m.setattr(gemm_paths.GemmPaths, "row_limit", lambda self, *a: 1 << 20)
         m.setattr(FusedCpuLayers, "__call__", counted)
         if not fused:
             m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, model: None))

@@ -1,6 +1,7 @@
-"""The GEMM path choice (layers/gemm_paths.py): every candidate computes the same product, the
-choice is cached per CPU, a cached choice is used without timing, and a corrupt cache is timed
-again and rewritten. (Which path is fastest is the machine's answer: no timing asserted.)"""
+"""The GEMM path choice (layers/gemm_paths.py): every candidate computes the same product and
+keeps one copy of the weight, the choice is cached per CPU, a cached choice is used without
+timing, and a corrupt cache is timed again and rewritten. (Which path is fastest is the
+machine's answer: no timing asserted.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from parashift.layers import gemm_paths
-from parashift.layers.gemm import Gemm, OwnBf16Gemm, gemm_for_path
-from parashift.layers.gemm_paths import GemmPaths, cache_file, candidates
+from parashift.layers.gemm import Gemm, gemm_for_path
+from parashift.layers.gemm_paths import (
+    GemmPaths,
+    cache_file,
+    candidates,
+    prepare_gemm_weights,
+    prepares_shared_weights,
+)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -50,11 +58,9 @@ def test_the_cache_file_is_per_cpu():
 
 def test_a_cached_choice_is_used_and_new_ones_are_saved(tmp_path, monkeypatch):
     path = tmp_path / "cpu.json"
-    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"linear": 2.0, "packed": 1.0}
-                        if a[0] == torch.float32 else {"linear": 1.0})
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"linear": 2.0, "onednn": 1.0})
     paths = GemmPaths(str(path))
-    assert paths.choose(torch.float32, 96, 64) == ("packed" if gemm_paths.can_pack()
-                                                   else "linear")
+    assert paths.choose(torch.float32, 96, 64) == "onednn"
     paths.save()
     saved = json.loads(path.read_text())
     assert set(saved["choices"]) == {"float32:96x64"} and "cpu" in saved
@@ -70,11 +76,11 @@ def test_a_cached_choice_is_used_and_new_ones_are_saved(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"choices": {"float32:1x1": 3}}',
-                                     '{"choices": {}, "row_limits": {"bfloat16:8x8": "x"}}'])
+                                     '{"choices": [1]}'])
 def test_a_corrupt_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch, content):
     path = tmp_path / "cpu.json"
     path.write_text(content)
-    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"linear": 1.0})
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"linear": 1.0})
     paths = GemmPaths(str(path))
     assert paths.choices == {}
     assert paths.choose(torch.float32, 8, 8) == "linear"
@@ -84,9 +90,9 @@ def test_a_corrupt_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch, con
 
 def test_a_stale_choice_for_a_missing_path_is_timed_again(tmp_path, monkeypatch):
     path = tmp_path / "cpu.json"
-    path.write_text(json.dumps({"choices": {"bfloat16:8x8": "packed"}}))  # not a bf16 path
-    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a: {"fp32": 1.0})
-    assert GemmPaths(str(path)).choose(torch.bfloat16, 8, 8) == "fp32"
+    path.write_text(json.dumps({"choices": {"bfloat16:8x8": "fp32-packed"}}))  # a path no more
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"linear": 1.0})
+    assert GemmPaths(str(path)).choose(torch.bfloat16, 8, 8) == "linear"
 
 
 def test_onednn_row_buckets_are_few_and_cover_every_count():
@@ -110,50 +116,92 @@ def test_a_padded_onednn_gemm_returns_just_its_rows(rows):
     assert torch.allclose(out, x @ weight.t(), atol=1e-4)
 
 
-@pytest.mark.skipif(not gemm_paths.can_own_bf16(), reason="no bf16 GEMM of ours on this CPU")
-def test_our_bf16_kernel_hands_rows_past_its_limit_to_f_linear():
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(3)
-    weight = torch.randn(40, 32, generator=g).bfloat16()
-    own, unlimited = OwnBf16Gemm(weight, max_rows=4), OwnBf16Gemm(weight)
-    x = torch.randn(5, 32, generator=g).bfloat16()
-    assert torch.equal(own(x[:4], None), unlimited(x[:4], None))
-    assert torch.equal(own(x, None), F.linear(x, weight))
-
-
 def test_each_path_is_its_own_class():
     weight = torch.randn(16, 8)
     assert type(gemm_for_path(weight, "linear")) is Gemm
-    widened = gemm_for_path(weight.bfloat16(), "fp32")
-    assert type(widened) is Gemm and widened.weight.dtype == torch.float32
-    if gemm_paths.can_pack():
-        assert gemm_for_path(weight.bfloat16(), "fp32-packed").kind == "packed"
     if gemm_paths.can_reorder():
         assert gemm_for_path(weight, "onednn").kind == "onednn"
+    if gemm_paths.can_own_bf16():
+        assert gemm_for_path(weight.bfloat16(), "own-bf16").kind == "own-bf16"
 
 
-def test_the_row_limit_is_the_last_probe_our_kernel_wins_and_is_cached(tmp_path, monkeypatch):
-    path = tmp_path / "cpu.json"
-    probed = []
+def _choosing(times_by_rows):
+    def times(dtype, out_features, in_features, rows=gemm_paths.ROWS, paths=None, **_):
+        return {path: t for path, t in times_by_rows[rows].items() if path in paths}
+    return times
 
-    def times(dtype, out_features, in_features, rows, paths):
-        probed.append(rows)
-        assert paths == ("own-bf16", "linear")
-        return {"own-bf16": 1.0, "linear": 2.0 if rows <= 256 else 0.5}
 
-    monkeypatch.setattr(gemm_paths, "time_paths", times)
-    paths = GemmPaths(str(path))
-    assert paths.row_limit(torch.bfloat16, 64, 32) == 256
-    assert probed == [64, 128, 256, 512]  # stops at the first loss
+@pytest.mark.parametrize("prefill,chosen", [({"own-bf16": 1.0, "onednn": 0.95}, "own-bf16"),
+                                            ({"own-bf16": 1.0, "onednn": 0.8}, "onednn")])
+def test_our_kernel_must_hold_at_prefill_rows_too(tmp_path, monkeypatch, prefill, chosen):
+    """Our bf16 kernel runs every row count: it wins at decode rows, and is kept unless
+    another path is more than 10% faster at prefill rows."""
+    monkeypatch.setattr(gemm_paths, "candidates", lambda dtype: ["linear", "onednn", "own-bf16"])
+    monkeypatch.setattr(gemm_paths, "time_paths", _choosing({
+        gemm_paths.ROWS: {"linear": 3.0, "onednn": 2.0, "own-bf16": 1.0},
+        gemm_paths.PREFILL_ROWS: {"linear": 5.0, **prefill}}))
+    paths = GemmPaths(str(tmp_path / "cpu.json"))
+    assert paths.choose(torch.bfloat16, 64, 32) == chosen
     paths.save()
-
     monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: pytest.fail("timed again"))
-    assert GemmPaths(str(path)).row_limit(torch.bfloat16, 64, 32) == 256
+    assert GemmPaths(str(tmp_path / "cpu.json")).choose(torch.bfloat16, 64, 32) == chosen
 
 
-def test_a_near_tie_keeps_our_kernel_at_batch_rows_only(tmp_path, monkeypatch):
-    # F.linear 5% faster everywhere: within the margin at 64 and 128 rows, not from 256
-    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, **k: {"own-bf16": 1.0,
-                                                                  "linear": 0.95})
-    assert GemmPaths(str(tmp_path / "cpu.json")).row_limit(torch.bfloat16, 64, 32) == 128
+class _Head(nn.Module):
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+        self.gemm = Gemm(weight)
+
+
+class _Tied(nn.Module):
+    """An embedding's weight read by a head too, and a projection of its own."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.embed = nn.Parameter(torch.randn(96, 64, generator=g).to(dtype), requires_grad=False)
+        self.head = _Head(self.embed)
+        self.proj = _Head(nn.Parameter(torch.randn(64, 64, generator=g).to(dtype),
+                                       requires_grad=False))
+
+
+def _weight_bytes(model: nn.Module) -> int:  # as executor/worker.Worker.weight_bytes counts
+    seen = {id(p): p for p in model.parameters() if not p.is_meta}
+    return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
+        m.gemm.kept_bytes for m in model.modules() if isinstance(getattr(m, "gemm", None), Gemm))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_keeps_one_copy_and_a_shared_weight_one_more(tmp_path, monkeypatch, dtype):
+    """Whichever path each weight takes, the model keeps the same bytes: a prepared path's copy
+    replaces the plain weight (a meta tensor then), and the same product comes out; a weight
+    another module reads keeps its plain copy, and its GEMM a prepared one beside it."""
+    monkeypatch.setenv("PARASHIFT_CACHE_DIR", str(tmp_path))
+    x = torch.randn(3, 64).to(dtype)
+    plain = _Tied(dtype)
+    reference = (plain.head.gemm(x, None), plain.proj.gemm(x, None))
+    base = _weight_bytes(plain)
+    for path in candidates(dtype):
+        model = _Tied(dtype)
+        monkeypatch.setattr(GemmPaths, "choose", lambda self, dtype, *shape, shared=False,
+                            path=path: path if not shared or path != "linear" else "onednn")
+        prepare_gemm_weights(model, torch.device("cpu"))
+        assert model.proj.weight.is_meta == (path != "linear"), path
+        assert not model.embed.is_meta and model.head.weight is model.embed
+        extra = 96 * 64 * model.embed.element_size() if prepares_shared_weights(dtype) else 0
+        assert _weight_bytes(model) == base + extra, path
+        for got, want in zip((model.head.gemm(x, None), model.proj.gemm(x, None)), reference,
+                             strict=True):
+            assert torch.allclose(got.double(), want.double(), atol=2e-2, rtol=2e-2), path
+
+
+def test_a_shared_weight_is_timed_without_f_linear(tmp_path, monkeypatch):
+    timed = []
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, paths=None, **k: (
+        timed.append(paths), {p: 1.0 for p in paths})[1])
+    paths = GemmPaths(str(tmp_path / "cpu.json"))
+    choice = paths.choose(torch.float32, 96, 64, shared=True)
+    if prepares_shared_weights(torch.float32):
+        assert "linear" not in timed[0] and choice != "linear"
+    assert paths.choose(torch.float32, 96, 64) in timed[-1]  # its own key

@@ -15,8 +15,7 @@ from .conftest import running_server
 @pytest.mark.slow
 def test_tiny_model_served_dp2xtp3(tiny_split_by_3):
     model = tiny_split_by_3
-    # 6 workers at once: keep their caches small; float32 as in plan/test_plan_truth.py
-    flags = ["--kv-cache-memory", "64MiB", "--dtype", "float32"]
+    flags = ["--kv-cache-memory", "64MiB"]  # 6 workers at once: keep their caches small
     blocks, weights = predicted(plan_json(model, "dp2xtp3", *flags))
     with running_server(model, "--strategy", "dp2xtp3", *flags) as server:
         log = server.output()

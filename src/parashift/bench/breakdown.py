@@ -79,14 +79,16 @@ def gemm_floor_ms(model, rows: int, repeat: int = 5) -> float:
     from parashift.layers.gemm import Gemm
 
     gemms = [m for m in model.modules() if isinstance(getattr(m, "gemm", None), Gemm)]
+    # a prepared or quantized GEMM's module weight is a meta tensor: its shape and dtype
+    device = next(p.device for p in model.parameters() if not p.is_meta)
     best = float("inf")
     with torch.inference_mode():
         shared = {}
         inputs = [shared.setdefault((m.weight.shape[1], m.weight.dtype),
                                     torch.ones(rows, m.weight.shape[1], dtype=m.weight.dtype,
-                                               device=m.weight.device))
+                                               device=device))
                   for m in gemms]
-        on_gpu = bool(gemms) and gemms[0].weight.is_cuda
+        on_gpu = device.type == "cuda"
         for _ in range(repeat):
             start = time.perf_counter()
             for m, x in zip(gemms, inputs, strict=True):

@@ -1,6 +1,6 @@
 """`parashift bench throughput --roofline`: the best GEMM rate reached on this device for the
-model's own GEMM shapes, by any path the engine may take there (on CPU: torch's, MKL's,
-oneDNN's and our own kernel, bf16 or widened to fp32), and a throughput as a fraction of it
+model's own GEMM shapes, by any path the engine may take there (on CPU: F.linear,
+oneDNN's reordered weight and our own kernel, in bf16), and a throughput as a fraction of it
 (2 x parameters x tokens/s, the forward pass's multiply-adds)."""
 
 from __future__ import annotations

@@ -9,16 +9,15 @@ tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same k
 same order on the same inputs give the same bits as the layers called one by one; what goes is
 the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).
 
-Layer by layer still: steps past a weight's row limit (big prefills, where F.linear takes
-over), steps with prefills where the attention backend leaves prefill tokens to SDPA (without
-AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown` splits the ops).
-MoE models (Mixtral, Qwen MoE) run layer by layer: the kernel's layer ends in a dense MLP, and
-their experts are routed in torch; a fused attention half without the MLP is not built yet."""
+Layer by layer still: steps with prefills where the attention backend leaves prefill tokens
+to SDPA (without AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown`
+splits the ops). MoE models (Mixtral, Qwen MoE) run layer by layer: the kernel's layer ends in
+a dense MLP, and their experts are routed in torch; a fused attention half without the MLP is
+not built yet."""
 
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Any
 
 import torch
@@ -50,11 +49,6 @@ def _scale(g: OwnGemm) -> torch.Tensor | None:
     return g.quantized.scales if isinstance(g, QuantizedGemm) else None
 
 
-def _max_rows(g: OwnGemm) -> int:
-    """Past it F.linear takes a bf16 GEMM; int8 weights have no float weight to give it."""
-    return g.max_rows if isinstance(g, OwnBf16Gemm) else sys.maxsize
-
-
 def _fusable(parts: DecoderLayerParts | None) -> bool:
     if parts is None:
         return False
@@ -83,9 +77,6 @@ class FusedCpuLayers:
         self.intermediate = layers[0].down.weight.shape[1]
         self.eps, self.scale = layers[0].input_norm.eps, attn.attn.scale
         self.block_size = attn.attn.kv_cache[0].shape[1]
-        self.max_rows = min(_max_rows(_own(m)) for p in layers
-                            for m in (p.attention.qkv_proj, p.attention.o_proj, p.gate_up,
-                                      p.down))
         self.weights = []
         for p in layers:
             attn = p.attention
@@ -112,7 +103,7 @@ class FusedCpuLayers:
 
     def can_run(self, hidden: torch.Tensor, metadata: Any) -> bool:
         tokens = hidden.shape[0]
-        return (0 < tokens <= self.max_rows and hidden.dtype == torch.bfloat16
+        return (0 < tokens and hidden.dtype == torch.bfloat16
                 and hidden.is_cpu and not torch.autograd._profiler_enabled()
                 and (not metadata.prefills
                      or getattr(metadata, "prefill_tokens", None) is not None))

@@ -15,8 +15,8 @@ from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
+from parashift.layers.gemm import Gemm
 from parashift.layers.gemm_paths import prepare_gemm_weights
-from parashift.layers.quantization import QuantizedGemm
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
@@ -109,12 +109,13 @@ class Worker:
         return shard.has_lm_head and shard.tp_rank == 0
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied weight once; a quantized one as stored):
-        what `plan` predicts."""
+        """Bytes of this rank's weights: its parameters (a tied weight once) and the copies
+        its GEMMs keep in their place (a prepared layout, a quantized weight): what `plan`
+        predicts."""
         seen = {id(p): p for p in self.model.parameters() if not p.is_meta}
         return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
-            m.gemm.read_bytes for m in self.model.modules()
-            if isinstance(getattr(m, "gemm", None), QuantizedGemm))
+            m.gemm.kept_bytes for m in self.model.modules()
+            if isinstance(getattr(m, "gemm", None), Gemm))
 
     def stop(self) -> None:
         """Before the process exits: the last activations sent must reach the next stage."""

@@ -1,21 +1,23 @@
 """The GEMM under every linear layer and the LM head: one class per path, each holding the
 weight as its path keeps it and running its GEMM, x [..., in] -> [..., out] in x's dtype.
 
-- `Gemm`: `F.linear` on the weight as it is (oneDNN/MKL behind torch; every path on CUDA);
-- `MklPackedGemm`: an fp32 weight copied into MKL's packed layout (`mkl::_mkl_linear`);
+- `Gemm`: `F.linear` on the module's weight as loaded (oneDNN/MKL behind torch; every path
+  on CUDA);
 - `OneDnnGemm`: the weight reordered once into oneDNN's blocked layout for this CPU
   (`mkldnn::_linear_pointwise`), fp32 or half; F.linear reorders on every call instead;
-- `OwnBf16Gemm`: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp), up to
-  a row count past which F.linear on the plain weight takes over;
+- `OwnBf16Gemm`: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp);
 - `QuantizedGemm` (layers/quantization.py): an int8 or int4 weight.
 
-A half-precision weight may also be widened to fp32 once, then take one of the first three:
-the paths named `fp32`, `fp32-packed`, `fp32-onednn`. Which path each weight takes on a CPU is
-layers/gemm_paths.py's choice, made at load."""
+Every path keeps one copy of the weight, in the model's dtype: a prepared path takes the
+place of the module's plain weight, which becomes a meta tensor (its shape and dtype stay), so
+the bytes a model keeps do not depend on which path wins the timing and `plan` predicts them
+before anything is loaded. Only a weight that another module also reads (an LM head tied to
+the embedding) keeps its plain copy beside the prepared one. (MKL's packed layout is not a
+path: its buffer measured 4x the weight for a 960x576 fp32 matrix, in bytes nothing predicts.)
+Which path each weight takes on a CPU is layers/gemm_paths.py's choice, made at load."""
 
 from __future__ import annotations
 
-import sys
 from typing import ClassVar
 
 import torch
@@ -29,6 +31,7 @@ class Gemm:
     GEMM in `_apply`; activations go in and come out in the caller's dtype."""
 
     kind: ClassVar[str] = "linear"
+    reads_plain_weight: ClassVar[bool] = True  # False: a prepared copy replaces it
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # the module's parameter (its dtype sets the GEMM's)
@@ -47,17 +50,11 @@ class Gemm:
         """Bytes one GEMM streams: the weight as the kernel reads it."""
         return self.weight.numel() * self.weight.element_size()
 
-
-class MklPackedGemm(Gemm):
-    kind = "packed"
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__(weight)
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)
-
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # The packed layout does not depend on the row count, which must be passed as is.
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, x.shape[0])
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes this GEMM holds beside the module's parameters: its prepared copy, counted
+        at the weight's size (a layout's padding, under one block of rows, left out)."""
+        return 0 if self.reads_plain_weight else self.read_bytes
 
 
 def onednn_rows(rows: int) -> int:
@@ -73,6 +70,7 @@ def onednn_rows(rows: int) -> int:
 
 class OneDnnGemm(Gemm):
     kind = "onednn"
+    reads_plain_weight = False
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
@@ -94,35 +92,26 @@ class OneDnnGemm(Gemm):
 
 
 class OwnBf16Gemm(Gemm):
-    """A bf16 weight packed for our kernel, and the most rows the kernel takes (`max_rows`,
-    set by the path choice): above them F.linear on the plain weight measured faster on this
-    CPU."""
+    """A bf16 weight packed for our kernel, which runs every row count."""
 
     kind = "own-bf16"
+    reads_plain_weight = False
 
-    def __init__(self, weight: torch.Tensor, max_rows: int = sys.maxsize):
+    def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
         self.packed = cpu_ops().pack_bf16(weight)
-        self.max_rows = max_rows
 
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > self.max_rows:  # a big prefill
-            return F.linear(x, self.weight, bias)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         y = cpu_ops().gemm_bf16(flat, self.packed, self.weight.shape[0], bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-LAYOUTS: dict[str, type[Gemm]] = {cls.kind: cls for cls in (Gemm, MklPackedGemm, OneDnnGemm,
-                                                             OwnBf16Gemm)}
+PATHS: dict[str, type[Gemm]] = {cls.kind: cls for cls in (Gemm, OneDnnGemm, OwnBf16Gemm)}
 
 
 def gemm_for_path(weight: torch.Tensor, path: str) -> Gemm:
-    """The GEMM of `weight` on `path` (a name layers/gemm_paths.py chooses among): a class
-    name, or `fp32` / `fp32-<kind>` for a half weight widened to fp32 once first. Its `weight`
-    is the one the GEMM reads (the widened copy, if any)."""
-    if path == "fp32" or path.startswith("fp32-"):
-        weight, path = weight.float(), path.removeprefix("fp32").removeprefix("-") or "linear"
-    return LAYOUTS[path](weight)
+    """The GEMM of `weight` on `path` (a name layers/gemm_paths.py chooses among)."""
+    return PATHS[path](weight)

@@ -4,15 +4,18 @@ native on some, emulated on others; docs/BENCHMARKS.md).
 
 At load time every distinct (dtype, shape) of the model's GEMM weights is timed once per
 candidate path at decode-sized rows, with the weight streamed as in a real step (several
-copies, cycled, so that none stays in cache), and the fastest is kept. The choices are cached
-in a JSON file per CPU (model name, the instruction-set flags that matter, torch version,
-threads), so a later start reads them; a corrupt file is timed again and rewritten.
+copies, cycled, so that none stays in cache), and the fastest is kept; our own bf16 kernel,
+when it wins there, must also hold within 10% of the best other path at prefill rows. The
+choices are cached in a JSON file per CPU (model name, the instruction-set flags that matter,
+torch version, threads), so a later start reads them; a corrupt file is timed again and
+rewritten.
 
-The paths are the classes of layers/gemm.py (`linear`, `packed`, `onednn`, `own-bf16`) and,
-for half-precision weights, `fp32` / `fp32-packed` / `fp32-onednn`: the weight widened to fp32
-once (the values stay exactly the checkpoint's; activations stay in the model's dtype, each
-GEMM rounds its result to it). A candidate this CPU cannot run (oneDNN's fp16 without
-AVX512-FP16) drops out when timed. `prepare_gemm_weights` gives every linear module of a
+The candidates are the classes of layers/gemm.py (`linear`, `onednn`, `own-bf16`), all in the
+model's dtype and each keeping one copy of the weight: the timing picks a speed, never a
+memory size. A candidate this CPU cannot run (oneDNN's fp16 without AVX512-FP16) drops out
+when timed. A weight another module also reads (a tied LM head) takes a prepared path where
+one runs, in float32 or bfloat16 (F.linear on a plain bf16 weight reorders it on every call):
+its one extra copy is then known too. `prepare_gemm_weights` gives every linear module of a
 loaded model its path's GEMM, or its quantized one (`--quantization`)."""
 
 from __future__ import annotations
@@ -24,34 +27,26 @@ import math
 import os
 import platform
 import re
-import sys
 import time
 
 import torch
 from torch import nn
 
 from parashift import env
-from parashift.layers.gemm import Gemm, OwnBf16Gemm, gemm_for_path
+from parashift.layers.gemm import Gemm, gemm_for_path
 from parashift.layers.kernel_dispatch import cpu_ops
 from parashift.layers.quantization import QuantizedGemm, quantize
 
 logger = logging.getLogger(__name__)
 
 ROWS = 32  # decode-sized: where the path matters most on a CPU
-ROW_PROBES = (64, 128, 256, 512, 1024)  # rows where our own bf16 kernel may lose
-# F.linear takes over below batch rows only where it ran in under 90% of our kernel's time:
-# it reorders the weight on every call, a costly mistake at decode rows, and timings here vary
-# by 10-30% from run to run; from PREFILL_ROWS the reorder is amortized, the two run close,
-# and any loss hands over.
+# Our own bf16 kernel runs every row count; at prefill rows it must be within 10% of the best
+# other path (timings here vary by 10-30% from run to run), or that path is taken.
+PREFILL_ROWS = 512
 LOSS_MARGIN = 0.9
-PREFILL_ROWS = 256
 STREAM_BYTES = 64 << 20  # copies of a weight cycled per timing: past any cache
-PATHS_VERSION = 7  # bumped when the candidates change, so older cached choices are timed again
+PATHS_VERSION = 8  # bumped when the candidates change, so older cached choices are timed again
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
-
-
-def can_pack() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def can_reorder() -> bool:
@@ -65,21 +60,23 @@ def can_own_bf16() -> bool:
 
 
 def candidates(dtype: torch.dtype) -> list[str]:
-    layouts = ["", *(["-packed"] if can_pack() else []), *(["-onednn"] if can_reorder() else [])]
-    if dtype == torch.float32:
-        return ["linear", *(layout[1:] for layout in layouts[1:])]
-    if dtype in (torch.bfloat16, torch.float16):
-        own = ["own-bf16"] if dtype == torch.bfloat16 and can_own_bf16() else []
-        return ["linear", *(["onednn"] if can_reorder() else []), *own,
-                *(f"fp32{layout}" for layout in layouts)]
-    return ["linear"]
+    """The paths a weight of `dtype` may take here, all in that dtype."""
+    own = ["own-bf16"] if dtype == torch.bfloat16 and can_own_bf16() else []
+    return ["linear", *(["onednn"] if can_reorder() else []), *own]
+
+
+def prepares_shared_weights(dtype: torch.dtype) -> bool:
+    """Whether a weight another module also reads takes a prepared path (its own copy) in
+    `dtype` on a CPU: float32 and bfloat16, where oneDNN's reorder runs on every CPU
+    (`plan` counts that copy)."""
+    return dtype in (torch.float32, torch.bfloat16) and can_reorder()
 
 
 def time_paths(dtype: torch.dtype, out_features: int, in_features: int, rows: int = ROWS,
                rounds: int = 3, paths: tuple[str, ...] | None = None) -> dict[str, float]:
     """Seconds of one GEMM of `rows` rows by each candidate path (or `paths`), the weight
     streamed at decode rows. From PREFILL_ROWS a GEMM is bound by its arithmetic, not by the
-    weight's bytes: two copies then, which is most of a first start's timing saved."""
+    weight's bytes: two copies then."""
     nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
     copies = (2 if rows >= PREFILL_ROWS
               else max(2, min(16, math.ceil(STREAM_BYTES / nbytes))))
@@ -137,7 +134,6 @@ class GemmPaths:
     def __init__(self, path: str | None = None):
         self.path = path or cache_file()
         self.choices: dict[str, str] = {}
-        self.row_limits: dict[str, int] = {}  # shapes on our own kernel: its most rows
         self._read()
         self.timed: dict[str, dict] = {}  # chosen now, with their timings
 
@@ -150,47 +146,41 @@ class GemmPaths:
         except (OSError, ValueError) as e:
             logger.warning("GEMM path cache %s unreadable (%s): timing again", self.path, e)
             return
-        if not isinstance(data, dict) or not all(
-                isinstance(v, str) for v in data.get("choices", {}).values()) or not all(
-                isinstance(v, int) for v in data.get("row_limits", {}).values()):
+        if not isinstance(data, dict) or not isinstance(data.get("choices", {}), dict) or not all(
+                isinstance(v, str) for v in data.get("choices", {}).values()):
             logger.warning("GEMM path cache %s is malformed: timing again", self.path)
             return
         self.choices = dict(data.get("choices", {}))
-        self.row_limits = dict(data.get("row_limits", {}))
 
     @staticmethod
-    def _key(dtype: torch.dtype, out_features: int, in_features: int) -> str:
-        return f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
+    def _key(dtype: torch.dtype, out_features: int, in_features: int, shared: bool) -> str:
+        return (f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}"
+                + (":shared" if shared else ""))
 
-    def row_limit(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
-        """The most rows our own bf16 kernel takes for this shape: probed at batch and prefill
-        sizes against F.linear on the plain weight, up to the first it loses."""
-        key = self._key(dtype, out_features, in_features)
-        if key in self.row_limits:
-            return self.row_limits[key]
-        limit, probes = ROWS, {}  # it won at ROWS to be chosen
-        for rows in ROW_PROBES:
-            probes[rows] = times = time_paths(dtype, out_features, in_features, rows,
-                                              paths=("own-bf16", "linear"))
-            margin = LOSS_MARGIN if rows < PREFILL_ROWS else 1.0
-            if times["linear"] < margin * times["own-bf16"]:
-                break
-            limit = rows
-        else:
-            limit = sys.maxsize
-        self.row_limits[key] = limit
-        self.timed[f"{key} rows"] = probes
-        return limit
-
-    def choose(self, dtype: torch.dtype, out_features: int, in_features: int) -> str:
-        key = self._key(dtype, out_features, in_features)
+    def choose(self, dtype: torch.dtype, out_features: int, in_features: int,
+               shared: bool = False) -> str:
+        """The path of a weight of this dtype and shape; `shared`: another module also reads
+        the weight (prepares_shared_weights)."""
+        key = self._key(dtype, out_features, in_features, shared)
+        allowed = candidates(dtype)
+        if shared and prepares_shared_weights(dtype):
+            allowed.remove("linear")
         known = self.choices.get(key)
-        if known in candidates(dtype):
+        if known in allowed:
             return known
-        times = time_paths(dtype, out_features, in_features)
-        self.choices[key] = min(times, key=times.get)
-        self.timed[key] = times
-        return self.choices[key]
+        times = time_paths(dtype, out_features, in_features, paths=tuple(allowed))
+        best = min(times, key=times.get)
+        timed: dict = {"rows": times}
+        if best == "own-bf16" and len(times) > 1:
+            others = tuple(path for path in times if path != "own-bf16")
+            timed["prefill"] = prefill = time_paths(dtype, out_features, in_features,
+                                                    PREFILL_ROWS, paths=("own-bf16", *others))
+            rival = min(others, key=lambda path: prefill.get(path, math.inf))
+            if prefill.get(rival, math.inf) < LOSS_MARGIN * prefill["own-bf16"]:
+                best = rival
+        self.choices[key] = best
+        self.timed[key] = timed
+        return best
 
     def save(self) -> None:
         """Atomically, and only if something new was timed; a read-only cache is no error."""
@@ -200,8 +190,8 @@ class GemmPaths:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices,
-                           "row_limits": self.row_limits}, f, indent=1)
+                json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices}, f,
+                          indent=1)
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not write the GEMM path cache %s: %s", self.path, e)
@@ -211,34 +201,30 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device,
                          quantization: str | None = None) -> list[str]:
     """Give every module with a GEMM (a `gemm` attribute) the path chosen for its weight on
     this CPU, or its quantized weight (`quantization`, what layers/quantization.py names).
-    Returns what was done, for the load log."""
+    A prepared path's copy replaces the module's plain weight (then a meta tensor) unless
+    another module reads that weight too. Returns what was done, for the load log."""
     if device.type != "cpu":
         return []
     notes = quantize_weights(model, quantization) if quantization else []
+    owners: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
     paths = GemmPaths()
     counts: dict[str, int] = {}
-    limits: dict[str, int] = {}  # our own kernel's most rows -> how many weights
     for m in model.modules():
         if not isinstance(getattr(m, "gemm", None), Gemm) or isinstance(m.gemm, QuantizedGemm):
             continue
-        path = paths.choose(m.weight.dtype, *m.weight.shape)
+        shared = owners.get(id(m.weight), 0) > 1
+        path = paths.choose(m.weight.dtype, *m.weight.shape, shared=shared)
         m.gemm = gemm_for_path(m.weight.data, path)
-        if isinstance(m.gemm, OwnBf16Gemm):
-            m.gemm.max_rows = limit = paths.row_limit(m.weight.dtype, *m.weight.shape)
-            label = "any" if limit == sys.maxsize else str(limit)
-            limits[label] = limits.get(label, 0) + 1
-        if m.gemm.weight.dtype != m.weight.dtype:  # widened: the module keeps it, bias too
-            m.weight.data = m.gemm.weight
-            if getattr(m, "bias", None) is not None:
-                m.bias.data = m.bias.data.float()
+        if not m.gemm.reads_plain_weight and not shared:  # the prepared copy is the one kept
+            m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
         m.gemm.weight = m.weight
         counts[path] = counts.get(path, 0) + 1
     paths.save()
     timed = f" ({len(paths.timed)} timings now)" if paths.timed else ""
-    above = ("; own-bf16 up to " + ", ".join(f"{label} rows ({n})" for label, n in limits.items())
-             + ", F.linear above" if limits else "")
     return [*notes, f"GEMM paths on this CPU{timed}: "
-            + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())) + above]
+            + ", ".join(f"{n} {path}" for path, n in sorted(counts.items()))]
 
 
 def quantize_weights(model: nn.Module, method: str) -> list[str]:

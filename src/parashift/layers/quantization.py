@@ -60,6 +60,7 @@ class QuantizedGemm(Gemm):
     """The GEMM of a quantized weight; the float weight is gone (a meta tensor)."""
 
     kind = "quantized"
+    reads_plain_weight = False
 
     def __init__(self, quantized: QuantizedWeight):
         self.quantized = quantized

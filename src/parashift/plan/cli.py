@@ -107,7 +107,7 @@ def plan(
 
     from parashift.plan import report
     from parashift.plan.auto import rank_plans
-    from parashift.plan.estimate import PlanSettings, make_plan
+    from parashift.plan.estimate import PlanSettings, keeps_shared_weight_copies, make_plan
     from parashift.plan.hardware import DEVICES, INTER_NODE, INTRA_NODE
     from parashift.strategies.pipeline import parse_partition
     from parashift.strategies.spec import StrategySpec
@@ -142,8 +142,9 @@ def plan(
             raise ValueError(f"--nodes {nodes} is more than --devices {n}")
         spec = spec or StrategySpec.from_sizes(dp=n)
         # The engine's dtype rule and table (defaults.py), on the checkpoint's dtype.
-        dtype_bytes = 1 if dtype == "fp8" else DTYPE_BYTES[resolve_dtype_name(
-            dtype, shape.checkpoint_dtype, "cuda" if DEVICES[device].is_gpu else "cpu")]
+        dtype_name = "fp8" if dtype == "fp8" else resolve_dtype_name(
+            dtype, shape.checkpoint_dtype, "cuda" if DEVICES[device].is_gpu else "cpu")
+        dtype_bytes = 1 if dtype == "fp8" else DTYPE_BYTES[dtype_name]
         settings = PlanSettings(
             DEVICES[device], n, nodes, INTRA_NODE.get(intra_node or ""), INTER_NODE[inter_node],
             max_model_len, dtype_bytes, gpu_memory_utilization,
@@ -153,7 +154,9 @@ def plan(
             # CPU: this machine's cores, as `parashift run` would place the ranks on them
             cpu_ids=None if DEVICES[device].is_gpu else tuple(sorted(os.sched_getaffinity(0))),
             concurrency=levels, prompt_len=prompt_len, output_len=output_len,
-            quantization=quantization)
+            quantization=quantization,
+            shared_weight_copies=keeps_shared_weight_copies(DEVICES[device].is_gpu,
+                                                            dtype_name))
     except (ValueError, typer.BadParameter) as e:
         fail(str(e))
     console = Console()

@@ -49,6 +49,9 @@ class PlanSettings:
     prompt_len: int = 512  # the prefill bubble's requests: this prompt,
     output_len: int = 1  # and these output tokens
     quantization: str | None = None  # CPU: weight-only int8 / int4 of the decoder projections
+    # CPU: a tied LM head's GEMM keeps its own prepared copy of the embedding (the engine's
+    # layers/gemm_paths.py, in float32 and bfloat16)
+    shared_weight_copies: bool = False
 
     @property
     def devices_per_node(self) -> int:
@@ -58,6 +61,12 @@ class PlanSettings:
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or default_max_num_batched_tokens(
             self.max_num_seqs, "cuda" if self.device.is_gpu else "cpu")
+
+
+def keeps_shared_weight_copies(is_gpu: bool, dtype: str) -> bool:
+    """PlanSettings.shared_weight_copies: the engine's layers/gemm_paths.prepares_shared_weights
+    on a CPU with oneDNN (every torch CPU wheel has it)."""
+    return not is_gpu and dtype in ("float32", "bfloat16")
 
 
 @dataclass
@@ -157,6 +166,8 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     stages = []
     for stage, cost in enumerate(costs):
         weights = cost.weight_bytes(s.dtype_bytes, s.quantization)
+        if s.shared_weight_copies and cost.tied_head:
+            weights += cost.vocab_rows * cost.hidden_size * s.dtype_bytes
         reserve = activation_reserve(cost, shape, s)
         block_bytes = s.block_size * cost.kv_values_per_token() * s.dtype_bytes
         if s.device.is_gpu:

@@ -11,7 +11,7 @@ import subprocess
 from parashift.config import EngineArgs
 from parashift.defaults import DTYPE_BYTES, resolve_dtype_name
 from parashift.plan.auto import rank_plans
-from parashift.plan.estimate import Plan, PlanSettings
+from parashift.plan.estimate import Plan, PlanSettings, keeps_shared_weight_copies
 from parashift.plan.hardware import DEVICES, INTER_NODE
 from parashift.strategies.spec import StrategySpec
 
@@ -55,7 +55,9 @@ def machine_settings(args: EngineArgs, checkpoint_dtype: str | None) -> PlanSett
         DEVICES[device], count, 1, None, INTER_NODE["ib"], args.max_model_len,
         DTYPE_BYTES[dtype], args.gpu_memory_utilization, args.kv_cache_memory, None,
         args.block_size, args.max_num_seqs,
-        cpu_ids=None if is_gpu else tuple(sorted(os.sched_getaffinity(0))))
+        cpu_ids=None if is_gpu else tuple(sorted(os.sched_getaffinity(0))),
+        quantization=args.quantization,
+        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype))
 
 
 def choose_strategy(args: EngineArgs, objective: str, one_engine: bool = False

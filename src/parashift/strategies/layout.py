@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parashift.defaults import QUANTIZED_PARAM_BYTES
+from parashift.defaults import QUANTIZED_PARAM_BYTES, QUANTIZED_ROW_BYTES
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,11 @@ class DeviceCost:
                 + dense * 3 * h * self.intermediate_size + self.moe_layers * moe
                 + rows * h + (h if self.has_final_norm else 0))
 
+    @property
+    def tied_head(self) -> bool:
+        """The LM head on this device is the embedding's weight (tied)."""
+        return self.has_embedding and self.has_final_norm and not self.has_lm_head
+
     def quantized_params(self) -> int:
         """The parameters `--quantization` quantizes (layers/quantization.py): the decoder
         layers' attention and MLP projections, a shared expert's too; not the routed experts,
@@ -143,13 +148,26 @@ class DeviceCost:
         return (self.layers * attention + dense * 3 * h * self.intermediate_size
                 + self.moe_layers * 3 * h * self.shared_intermediate_size)
 
+    def quantized_rows(self) -> int:
+        """Output rows of the quantized projections (int8 keeps a scale per row); MLA's
+        projections are left out."""
+        if self.mla_attention_params:
+            return 0
+        h, d = self.hidden_size, self.head_dim
+        attention = (self.num_heads + 2 * self.num_kv_heads) * d + h
+        dense = self.layers - self.moe_layers
+        shared = 2 * self.shared_intermediate_size + h if self.shared_intermediate_size else 0
+        return (self.layers * attention + dense * (2 * self.intermediate_size + h)
+                + self.moe_layers * shared)
+
     def weight_bytes(self, dtype_bytes: int, quantization: str | None = None) -> int:
         """The weights' bytes on this device, in the model's dtype or quantized."""
         full = self.weight_params() * dtype_bytes
         if quantization is None:
             return full
         return int(full - self.quantized_params() * (dtype_bytes
-                                                     - QUANTIZED_PARAM_BYTES[quantization]))
+                                                     - QUANTIZED_PARAM_BYTES[quantization])
+                   + self.quantized_rows() * QUANTIZED_ROW_BYTES[quantization])
 
     def expert_weight_params(self) -> int:
         return self.moe_layers * self.experts_held * 3 * self.hidden_size * (
