@@ -79,6 +79,8 @@ void gemm(void* out, int64_t out_stride, const void* x, int64_t x_stride, const 
 
 // hidden [tokens, hidden] <- the layer's output, residual [tokens, hidden] <- the new residual,
 // both in place. `first`: the model's first layer, where the residual starts as the input.
+// Without a dense MLP (gate_up null: an MoE layer) the layer stops at its post-attention norm:
+// hidden <- the normed rows its experts take.
 void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftLayerStep* s,
                                 void* hidden, void* residual, int first) {
   constexpr int kBf16 = 1;
@@ -119,6 +121,11 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
                                      s->scale, th);
   gemm(s->o, h, s->attn, attn_width, w->o, w->o_scale, nullptr, t, h, attn_width, w->gate_up, i2,
        h, th);
+  if (!w->gate_up) {  // an MoE layer: its experts run in torch, on the normed rows left in hidden
+    parashift_rms_norm(kBf16, hidden, residual, s->o, h, residual, h, w->post_norm, t, h, s->eps,
+                       th);
+    return;
+  }
   parashift_rms_norm(kBf16, s->normed, residual, s->o, h, residual, h, w->post_norm, t, h, s->eps,
                      th);
   gemm(s->gate_up, i2, s->normed, h, w->gate_up, w->gate_up_scale, w->gate_up_bias, t, i2, h,

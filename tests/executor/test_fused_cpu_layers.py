@@ -1,8 +1,8 @@
 """The decoder layers as one CPU kernel call each (executor/fused_cpu_layers.py) against the same
 layers called one by one: the same kernels in the same order, so greedy tokens and logprobs
-agree exactly, through decodes, prefills, chunked prefills mixed with decodes, a q/k/v bias
-and a sliding window, with bf16 or int8 weights (`--quantization int8` on our int8 GEMM); and
-where the fused path is not taken."""
+agree exactly, through decodes, prefills, chunked prefills mixed with decodes, a q/k/v bias,
+a sliding window and MoE layers (the call stops before their experts), with bf16 or int8
+weights (`--quantization int8` on our int8 GEMM); and where the fused path is not taken."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe"])
 def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_factory, arch,
                                                                    monkeypatch):
     folder = tiny_model_factory(arch, **HEAD_64)
@@ -66,7 +66,7 @@ def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_fac
     assert fused == unfused
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
 def test_fused_int8_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_factory, arch,
                                                                         monkeypatch):
     if not own_int8_kernel(HEAD_64["hidden_size"]):

@@ -1,19 +1,19 @@
 """A model's decoder layers as one call each into the CPU kernels (kernels/cpu/layer.cpp),
 installed by the model runner on any model whose layers describe themselves as norm ->
-attention -> norm -> dense gated MLP (`parts()`, models/llama.py: the Llama, Qwen2, Qwen3 and
-Mistral families), where every piece of a layer runs on the kernels anyway: bfloat16 weights on
-our own GEMM path (layers/gemm_paths.py "own-bf16") or int8 weights on our int8 GEMM
-(`--quantization int8`), bf16 activations, bf16 decode attention in vector lanes
-(AVX512-BF16 or AVX2), one
-tensor-parallel rank, no q/k norm, no row-parallel bias, a dense MLP. The same kernels in the
-same order on the same inputs give the same bits as the layers called one by one; what goes is
-the Python between them (about a tenth of a decode step at batch 32 on a Zen 5).
+attention -> norm -> MLP (`parts()`, models/llama.py: the Llama, Qwen2, Qwen3, Mistral,
+Mixtral and Qwen-MoE families), where every piece of a layer runs on the kernels anyway:
+bfloat16 weights on our own GEMM path (layers/gemm_paths.py "own-bf16") or int8 weights on our
+int8 GEMM (`--quantization int8`), bf16 activations, bf16 decode attention in vector lanes
+(AVX512-BF16 or AVX2), one tensor-parallel rank, no q/k norm, no row-parallel bias. A dense
+gated MLP runs in the same call; an MoE layer's call stops at its post-attention norm and its
+experts run in torch (routing, expert dispatch under ep) before the next call. The same
+kernels in the same order on the same inputs give the same bits as the layers called one by
+one; what goes is the Python between them (about a tenth of a decode step at batch 32 on a
+Zen 5).
 
 Layer by layer still: steps with prefills where the attention backend leaves prefill tokens
-to SDPA (without AVX512-BF16), and steps under torch.profiler (`bench latency --breakdown`
-splits the ops). MoE models (Mixtral, Qwen MoE) run layer by layer: the kernel's layer ends in
-a dense MLP, and their experts are routed in torch; a fused attention half without the MLP is
-not built yet."""
+to SDPA (without AVX512-BF16), steps under torch.profiler (`bench latency --breakdown` splits
+the ops), and models with q/k norms (Qwen3, Qwen3-MoE) or tensor parallel attention."""
 
 from __future__ import annotations
 
@@ -49,15 +49,21 @@ def _scale(g: OwnGemm) -> torch.Tensor | None:
     return g.quantized.scales if isinstance(g, QuantizedGemm) else None
 
 
+def _projections(parts: DecoderLayerParts) -> tuple[nn.Module, ...]:
+    attn = parts.attention
+    dense = (parts.gate_up, parts.down) if parts.mlp is None else ()
+    return (attn.qkv_proj, attn.o_proj, *dense)
+
+
 def _fusable(parts: DecoderLayerParts | None) -> bool:
     if parts is None:
         return False
     attn = parts.attention
-    linears = (attn.qkv_proj, attn.o_proj, parts.gate_up, parts.down)
+    linears = _projections(parts)
     return (all(_own(m) is not None for m in linears)
             and len({type(_own(m)) for m in linears}) == 1
             and attn.q_norm is None and attn.qkv_proj.tp_size == 1
-            and attn.o_proj.bias is None and parts.down.bias is None
+            and attn.o_proj.bias is None and (parts.down is None or parts.down.bias is None)
             and isinstance(attn.attn.backend, CpuAttentionBackend)
             and attn.head_dim in (64, 128) and attn.attn.kv_cache is not None
             and parts.input_norm.weight.dtype == torch.bfloat16
@@ -74,19 +80,24 @@ class FusedCpuLayers:
         self.ops = ops
         attn = layers[0].attention
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.intermediate = layers[0].down.weight.shape[1]
+        # the dense MLPs' width (MoE layers have none: 0 where no layer is dense)
+        self.intermediate = next((p.down.weight.shape[1] for p in layers if p.down is not None),
+                                 0)
+        self.mlps = [p.mlp for p in layers]  # an MoE layer's experts, run in torch
         self.eps, self.scale = layers[0].input_norm.eps, attn.attn.scale
         self.block_size = attn.attn.kv_cache[0].shape[1]
         self.weights = []
         for p in layers:
             attn = p.attention
             key_cache, value_cache = attn.attn.kv_cache
-            qkv, o, gate_up, down = (_own(m) for m in (attn.qkv_proj, attn.o_proj, p.gate_up,
-                                                       p.down))
+            qkv, o = _own(attn.qkv_proj), _own(attn.o_proj)
+            gate_up, down = (None, None) if p.mlp is not None else (_own(p.gate_up),
+                                                                    _own(p.down))
             self.weights.append(LayerWeights.of(
                 p.input_norm.weight, p.post_norm.weight, _packed(qkv), attn.qkv_proj.bias,
-                _packed(o), _packed(gate_up), p.gate_up.bias, _packed(down), key_cache,
-                value_cache, None, _scale(qkv), _scale(o), _scale(gate_up), _scale(down)))
+                _packed(o), gate_up and _packed(gate_up), p.gate_up and p.gate_up.bias,
+                down and _packed(down), key_cache, value_cache, None, _scale(qkv), _scale(o),
+                gate_up and _scale(gate_up), down and _scale(down)))
         for layer, following in itertools.pairwise(self.weights):
             if bool(layer.qkv_scale) == bool(following.qkv_scale):  # of the same kind
                 layer.next_qkv = following.qkv  # fetched while the layer's last GEMM ends
@@ -157,6 +168,8 @@ class FusedCpuLayers:
                                                          chunks.block_tables.shape[1])
             step.query_starts = chunks.query_starts.data_ptr()
             step.chunk_seq_lens = chunks.seq_lens.data_ptr()
-        for i, weights in enumerate(self.weights):
+        for i, (weights, mlp) in enumerate(zip(self.weights, self.mlps, strict=True)):
             self.ops.llama_layer_bf16(weights, step, hidden, residual, first and i == 0)
+            if mlp is not None:  # the layer stopped at its post-attention norm
+                hidden = mlp(hidden).contiguous()
         return hidden, residual

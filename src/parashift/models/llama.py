@@ -77,13 +77,15 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True)
 class DecoderLayerParts:
     """What a decoder layer is made of, for a step that runs it whole in another form
-    (executor/fused_cpu_layers.py): norm -> attention -> norm -> dense gated MLP."""
+    (executor/fused_cpu_layers.py): norm -> attention -> norm -> a dense gated MLP (`gate_up`,
+    `down`), or another MLP (`mlp`: MoE experts), which that step leaves to torch."""
 
     input_norm: RMSNorm
     attention: LlamaAttention
     post_norm: RMSNorm
-    gate_up: MergedColumnParallelLinear
-    down: RowParallelLinear
+    gate_up: MergedColumnParallelLinear | None
+    down: RowParallelLinear | None
+    mlp: nn.Module | None = None  # where gate_up and down are None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,11 +106,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def parts(self) -> DecoderLayerParts | None:
-        """None where the MLP is not one dense gated MLP (MoE experts: the fused step has no
-        expert routing, so those layers run one op at a time)."""
-        if not isinstance(self.mlp, LlamaMLP):
-            return None
+    def parts(self) -> DecoderLayerParts:
+        if not isinstance(self.mlp, LlamaMLP):  # MoE experts: routed in torch
+            return DecoderLayerParts(self.input_layernorm, self.self_attn,
+                                     self.post_attention_layernorm, None, None, self.mlp)
         return DecoderLayerParts(self.input_layernorm, self.self_attn,
                                  self.post_attention_layernorm, self.mlp.gate_up_proj,
                                  self.mlp.down_proj)
