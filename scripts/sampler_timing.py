@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from parashift.executor.model_runner import RequestState, sampling_metadata
+from parashift.executor.model_runner import sampling_metadata
+from parashift.executor.request_states import RequestState
 from parashift.layers.sampler import Sampler
 from parashift.types.outputs import NewRequestData
 from parashift.types.sampling_params import SamplingParams

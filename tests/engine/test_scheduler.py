@@ -1,14 +1,13 @@
 """Scheduler + KVCacheManager driven by a synthetic model runner: budgets, ordering, chunked
 prefill, preemption, aborts, and (property tests) that every request finishes without leaks.
 
-The fake runner mirrors the real ModelRunner's bookkeeping: it applies each SchedulerOutput's
-deltas to its own copy of every request, and samples a fixed token for every request whose
-prompt is complete after the step (num_computed_tokens == num_tokens)."""
+The runner here keeps its requests as the real ModelRunner does (executor/request_states.py:
+the same deltas applied, the same rule for which rows sample) and samples a fixed token: only
+the model is left out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -16,49 +15,34 @@ from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.request import Request, RequestStatus
 from parashift.engine.scheduler import Scheduler
+from parashift.executor.request_states import RequestStates
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7
 
 
-@dataclass
-class _RunnerState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
 class FakeRunner:
     """The runner side of the protocol, without a model."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, _RunnerState] = {}
+        self.requests = RequestStates()
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in out.freed_req_ids:
-            self.requests.pop(req_id, None)
-        for new in out.new_reqs:
-            self.requests[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids),
-                                                     new.num_computed_tokens)
-        for cached in out.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-        sampled = {}
-        for req_id, num in out.num_scheduled_tokens.items():
-            state, req = self.requests[req_id], sched.requests[req_id]
+        self.requests.apply(out)
+        order = list(out.num_scheduled_tokens)
+        states = [self.requests[req_id] for req_id in order]
+        for req_id, state in zip(order, states, strict=True):
+            req, num = sched.requests[req_id], out.num_scheduled_tokens[req_id]
             # The runner's view agrees with the scheduler's after applying the deltas.
             assert state.token_ids == req.all_token_ids
             assert state.block_ids == sched.kv_cache.block_ids(req_id)
             assert state.num_computed_tokens + num == req.num_computed_tokens
             assert req.num_computed_tokens <= req.num_tokens
             assert len(state.block_ids) * sched.kv_cache.block_size >= req.num_computed_tokens
-            state.num_computed_tokens += num
-            if req.num_computed_tokens == req.num_tokens:
-                sampled[req_id] = SAMPLED_TOKEN
-        return ModelRunnerOutput(sampled)
+        rows = self.requests.advance(states, np.array([out.num_scheduled_tokens[r]
+                                                       for r in order]))
+        return ModelRunnerOutput({order[i]: SAMPLED_TOKEN for i in rows})
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_batched_tokens: int = 64,

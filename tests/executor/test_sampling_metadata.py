@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from parashift.executor.model_runner import RequestState, sampling_metadata
+from parashift.executor.model_runner import sampling_metadata
+from parashift.executor.request_states import RequestState
 from parashift.layers.sampler import position_seed, seeded_uniform
 from parashift.types.outputs import NewRequestData
 from parashift.types.sampling_params import SamplingParams

@@ -1,12 +1,9 @@
-"""Turns a scheduler step into one flat, unpadded batch, runs the model, samples.
-
-The runner keeps each request's tokens, blocks and sampling settings, updated from the
-scheduler's deltas, so a step command carries only what changed (what a remote worker needs)."""
+"""Turns a scheduler step into one flat, unpadded batch, runs the model, samples. Its copy of
+the running requests, kept from the scheduler's deltas: executor/request_states.py."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,8 +13,9 @@ from torch.profiler import record_function
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
+from parashift.executor.request_states import RequestState, RequestStates
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
-from parashift.layers.penalties import PenaltyInputs, TokenCounts
+from parashift.layers.penalties import PenaltyInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
 from parashift.types.outputs import (
     ModelRunnerOutput,
@@ -26,26 +24,6 @@ from parashift.types.outputs import (
     WaveStepOutput,
 )
 from parashift.types.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    counts: TokenCounts | None = None  # for penalties: kept across steps, only where used
-
-    @classmethod
-    def of(cls, new: NewRequestData) -> RequestState:
-        token_ids = list(new.token_ids)
-        counts = None
-        if new.params.has_penalties:
-            prompt = new.num_prompt_tokens
-            counts = TokenCounts(token_ids[:prompt], token_ids[prompt:])
-        return cls(token_ids, new.num_prompt_tokens, new.params, list(new.block_ids),
-                   new.num_computed_tokens, counts)
 
 
 class ModelRunner:
@@ -60,7 +38,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestStates()
         self.vocab_size: int = model.config.vocab_size
         # MoE over several engines: every step starts with the group's token-count exchange.
         dispatcher = getattr(model, "dispatcher", None)
@@ -81,19 +59,6 @@ class ModelRunner:
         self.model.bind_kv_cache(kv_caches)
         self.model.fused_layers = FusedCpuLayers.for_model(self.model)
 
-    def _update_states(self, out: SchedulerOutput) -> None:
-        for req_id in out.freed_req_ids:
-            self.requests.pop(req_id, None)
-        for new in out.new_reqs:
-            self.requests[new.req_id] = RequestState.of(new)
-        for cached in out.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
-            if state.counts is not None:
-                state.counts.add(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-
     def profile_run(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` dummy tokens: the largest step the scheduler can send."""
         blocks = list(range(-(-num_tokens // self.block_size)))
@@ -107,14 +72,14 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.dispatcher is not None:  # its collectives need the step's count exchange
             return self.execute_wave_step(out, has_work=False).output
-        self._update_states(out)
+        self.requests.apply(out)
         return self._run(out) if not out.is_empty else ModelRunnerOutput({})
 
     @torch.inference_mode()
     def execute_wave_step(self, out: SchedulerOutput, has_work: bool) -> WaveStepOutput:
         """Lockstep: every engine comes here every step of a wave, with work or without;
         `has_work`: whether this engine still has requests."""
-        self._update_states(out)
+        self.requests.apply(out)
         comm = self.dispatcher.ep.stats
         waited = comm.seconds
         group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens, has_work)
@@ -147,11 +112,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, step)
         else:
             hidden = self._forward_stage(input_ids, positions, self.backend.build_metadata(step))
-        # Rows that complete their prompt sample; partial prefill chunks only fill the cache.
-        seq_lens = starts + q_lens
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
-        for state, q_len in zip(states, q_lens, strict=True):
-            state.num_computed_tokens += int(q_len)
+        sample_rows = self.requests.advance(states, q_lens)
         if hidden is None or not sample_rows:  # a stage before the last
             return ModelRunnerOutput({})
         last_token = torch.from_numpy(step.query_start_loc[1:][sample_rows] - 1).to(self.device)
