@@ -183,7 +183,7 @@ def cpu_kernels(
     if gemm_against not in ("onednn", "inductor"):
         fail(f"--gemm-against {gemm_against!r}: choose onednn or inductor")
     if cpu_ops() is None:
-        fail("the CPU kernels are off (PARASHIFT_CPU_KERNELS=0) or could not be built here "
+        fail("the CPU kernels could not be built here "
              "(see the warning above)")
     flush = torch.zeros(64 << 20, dtype=torch.uint8)  # past any cache of these machines
     rows = []

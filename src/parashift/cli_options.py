@@ -80,6 +80,9 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "attention_backend": Annotated[Literal[ATTENTION_BACKENDS], typer.Option(
         "--attention-backend",
         help="auto: Triton kernels on CUDA, the compiled CPU kernels (cpu) on CPU")],
+    "cpu_kernels": Annotated[str, typer.Option(
+        "--cpu-kernels", help="CPU: our compiled kernels built for this CPU (native), for "
+        "another (a gcc -march, e.g. haswell), or off (torch ops only)")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
     "disable_shm_all_reduce": Annotated[bool, typer.Option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,9 @@ class EngineArgs:
     device: str | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, cpu (compiled kernels) on CPU
+    # CPU: our compiled kernels built for this CPU ("native"), for another (a gcc -march: a
+    # fleet's oldest CPU, or the AVX2 path tried on a newer one), or "off" (torch ops only)
+    cpu_kernels: str = "native"
     enforce_eager: bool = False  # no CUDA graphs for decode
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
@@ -173,6 +177,13 @@ class ParallelConfig:
                              f"0..{num_engines - 1}")
 
 
+def check_cpu_kernels(value: str) -> None:
+    """--cpu-kernels: native, off, or a gcc -march name (it reaches g++'s command line)."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]{0,39}", value):
+        raise ValueError(f"--cpu-kernels {value!r}: use native, off, or a gcc -march name "
+                         "such as haswell")
+
+
 def _default_device() -> str:
     import torch
 
@@ -185,6 +196,10 @@ class DeviceConfig:
     num_threads: int | None = None  # CPU only; None = torch's default
     attention_backend: str = "torch"  # resolved: never "auto"
     enforce_eager: bool = False  # CUDA only: decode without CUDA graphs
+    cpu_kernels: str = "native"  # "native", "off" or a gcc -march (EngineArgs.cpu_kernels)
+
+    def __post_init__(self) -> None:
+        check_cpu_kernels(self.cpu_kernels)
 
     @property
     def torch_device(self) -> torch.device:

@@ -48,14 +48,3 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def cpu_kernels() -> bool:
-    """PARASHIFT_CPU_KERNELS=0: CPU layers run their torch ops instead of the kernels compiled
-    for this CPU (to compare, or to rule the kernels out)."""
-    return os.environ.get("PARASHIFT_CPU_KERNELS", "1") != "0"
-
-
-def cpu_march() -> str | None:
-    """PARASHIFT_CPU_MARCH=haswell (any gcc -march): the CPU kernels are built for that CPU
-    instead of this one (-march=native): a fleet's oldest CPU, or the AVX2 path tried on a
-    newer one."""
-    return os.environ.get("PARASHIFT_CPU_MARCH") or None

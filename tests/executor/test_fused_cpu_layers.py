@@ -21,8 +21,8 @@ HEAD_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=256)
 
 
-def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = None
-              ) -> tuple[list, list]:
+def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = None,
+              cpu_kernels: str = "native") -> tuple[list, list]:
     """(tokens and logprobs per prompt, the fused calls' (tokens, decodes, prefills))."""
     from parashift import LLM, SamplingParams
     from parashift.layers import gemm_paths
@@ -42,7 +42,8 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
         if not fused:
             m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, model: None))
         llm = LLM(folder, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
-                  max_num_batched_tokens=64, seed=0, quantization=quantization)
+                  max_num_batched_tokens=64, seed=0, quantization=quantization,
+                  cpu_kernels=cpu_kernels)
         try:
             # 64 tokens a step: the long prompts are chunked and share steps with decodes
             prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
@@ -89,14 +90,11 @@ def test_fused_decode_steps_built_for_avx2(tiny_model_factory, monkeypatch):
         pytest.skip("this CPU cannot run code built for -march=haswell")
     folder = tiny_model_factory("llama", **HEAD_64)
     try:
-        with monkeypatch.context() as m:
-            m.setenv("PARASHIFT_CPU_MARCH", "haswell")
-            kernel_dispatch.cpu_ops.cache_clear()
-            assert kernel_dispatch.cpu_ops().bf16_gemm == "fma"
-            fused, calls = _generate(folder, True, monkeypatch)
-            unfused, _ = _generate(folder, False, monkeypatch)
+        fused, calls = _generate(folder, True, monkeypatch, cpu_kernels="haswell")
+        assert kernel_dispatch.cpu_ops().bf16_gemm == "fma"
+        unfused, _ = _generate(folder, False, monkeypatch, cpu_kernels="haswell")
     finally:
-        kernel_dispatch.cpu_ops.cache_clear()
+        kernel_dispatch.use_cpu_kernels("native")
     assert calls and all(not prefills for _, _, prefills in calls)
     assert fused == unfused
 

@@ -215,17 +215,27 @@ def test_no_compiler_means_no_kernels_and_the_torch_path(tmp_path, monkeypatch, 
         kernel_dispatch.cpu_ops.cache_clear()
 
 
-def test_parashift_cpu_kernels_0_turns_them_off(monkeypatch):
+def test_cpu_kernels_off_turns_them_off(tiny_llama):
+    from parashift import LLM, SamplingParams
+    from parashift.config import DeviceConfig
     from parashift.layers import kernel_dispatch
     from parashift.layers.attention.cpu_backend import CpuAttentionBackend
 
-    monkeypatch.setenv("PARASHIFT_CPU_KERNELS", "0")
-    kernel_dispatch.cpu_ops.cache_clear()
     try:
-        assert kernel_dispatch.cpu_ops() is None
-        assert CpuAttentionBackend().ops is None  # then it is the torch backend
+        llm = LLM(tiny_llama, cpu_kernels="off", max_model_len=64)
+        try:
+            assert kernel_dispatch.cpu_ops() is None
+            assert CpuAttentionBackend().ops is None  # then it is the torch backend
+            out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 2
+        finally:
+            llm.shutdown()
     finally:
-        kernel_dispatch.cpu_ops.cache_clear()
+        kernel_dispatch.use_cpu_kernels("native")
+    assert kernel_dispatch.cpu_ops() is not None
+    for bad in ("native; rm -rf /", "-O0", ""):
+        with pytest.raises(ValueError, match="--cpu-kernels"):
+            DeviceConfig("cpu", cpu_kernels=bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,7 +84,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
             torch.float16, torch.bfloat16):
         _say_auto_bf16(path)
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
-        args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager)
+        args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager,
+        args.cpu_kernels)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,

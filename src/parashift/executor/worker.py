@@ -17,6 +17,7 @@ from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm import Gemm
 from parashift.layers.gemm_paths import prepare_gemm_weights
+from parashift.layers.kernel_dispatch import use_cpu_kernels
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
@@ -55,6 +56,7 @@ class Worker:
         num_threads = num_threads or config.device.num_threads
         if self.device.type == "cpu" and num_threads:
             torch.set_num_threads(num_threads)
+        use_cpu_kernels(config.device.cpu_kernels)
         torch.manual_seed(config.model.seed)
         self.backend = get_attention_backend(config.device.attention_backend)
         self.num_blocks = 0

@@ -34,7 +34,7 @@ from torch import nn
 
 from parashift import env
 from parashift.layers.gemm import Gemm, gemm_for_path
-from parashift.layers.kernel_dispatch import cpu_ops
+from parashift.layers.kernel_dispatch import cpu_kernels_setting, cpu_ops
 from parashift.layers.quantization import QuantizedGemm, quantize
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,9 @@ def cpu_signature() -> str:
     except OSError:
         pass
     kept = "+".join(f for f in FLAGS if f in flags)
-    # the kernels' build (PARASHIFT_CPU_MARCH) sets which of our bf16 kernels competes
+    # the kernels' build (--cpu-kernels) sets which of our bf16 kernels competes
     return (f"{model}|{kept}|torch {torch.__version__}|{torch.get_num_threads()} threads"
-            f"|paths {PATHS_VERSION}|march {env.cpu_march() or 'native'}")
+            f"|paths {PATHS_VERSION}|march {cpu_kernels_setting()}")
 
 
 def cache_file(signature: str | None = None) -> str:

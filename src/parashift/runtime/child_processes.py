@@ -45,6 +45,13 @@ def build_cpu_kernels_early(engine: EngineArgs) -> None:
     if engine.device not in (None, "cpu") or (engine.device is None
                                                and torch.cuda.is_available()):
         return
-    from parashift.layers.kernel_dispatch import cpu_ops
+    from parashift.config import check_cpu_kernels
+    from parashift.layers.kernel_dispatch import cpu_ops, use_cpu_kernels
+
+    try:
+        check_cpu_kernels(engine.cpu_kernels)
+    except ValueError:
+        return  # the config's own check names it
+    use_cpu_kernels(engine.cpu_kernels)
 
     threading.Thread(target=cpu_ops, name="cpu-kernels-build", daemon=True).start()

@@ -8,7 +8,7 @@ head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chun
 AMX tiles where the CPU has them, on vdpbf16ps register blocks elsewhere);
 without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
-Without the kernels (PARASHIFT_CPU_KERNELS=0, or no compiler here) it is the torch backend."""
+Without the kernels (`--cpu-kernels off`, or no compiler here) it is the torch backend."""
 
 from __future__ import annotations
 
