@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from parashift.engine.llm import LLM
     from parashift.engine.request_output import CompletionOutput, RequestOutput
     from parashift.types.sampling_params import SamplingParams
+    from parashift.types.structured_outputs import StructuredOutputsParams
 
 # In a checkout (an editable install), the repository root holds kernels/, installed as
 # parashift.kernels: on sys.path (`python -m` run from there puts it first) it would shadow
@@ -19,9 +20,11 @@ _CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if os.path.isfile(os.path.join(_CHECKOUT, "kernels", "cpu", "build.py")):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 
 _WHERE = {"LLM": "parashift.engine.llm", "SamplingParams": "parashift.types.sampling_params",
+          "StructuredOutputsParams": "parashift.types.structured_outputs",
           "RequestOutput": "parashift.engine.request_output",
           "CompletionOutput": "parashift.engine.request_output"}
 

@@ -15,6 +15,7 @@ from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.placement import engine_placement, ray_engine_placement
 from parashift.engine.request import Request, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
+from parashift.engine.structured_output import Grammars, GrammarState
 from parashift.executor.local import LocalExecutor
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
@@ -46,6 +47,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor=None,
                  placement: EnginePlacement | None = None):
         self.config = config
+        self.grammars: Grammars | None = None  # structured outputs: made on first use
         self.executor = executor or make_executor(config, placement)
         try:
             self._init_kv_cache()
@@ -76,7 +78,7 @@ class EngineCore:
                     "at once)", num_blocks, block_size, capacity, capacity / max_len)
         kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         depth = self.executor.max_batches_in_flight
-        self.scheduler = Scheduler(config.scheduler, kv_cache, depth)
+        self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
             collections.deque() if depth > 1 else None)
 
@@ -84,7 +86,17 @@ class EngineCore:
         """Raises ValueError for a request the model cannot run: it fails alone, the engine
         stays up."""
         check_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size)
+        constraint = request.params.structured_outputs
+        if constraint is not None:  # compiled off the loop; the request waits for it
+            request.grammar = GrammarState(self.structured_grammars().compile(constraint),
+                                           request.eos_token_id)
         self.scheduler.add_request(request)
+
+    def structured_grammars(self) -> Grammars:
+        if self.grammars is None:
+            model = self.config.model
+            self.grammars = Grammars(model.tokenizer_path, model.vocab_size)
+        return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -96,6 +108,10 @@ class EngineCore:
         if self.batch_queue is not None:
             return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.freed_req_ids:
+            if self.grammars is not None:  # only compiling requests left: wait, not spin
+                self.grammars.wait_for_any(0.05)
+            return self.scheduler.take_unscheduled_outputs()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -110,7 +126,9 @@ class EngineCore:
             if empty:
                 break
         if not queue:
-            return []
+            if self.grammars is not None:  # only compiling requests left: wait, not spin
+                self.grammars.wait_for_any(0.05)
+            return self.scheduler.take_unscheduled_outputs()
         # The result first: if waiting fails, the batch stays queued to meet its result later.
         runner_output = self.executor.wait()
         return self.scheduler.update_from_output(queue.popleft(), runner_output)
@@ -133,4 +151,6 @@ class EngineCore:
         self.executor.wake_up()
 
     def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.executor.shutdown()

@@ -82,6 +82,8 @@ class LLM:
         # Validate the whole batch before queueing any of it.
         for sp in sampling_params:
             sp.validate()
+            if sp.structured_outputs is not None:  # a bad constraint: ValueError, naming it
+                self.engine.structured_grammars().compile_now(sp.structured_outputs)
         checked = [(*self._tokenize(p), sp) for p, sp in zip(prompts, sampling_params,
                                                            strict=True)]
         request_ids = [self._add_request(text, ids, sp) for text, ids, sp in checked]

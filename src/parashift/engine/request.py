@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from parashift.types.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from parashift.engine.structured_output import GrammarState
 
 
 def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
@@ -52,6 +56,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        # structured outputs: its compile, then its matcher (engine/structured_output.py)
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.request import Request, RequestStatus
+from parashift.engine.structured_output import fill_bitmask
 from parashift.types.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -36,8 +37,9 @@ class QueueFullError(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_batches_in_flight: int = 1):
+                 max_batches_in_flight: int = 1, vocab_size: int = 0):
         self.config = config
+        self.vocab_size = vocab_size  # the bitmask's width, for structured outputs
         self.kv_cache = kv_cache
         self.max_batches_in_flight = max_batches_in_flight
         self.in_flight: set[str] = set()  # requests of batches submitted and not yet returned
@@ -49,6 +51,8 @@ class Scheduler:
         self._freed_req_ids: set[str] = set()
         # How many of each running request's tokens the model runner already holds.
         self._num_synced_tokens: dict[str, int] = {}
+        # Finished without a step (a constraint that failed to compile): told at the next one.
+        self._finished_unscheduled: list[EngineCoreOutput] = []
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -118,11 +122,19 @@ class Scheduler:
             i += 1
 
         # No admissions in a step that had to preempt: the pool is already too tight.
+        compiling: list[Request] = []  # their grammar is not ready: the others go first
         while (not preempted and self.waiting and budget > stop_at
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.request_id in self.in_flight:  # preempted while its batch runs
                 break
+            if req.grammar is not None and not req.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self.waiting.popleft()
+                self._finish_unscheduled(req, req.grammar.error)
+                continue
             computed_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.config.enable_chunked_prefill and num_new < req.num_tokens - num_hit:
@@ -144,12 +156,30 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
+        self.waiting.extendleft(reversed(compiling))
+        constrained = []
         for req_id, num_new in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_new
+            req = self.requests[req_id]
+            req.num_computed_tokens += num_new
+            if req.grammar is not None and req.num_computed_tokens == req.num_tokens:
+                constrained.append((req_id, req.grammar))  # it samples this step
         self.in_flight.update(num_scheduled)
         freed, self._freed_req_ids = self._freed_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               sum(num_scheduled.values()), freed)
+                               sum(num_scheduled.values()), freed,
+                               fill_bitmask(constrained, self.vocab_size))
+
+    def _finish_unscheduled(self, req: Request, error: str) -> None:
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache.free(req)
+        self._forget(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_unscheduled.append(EngineCoreOutput(
+            req.request_id, [], None, RequestStatus.FINISHED_ABORTED.value, error))
+
+    def take_unscheduled_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._finished_unscheduled = self._finished_unscheduled, []
+        return outputs
 
     def _preemption_victim(self, i: int) -> Request:
         """The most recently admitted request after running[i] (those before it are in this
@@ -169,7 +199,7 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs = self.take_unscheduled_outputs()
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id, token_id in runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
@@ -178,6 +208,8 @@ class Scheduler:
                 continue
             req.append_output_token(token_id)
             status = req.check_stop(self.config.max_model_len)
+            if req.grammar is not None and not req.grammar.accept(token_id):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete, or stuck
             if status is not None:
                 self._finish(req, status)
             outputs.append(EngineCoreOutput(

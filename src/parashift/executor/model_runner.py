@@ -17,6 +17,7 @@ from parashift.executor.request_states import RequestState, RequestStates
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.penalties import PenaltyInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
+from parashift.layers.token_mask import apply_token_bitmask
 from parashift.types.outputs import (
     ModelRunnerOutput,
     NewRequestData,
@@ -120,12 +121,16 @@ class ModelRunner:
         if logits is None:  # not the output rank
             return ModelRunnerOutput({})
         sampled_states = [states[i] for i in sample_rows]
+        req_ids = [order[i] for i in sample_rows]
+        if out.grammar is not None:  # structured outputs: their rows' allowed tokens
+            where = {r: i for i, r in enumerate(req_ids)}
+            apply_token_bitmask(logits, [where.get(r) for r in out.grammar.req_ids],
+                                out.grammar.bits, out.grammar.words)
         # The label is for `bench latency --breakdown`; it costs ~7 us a step otherwise.
         with (record_function("parashift::sample") if torch.autograd._profiler_enabled()
               else contextlib.nullcontext()):
             md = sampling_metadata(sampled_states, self.vocab_size, self.device)
             tokens, logprobs = self.sampler(logits, md)
-        req_ids = [order[i] for i in sample_rows]
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
             dict(zip(req_ids, tokens, strict=True)),

@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from parashift.engine.request import check_prompt_tokens
+from parashift.engine.structured_output import COMPILE_TIMEOUT_S, Grammars
 from parashift.processes import (
     die_with_parent,
     exit_now,
@@ -42,6 +43,7 @@ from parashift.serve.openai_protocol import (
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
+from parashift.types.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ class ApiServer:
         self.engines = EngineClient(args.index, args.request_address, args.output_address,
                              args.num_engines, args.coordinator_address, args.bound,
                              args.routing)
+        # Structured outputs: each constraint is compiled here once first, so that a bad one
+        # is a 400 (its own tokenizer copy, loaded in its compile thread on first use).
+        self.grammars = Grammars(args.tokenizer_path, args.vocab_size)
         self.metrics = Metrics()
         self.engines.on_outputs = self.metrics.on_engine_outputs
         self.engines.on_load = self.metrics.on_load_vector
@@ -221,6 +226,18 @@ class ApiServer:
             except ValueError as e:
                 raise OpenAIError(400, str(e), param=param) from None
 
+    async def _check_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
+        """A 400 naming `param` for a constraint that does not compile, or not in time (the
+        compile then goes on in its thread; the engine's own is cached apart)."""
+        future = asyncio.wrap_future(self.grammars.compile(constraint))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise OpenAIError(400, f"the {constraint.kind} constraint did not compile within "
+                              f"{COMPILE_TIMEOUT_S:.0f} s", param=param) from None
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=param) from None
+
     def _rank(self, request: web.Request) -> int | None:
         pinned = request.headers.get("X-data-parallel-rank")
         if pinned is None:
@@ -236,6 +253,10 @@ class ApiServer:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
                               f"{MAX_CHOICES} choices in one request", param="n")
         params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
+        if params[0].structured_outputs is not None:
+            await self._check_constraint(params[0].structured_outputs,
+                                         "structured_outputs" if req.structured_outputs
+                                         else "response_format")
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,

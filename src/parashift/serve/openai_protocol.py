@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from parashift.types.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from parashift.types.structured_outputs import StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -55,6 +57,28 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's; accepted, not used
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # the schema is always followed exactly here
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` field: exactly one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict, kw_only=True):
     model: str | None = None
     n: Count = 1
@@ -72,6 +96,8 @@ class _Sampling(_Strict, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
     # OpenAI's fields that change nothing here: accepted and ignored.
     metadata: dict[str, str] | None = None
@@ -123,7 +149,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -135,7 +160,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 # Unsupported OpenAI fields and the values that still mean "not used".
 _UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none", "auto"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
 }
@@ -229,8 +254,46 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, num_prompt_t
                           ("repetition_penalty", 1.0)):
         value = getattr(req, name)
         values[name] = default if value is None else value
+    values["structured_outputs"] = structured_outputs(req)
     try:
         return SamplingParams(**values)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise OpenAIError(400, str(e), param=param) from None
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                       ) -> StructuredOutputsParams | None:
+    """The request's constraint, from `response_format` (OpenAI) or `structured_outputs`
+    (vLLM); its compile is checked apart (a 400 naming the field)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise OpenAIError(400, "give response_format or structured_outputs, not both",
+                          param="structured_outputs")
+    try:
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json if not isinstance(so.json, str) else _schema_text(so.json),
+                regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object))
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise OpenAIError(400, "response_format json_schema needs json_schema.schema",
+                              param="response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="structured_outputs" if so is not None
+                          else "response_format") from None
+
+
+def _schema_text(text: str) -> str:
+    try:
+        if not isinstance(json.loads(text), dict):
+            raise ValueError
+    except ValueError:
+        raise OpenAIError(400, "structured_outputs.json must be a JSON schema object",
+                          param="structured_outputs") from None
+    return text

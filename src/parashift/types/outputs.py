@@ -36,10 +36,21 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
+    grammar: GrammarBitmask | None = None  # the constrained rows that sample this step
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarBitmask:
+    """Structured outputs: for each request in `req_ids`, the tokens its grammar allows next,
+    as int32 words (bit t of word t // 32), `words` a row, the rows' bytes in order."""
+
+    req_ids: list[str]
+    words: int
+    bits: bytes
 
 
 @dataclass

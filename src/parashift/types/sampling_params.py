@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from parashift.types.structured_outputs import StructuredOutputsParams
+
 # Stop strings are matched on every new token: their number and length bound that work.
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024
@@ -29,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token (0: only the chosen)
     prompt_logprobs: None = None
     skip_special_tokens: bool = True
+    # the output's constraint: a JSON schema, regex, choice or grammar (xgrammar masks tokens)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

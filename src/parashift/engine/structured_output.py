@@ -1,0 +1,205 @@
+"""Structured outputs on the engine core's side, with xgrammar (vLLM's default backend).
+
+Each distinct constraint is compiled once against the tokenizer's vocabulary, in one thread
+off the engine loop, and kept in an LRU cache of compiled grammars. A request whose grammar is
+still compiling waits in the queue while the others run. Each request then has a matcher: the
+scheduler fills one bitmask row per constrained request that samples in a step, ships the rows
+with the step (types/outputs.py `GrammarBitmask`), and the model runner masks those rows'
+logits before sampling (layers/token_mask.py); unconstrained rows cost nothing. The matcher
+accepts each sampled token as it comes back.
+
+Preemption and recompute need no rollback or replay: a preempted request keeps its output
+tokens (it is recomputed from them, never resampled), so its matcher's state stays exact; a
+token of a batch that was discarded in flight is never accepted. Prefix-cache hits change
+only what is computed, not the tokens. A state where the grammar allows no token lets the
+end-of-sequence token through, which the matcher then refuses: the request ends with
+`stop`, never hangs or samples from an empty distribution.
+
+JSON is generated compact (no free whitespace between tokens, as vLLM's
+`disable_any_whitespace`): a model can never loop on whitespace. xgrammar's JSON strings
+take raw control characters, which JSON forbids (a strict parser, pydantic's, refuses them):
+JSON constraints also mask every token holding a byte below 0x20."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+from parashift.types.outputs import GrammarBitmask
+from parashift.types.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENTRIES = 256  # compiled grammars kept (a schema compiles in well under a second)
+COMPILE_TIMEOUT_S = 30.0  # past it a request's constraint is refused
+
+
+class Grammars:
+    """The compiler of one model's vocabulary and its cache. The tokenizer is loaded in the
+    compile thread on first use: an engine with no constrained request never loads it."""
+
+    def __init__(self, tokenizer: Any | str, vocab_size: int):
+        self._tokenizer = tokenizer  # an object, or the path to load it from
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self.no_control_bytes: Any = None  # bitmask words of the tokens JSON may use
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
+        self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()  # the API server compiles from its handlers' threads
+        self.hits = self.misses = 0
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled grammar, now or later (a failure is the future's ValueError)."""
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and (future.cancelled()
+                                                              or future.exception())):
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return future
+            self.misses += 1
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile_now(self, params: StructuredOutputsParams,
+                    timeout: float = COMPILE_TIMEOUT_S) -> Any:
+        """Compiled, or ValueError naming the problem (a compile past `timeout` included)."""
+        try:
+            return self.compile(params).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"the {params.kind} constraint did not compile within "
+                             f"{timeout:.0f} s") from None
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Until a compile in progress ends, or `timeout` seconds."""
+        with self._lock:
+            pending = [f for f in self._cache.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, Any]:
+        """(the compiled grammar, the bitmask words its rows are also limited to, or None)."""
+        import xgrammar as xgr
+
+        compiler = self._compiler_here()
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(params.json, any_whitespace=False,
+                                                    strict_mode=True), self.no_control_bytes
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar(), self.no_control_bytes
+            if kind == "regex":
+                return compiler.compile_regex(params.regex), None
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice or [])), None
+            return compiler.compile_grammar(params.grammar), None
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:
+            raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
+
+    def _compiler_here(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            tokenizer = self._tokenizer
+            if isinstance(tokenizer, str):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer)  # nosec B615 (local path)
+            # The model's vocabulary: ids past the tokenizer's (embedding padding) are masked.
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            self.no_control_bytes = _tokens_without(info.decoded_vocab, self.vocab_size,
+                                                    bytes(range(0x20)))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+
+def _tokens_without(vocab: list[bytes], vocab_size: int, forbidden: bytes) -> Any:
+    """Bitmask words (int32) of the tokens whose bytes hold none of `forbidden`."""
+    import numpy as np
+    import torch
+
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+    table = bytes.maketrans(b"", b"")
+    for token_id, text in enumerate(vocab[:vocab_size]):
+        bits[token_id] = len(text.translate(table, forbidden)) == len(text)
+    words = np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)
+    return torch.from_numpy(words.reshape(-1).copy())
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of `choices` (JSON string literals are EBNF's escapes too)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _first_line(error: BaseException) -> str:
+    """xgrammar's message, without its log prefix ("[12:00:00] /path/file.cc:94: ")."""
+    text = (str(error).strip() or type(error).__name__).splitlines()[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:500]
+
+
+class GrammarState:
+    """One request's constraint: its compile, then its matcher."""
+
+    def __init__(self, future: concurrent.futures.Future, eos_token_id: int | None):
+        self._future = future  # Grammars.compile's
+        self._eos = eos_token_id
+        self.allowed: Any = None  # bitmask words every step's row is also limited to
+        self.matcher: Any = None
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed: `error` says why); polled by the scheduler, never blocking."""
+        if self.matcher is None and self.error is None and self._future.done():
+            try:
+                import xgrammar as xgr
+
+                stops = None if self._eos is None else [self._eos]
+                compiled, self.allowed = self._future.result()
+                self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+            except ValueError as e:
+                self.error = str(e)
+        return self.matcher is not None or self.error is not None
+
+    def accept(self, token_id: int) -> bool:
+        """False when the grammar refuses the token or has ended: the request stops."""
+        return self.matcher.accept_token(token_id) and not self.matcher.is_terminated()
+
+
+def fill_bitmask(states: list[tuple[str, GrammarState]], vocab_size: int
+                 ) -> GrammarBitmask | None:
+    """One row per constrained request that samples this step: the tokens its grammar allows
+    next (bit t of word t // 32), or only end-of-sequence where it allows none."""
+    if not states:
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+    for row, (_, state) in enumerate(states):
+        state.matcher.fill_next_token_bitmask(bitmask, row)
+        if state.allowed is not None:
+            bitmask[row] &= state.allowed
+        if not bitmask[row].any() and state._eos is not None:
+            bit = 1 << (state._eos % 32)
+            bitmask[row, state._eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
+    return GrammarBitmask([req_id for req_id, _ in states], bitmask.shape[1],
+                          bitmask.numpy().tobytes())

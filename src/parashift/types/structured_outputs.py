@@ -1,0 +1,57 @@
+"""A request's output constraint (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+schema, any JSON object, a regular expression, a choice among strings, or an EBNF grammar.
+The engine compiles it with xgrammar (engine/structured_output.py) and masks every sampled
+token to what it allows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or grammar: bounded work to compile
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, as vLLM takes it)
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # (property order is kept: it is the order the object is generated in)
+            self.json = json.dumps(self.json, separators=(",", ":"))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar or json_object, got {', '.join(given) or 'none'}")
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice needs 1 to {MAX_CHOICES} strings")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice takes strings")
+        text = self.json or self.regex or self.grammar or ""
+        if isinstance(text, str) and len(text) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs.{given[0]} has more than "
+                             f"{MAX_CONSTRAINT_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: the kind and its canonical text."""
+        kind = self.kind
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
