@@ -16,9 +16,11 @@ end-of-sequence token through, which the matcher then refuses: the request ends 
 `stop`, never hangs or samples from an empty distribution.
 
 JSON is generated compact (no free whitespace between tokens, as vLLM's
-`disable_any_whitespace`): a model can never loop on whitespace. xgrammar's JSON strings
-take raw control characters, which JSON forbids (a strict parser, pydantic's, refuses them):
-JSON constraints also mask every token holding a byte below 0x20."""
+`disable_any_whitespace`); `json_object` is the schema {"type": "object"}: a model can never
+loop on whitespace. xgrammar's strings (and a regex's negated classes) take raw control
+characters and the UTF-16 surrogates U+D800-U+DFFF, which JSON forbids and UTF-8 cannot
+carry (the text would not decode): they are taken out of every negated class of JSON and
+regex grammars before they compile."""
 
 from __future__ import annotations
 
@@ -47,7 +49,6 @@ class Grammars:
         self._tokenizer = tokenizer  # an object, or the path to load it from
         self.vocab_size = vocab_size
         self._compiler: Any = None
-        self.no_control_bytes: Any = None  # bitmask words of the tokens JSON may use
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
         self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
             collections.OrderedDict())
@@ -95,23 +96,23 @@ class Grammars:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, Any]:
-        """(the compiled grammar, the bitmask words its rows are also limited to, or None)."""
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         import xgrammar as xgr
 
         compiler = self._compiler_here()
         kind = params.kind
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=False,
-                                                    strict_mode=True), self.no_control_bytes
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar(), self.no_control_bytes
+            if kind in ("json", "json_object"):
+                schema = params.json if kind == "json" else '{"type": "object"}'
+                grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                                       strict_mode=True)
+                return compiler.compile_grammar(text_only(str(grammar)))
             if kind == "regex":
-                return compiler.compile_regex(params.regex), None
+                return compiler.compile_grammar(text_only(str(xgr.Grammar.from_regex(
+                    params.regex))))
             if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(params.choice or [])), None
-            return compiler.compile_grammar(params.grammar), None
+                return compiler.compile_grammar(choice_grammar(params.choice or []))
+            return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:
             raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
 
@@ -126,23 +127,35 @@ class Grammars:
                 tokenizer = AutoTokenizer.from_pretrained(tokenizer)  # nosec B615 (local path)
             # The model's vocabulary: ids past the tokenizer's (embedding padding) are masked.
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            self.no_control_bytes = _tokens_without(info.decoded_vocab, self.vocab_size,
-                                                    bytes(range(0x20)))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
 
-def _tokens_without(vocab: list[bytes], vocab_size: int, forbidden: bytes) -> Any:
-    """Bitmask words (int32) of the tokens whose bytes hold none of `forbidden`."""
-    import numpy as np
-    import torch
-
-    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
-    table = bytes.maketrans(b"", b"")
-    for token_id, text in enumerate(vocab[:vocab_size]):
-        bits[token_id] = len(text.translate(table, forbidden)) == len(text)
-    words = np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)
-    return torch.from_numpy(words.reshape(-1).copy())
+def text_only(ebnf: str) -> str:
+    """`ebnf` with control characters and UTF-16 surrogates out of every negated character
+    class (a `[^` inside a quoted literal or a class is left as it is)."""
+    out, i, quoted, in_class = [], 0, False, False
+    while i < len(ebnf):
+        ch = ebnf[i]
+        if ch == "\\":  # an escape: the next character is literal
+            out.append(ebnf[i:i + 2])
+            i += 2
+            continue
+        if quoted:
+            quoted = ch != '"'
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == '"':
+            quoted = True
+        elif ch == "[":
+            in_class = True
+            if ebnf.startswith("[^", i):
+                out.append("[^\\0-\\x1f\\uD800-\\uDFFF")
+                i += 2
+                continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -162,7 +175,6 @@ class GrammarState:
     def __init__(self, future: concurrent.futures.Future, eos_token_id: int | None):
         self._future = future  # Grammars.compile's
         self._eos = eos_token_id
-        self.allowed: Any = None  # bitmask words every step's row is also limited to
         self.matcher: Any = None
         self.error: str | None = None
 
@@ -174,8 +186,8 @@ class GrammarState:
                 import xgrammar as xgr
 
                 stops = None if self._eos is None else [self._eos]
-                compiled, self.allowed = self._future.result()
-                self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+                self.matcher = xgr.GrammarMatcher(self._future.result(),
+                                                  override_stop_tokens=stops)
             except ValueError as e:
                 self.error = str(e)
         return self.matcher is not None or self.error is not None
@@ -196,8 +208,6 @@ def fill_bitmask(states: list[tuple[str, GrammarState]], vocab_size: int
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
     for row, (_, state) in enumerate(states):
         state.matcher.fill_next_token_bitmask(bitmask, row)
-        if state.allowed is not None:
-            bitmask[row] &= state.allowed
         if not bitmask[row].any() and state._eos is not None:
             bit = 1 << (state._eos % 32)
             bitmask[row, state._eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit

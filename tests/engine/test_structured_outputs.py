@@ -1,0 +1,235 @@
+"""Structured outputs in the offline engine (engine/structured_output.py): random JSON schemas
+sampled at temperature 1 always validate, on a tiny random-weight model and on SmolLM2; a
+constraint that never removes the greedy token leaves greedy decoding as it was; preemption
+and recompute keep every output valid and seeded outputs unchanged, with no block leaked; a
+grammar that is complete ends its request even under ignore_eos; tensor and pipeline
+parallel mask on the sampling rank; a bad constraint is a ValueError naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engine import assert_no_leaks
+
+from parashift import LLM, SamplingParams, StructuredOutputsParams
+from parashift.engine.structured_output import Grammars, choice_grammar, text_only
+from parashift.layers.token_mask import apply_token_bitmask
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    engine = LLM(tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                 kv_cache_memory=8 << 20)
+    yield engine
+    engine.shutdown()
+
+
+# Schemas whose every instance is bounded (strings, arrays, integers), nested twice at most:
+# a random model's sample then always ends inside max_tokens.
+_leaves = st.one_of(
+    st.fixed_dictionaries({"type": st.just("integer")}, optional={
+        "minimum": st.integers(-50, 0), "maximum": st.integers(1, 999)}),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda p: {"type": "string", "pattern": p},
+              st.sampled_from(["^[a-c]{1,3}$", "^x-[0-9]{2}$", "^(yes|no)$"])),
+    st.builds(lambda v: {"enum": v}, st.lists(
+        st.one_of(st.integers(-5, 5), st.sampled_from(["red", "green", "a b", 'q"t'])),
+        min_size=1, max_size=4, unique=True)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+)
+
+
+def _objects(children):
+    names = st.text("abcdefgh", min_size=1, max_size=5)
+    return st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+        lambda props: st.builds(
+            lambda required: {"type": "object", "properties": props, "required": required,
+                              "additionalProperties": False},
+            st.lists(st.sampled_from(sorted(props)), unique=True)))
+
+
+def _arrays(children):
+    return st.builds(lambda items, low, extra: {"type": "array", "items": items,
+                                                "minItems": low, "maxItems": low + extra},
+                     children, st.integers(0, 2), st.integers(0, 2))
+
+
+SCHEMAS = st.recursive(_leaves, lambda children: st.one_of(_objects(children),
+                                                           _arrays(children)), max_leaves=6)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=SCHEMAS.filter(lambda s: "properties" in s or "items" in s), seed=st.integers(0, 99))
+def test_random_schemas_sampled_at_temperature_1_always_validate(llm, schema, seed):
+    params = SamplingParams(temperature=1.0, max_tokens=400, seed=seed, n=2,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    (out,) = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", (schema, sample.text)
+        jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_smollm2_follows_schemas(smollm2_path):
+    schemas = [
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                          "age": {"type": "integer", "minimum": 0}},
+         "required": ["name", "age"]},
+        {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+         "minItems": 2, "maxItems": 4},
+        {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                          "sunny": {"type": "boolean"},
+                                          "temps": {"type": "array", "maxItems": 3, "items": {
+                                              "type": "number"}}},
+         "required": ["city", "sunny", "temps"], "additionalProperties": False}]
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_memory=64 << 20)
+    try:
+        prompts = [[{"role": "user", "content": "Describe a person as JSON."}],
+                   [{"role": "user", "content": "Name some colours."}],
+                   [{"role": "user", "content": "Today's weather in Paris, as JSON."}]]
+        outs = llm.chat(prompts, [SamplingParams(
+            temperature=1.0, seed=7, n=2, max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json=s)) for s in schemas],
+            use_tqdm=False)
+        for out, schema in zip(outs, schemas, strict=True):
+            for sample in out.outputs:
+                assert sample.finish_reason == "stop", sample.text
+                jsonschema.validate(json.loads(sample.text), schema)
+        # Greedy, with a constraint that never removes the greedy token: the same tokens.
+        free = llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=24),
+                        use_tqdm=False)[0].outputs[0]
+        held = llm.chat(prompts[:1], SamplingParams(
+            temperature=0, max_tokens=25, structured_outputs=StructuredOutputsParams(
+                choice=[free.text])), use_tqdm=False)[0].outputs[0]
+        assert held.text == free.text and held.finish_reason == "stop"
+        assert held.token_ids[:len(free.token_ids)] == free.token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_and_recompute_keep_constrained_outputs(llm, tiny_llama, monkeypatch):
+    """Four constrained requests growing to ~200 tokens in a 160-token cache: preempted and
+    recomputed, their seeded outputs are what the roomy engine gives, all valid."""
+    schema = {"type": "object", "properties": {"words": {
+        "type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 12,
+        "maxItems": 16}}, "required": ["words"], "additionalProperties": False}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for s in range(4)]
+    prompts = [[5 + i, 6, 7] for i in range(4)]
+    small = LLM(tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                kv_cache_memory=40 * llm.engine.executor.kv_block_bytes())
+    try:
+        requests = []
+        add = small.engine.scheduler.add_request
+        monkeypatch.setattr(small.engine.scheduler, "add_request",
+                            lambda req: (requests.append(req), add(req)))
+        got = small.generate(prompts, params, use_tqdm=False)
+        assert sum(r.num_preemptions for r in requests) > 0, "no preemption was forced"
+        expected = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                         for o in expected]
+        for out in got:
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert_no_leaks(small)
+    finally:
+        small.shutdown()
+
+
+def test_a_complete_grammar_ends_the_request_even_under_ignore_eos(llm):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="ab[0-9]"))
+    (out,) = llm.generate([[1, 2]], params, use_tqdm=False)
+    sample = out.outputs[0]
+    assert re.fullmatch("ab[0-9]", sample.text) and sample.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("strategy", ["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_mask_on_the_sampling_rank(tiny_llama, strategy):
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-e]{3}-\d\d"))
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128, kv_cache_memory=4 << 20,
+              strategy=strategy)
+    try:
+        (out,) = llm.generate([[9, 8, 7]], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for sample in out.outputs:
+        assert re.fullmatch(r"[a-e]{3}-\d\d", sample.text), sample.text
+
+
+@pytest.mark.parametrize("constraint,message", [
+    (dict(regex="(unclosed"), "structured_outputs.regex"),
+    (dict(json={"type": "nonsense"}), "structured_outputs.json"),
+    (dict(grammar="root ::= missing"), "structured_outputs.grammar"),
+])
+def test_a_bad_constraint_is_a_value_error(llm, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate([[1]], SamplingParams(
+            structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+def test_each_constraint_compiles_once(tiny_llama):
+    grammars = Grammars(tiny_llama, 320)
+    try:
+        for _ in range(3):
+            grammars.compile_now(StructuredOutputsParams(json={"type": "integer"}))
+        grammars.compile_now(StructuredOutputsParams(choice=["a", "b"]))
+        assert (grammars.misses, grammars.hits) == (2, 2)
+    finally:
+        grammars.shutdown()
+
+
+def test_choices_are_escaped_as_string_literals():
+    assert choice_grammar(['a"b', "c\\d", "e\nf"]) == r'root ::= "a\"b" | "c\\d" | "e\nf"'
+
+
+def test_negated_classes_lose_control_characters_and_surrogates_only():
+    """xgrammar's strings would take them; JSON forbids the one, UTF-8 cannot carry the
+    other. A `[^` inside a literal or another class stays."""
+    assert text_only(r'a ::= [^"\\] "[^x" [a^] "q\"[^" [\]^]') == (
+        r'a ::= [^\0-\x1f\uD800-\uDFFF"\\] "[^x" [a^] "q\"[^" [\]^]')
+
+
+def test_json_strings_never_hold_control_characters_or_surrogates(tiny_llama):
+    import xgrammar as xgr
+
+    grammars = Grammars(tiny_llama, 320)
+    try:
+        compiled = grammars.compile_now(StructuredOutputsParams(
+            json={"type": "string", "maxLength": 3}))
+    finally:
+        grammars.shutdown()
+    from transformers import AutoTokenizer
+
+    vocab = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_llama),
+                                               vocab_size=320).decoded_vocab
+    # (the tiny tokenizer has one token a byte)
+    for text, accepted in ((b'"\xed\xa0\x80', False), (b'"\x01', False),
+                           (b'"\xed\x9f\xbf"', True)):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert all(matcher.accept_token(vocab.index(bytes([b]))) for b in text) == accepted
+
+
+def test_the_bitmask_masks_only_its_rows():
+    logits = torch.zeros(3, 40)
+    words = torch.zeros(2, 2, dtype=torch.int32)
+    words[0, 0] = 1 << 3  # row for logits row 2: token 3 only
+    words[1, 1] = 1 << 1  # row for logits row 0: token 33 only
+    apply_token_bitmask(logits, [2, 0], words.numpy().tobytes(), 2)
+    assert torch.isfinite(logits[1]).all()  # unconstrained
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [3]
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [33]
