@@ -103,6 +103,10 @@ def test_smollm2_follows_schemas(smollm2_path):
             for sample in out.outputs:
                 assert sample.finish_reason == "stop", sample.text
                 jsonschema.validate(json.loads(sample.text), schema)
+        anything = llm.chat(prompts[:1], SamplingParams(
+            temperature=0.7, seed=1, max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
+        assert isinstance(json.loads(anything[0].outputs[0].text), dict)
         # Greedy, with a constraint that never removes the greedy token: the same tokens.
         free = llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=24),
                         use_tqdm=False)[0].outputs[0]

@@ -208,6 +208,22 @@ def test_dp2xep_matches_one_engine_with_every_expert(dp2xep, mixtral):
     assert dp2xep.wildcard_listeners() == []
 
 
+def test_constrained_requests_in_a_wave(dp2xep):
+    """Structured outputs under lockstep: each rank's constrained request samples within its
+    grammar while the other rank steps beside it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["n"]}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda rank: dp2xep.request("POST", "/v1/completions", {
+            "prompt": PROMPTS[rank], "max_tokens": 30, "temperature": 1.0, "seed": rank,
+            "structured_outputs": {"json": schema}}, {"X-data-parallel-rank": str(rank)}),
+            (0, 1)))
+    for status, raw in results:
+        choice = json.loads(raw)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", raw
+        assert 0 <= json.loads(choice["text"])["n"] <= 99
+
+
 def test_dp2xtp2xep_matches_one_engine_with_every_expert(tiny_model_factory):
     model = tiny_model_factory("qwen3_moe")  # 5 experts over 4 ranks: 2, 1, 1, 1
     with running_server(model, *ARGS, "--strategy", "dp2xtp2xep") as s:

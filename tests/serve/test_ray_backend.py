@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,12 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
             bodies = list(pool.map(lambda p: complete(s, p), PROMPTS))
         assert [b["choices"][0]["text"] for b in bodies] == expected
         assert routed(s, 0) > 0 and routed(s, 1) > 0
+        for rank in (0, 1):  # structured outputs: the mask reaches the sampling actor
+            status, raw = s.request("POST", "/v1/completions", {
+                "prompt": "x", "max_tokens": 20, "temperature": 1.0, "structured_outputs": {
+                    "regex": "[a-c]{4}"}}, {"X-data-parallel-rank": str(rank)})
+            choice = json.loads(raw)["choices"][0]
+            assert status == 200 and re.fullmatch("[a-c]{4}", choice["text"]), raw
         if strategy != "dp2":  # one actor per worker bundle, named for its mesh coordinates
             find(s, {"dp2xtp2": "ParashiftWorkerDp1Tp1", "dp2xpp2": "ParashiftWorkerDp1Pp1"}[
                 strategy])

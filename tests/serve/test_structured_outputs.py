@@ -71,8 +71,14 @@ def test_json_schema_n_samples_all_validate(client):
 
 
 def test_json_object_and_streamed_json_schema(client):
+    # Any object: a random model's strings may run past max_tokens (SmolLM2 closes them:
+    # engine/test_structured_outputs.py), but what comes out is an object's start.
     done = chat(client, seed=2, response_format={"type": "json_object"})
-    assert isinstance(json.loads(done.choices[0].message.content), dict)
+    choice = done.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")
     stream = chat(client, seed=5, stream=True, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
     text, finish = "", None
