@@ -127,6 +127,12 @@ def run(
                           "PARASHIFT_API_KEY, which no other user can read)")] = None,
     max_body_size: Annotated[str, typer.Option(
         "--max-body-size", help="largest HTTP request body, e.g. 8MiB")] = "8MiB",
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice", help='tool_choice "auto" (the default with tools): '
+        "the model's own tool calls, read by --tool-call-parser")] = False,
+    tool_call_parser: Annotated[Literal["hermes", "llama3_json", "mistral"] | None,
+                                typer.Option("--tool-call-parser", help="the model's tool call "
+                                             "format (hermes: Qwen2.5/3, SmolLM2)")] = None,
     cluster_secret_file: Annotated[str | None, typer.Option(
         "--cluster-secret-file", help="multi-node: a file (mode 0600) holding the secret every "
         "node proves on its links (or PARASHIFT_CLUSTER_SECRET)")] = None,
@@ -200,6 +206,9 @@ def run(
 
     if request_timeout is not None and request_timeout <= 0:
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise typer.BadParameter("--enable-auto-tool-choice needs --tool-call-parser",
+                                 param_hint="--tool-call-parser")
     max_body_bytes = parse_size(max_body_size, "--max-body-size")
     if max_body_bytes < 1024:
         raise typer.BadParameter("must be at least 1KiB", param_hint="--max-body-size")
@@ -221,7 +230,8 @@ def run(
         data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
         backend=backend, ray_address=ray_address, ray_placement=ray_placement,
-        routing=routing_config, insecure_cluster=insecure_cluster)
+        routing=routing_config, insecure_cluster=insecure_cluster,
+        tool_call_parser=tool_call_parser if enable_auto_tool_choice else None)
     try:
         code = run_server(args)
     except ValueError as e:

@@ -137,7 +137,8 @@ class Launcher:
                 self.args.log_level, coordinator_pub, self.args.request_timeout,
                 routing=self.args.routing, bound=self.endpoints.handed(
                     self.endpoints.requests[i], self.endpoints.outputs[i]),
-                max_body_bytes=self.args.max_body_bytes)
+                max_body_bytes=self.args.max_body_bytes,
+                tool_call_parser=self.args.tool_call_parser)
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()

@@ -43,6 +43,7 @@ class ServeArgs:
     ray_placement: str = "pack"
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # which rank a request gets
     insecure_cluster: bool = False  # tcp links without the cluster secret: an explicit opt-out
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice
 
     def check_cluster_secret(self, tcp: bool) -> None:
         """Links over tcp (several nodes, Ray) admit only peers holding the cluster secret

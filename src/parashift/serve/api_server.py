@@ -4,6 +4,7 @@ all accept on one listening socket and reach every engine through their own brok
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -43,6 +44,7 @@ from parashift.serve.openai_protocol import (
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
+from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class ApiServerArgs:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
     max_body_bytes: int = 8 << 20
+    tool_call_parser: str | None = None  # --enable-auto-tool-choice: tool_choice "auto" reads
 
 
 
@@ -162,23 +165,24 @@ class ApiServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), ChatCompletionRequest)
         self._check_model(req.model)
-        messages = chat_messages(req)
-        chars = sum(len(m["content"]) for m in messages)
+        tools = tool_plan(req, self.args.tool_call_parser)
+        messages = template_messages(chat_messages(req))
+        chars = sum(len(m["content"]) for m in messages) + len(msgspec.json.encode(tools.tools))
         if chars > self.max_prompt_chars:
             raise OpenAIError(400, f"the messages hold {chars} characters: more than any "
                               f"{self.args.max_model_len}-token context can hold",
                               param="messages")
 
         def render() -> list[int]:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools.tools or None,
+                                                     add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
         try:
             ids = await self._off_loop(render)
         except Exception as e:
             raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from e
-        return await self._generate(request, req, [ids], chat=True)
+        return await self._generate(request, req, [ids], chat=True, tools=tools)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -247,13 +251,21 @@ class ApiServer:
         return int(pinned)
 
     async def _generate(self, request: web.Request, req: Any, prompts: list[list[int]],
-                        chat: bool) -> web.StreamResponse:
+                        chat: bool, tools: ToolPlan | None = None) -> web.StreamResponse:
         self._check_tokens(prompts, "messages" if chat else "prompt")
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
                               f"{MAX_CHOICES} choices in one request", param="n")
         params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
-        if params[0].structured_outputs is not None:
+        if tools is not None and tools.constraint is not None:  # required or named
+            if params[0].structured_outputs is not None:
+                raise OpenAIError(400, f'tool_choice "{tools.mode}" constrains the reply: give '
+                                  "no response_format or structured_outputs with it",
+                                  param="tool_choice")
+            params = [dataclasses.replace(p, structured_outputs=tools.constraint)
+                      for p in params]
+            await self._check_constraint(tools.constraint, "tools")
+        elif params[0].structured_outputs is not None:
             await self._check_constraint(params[0].structured_outputs,
                                          "structured_outputs" if req.structured_outputs
                                          else "response_format")
@@ -263,8 +275,10 @@ class ApiServer:
                          self.args.eos_token_id, self._rank(request), req.stream,
                          lambda outcome: self.metrics.failovers.labels(outcome).inc())
         self.metrics.routed.labels(f"dp{gen.engine}").inc()
-        fmt = responses.ChatFormatter if chat else responses.CompletionFormatter
-        formatter = fmt(request_id, self.args.served_model_name, self.tokenizer, gen, req)
+        formatter = (responses.ChatFormatter(request_id, self.args.served_model_name,
+                                             self.tokenizer, gen, req, tools=tools) if chat
+                     else responses.CompletionFormatter(request_id, self.args.served_model_name,
+                                                        self.tokenizer, gen, req))
         status = "error"
         try:
             if req.stream:

@@ -33,6 +33,7 @@ MAX_CHOICES = 256  # prompts x n in one request
 MAX_LOGPROBS = 20  # OpenAI's own cap
 MAX_PROMPTS = MAX_CHOICES  # prompts in one completion request, counted before tokenizing
 MAX_MESSAGES = 4096  # messages in one chat request, counted before rendering
+MAX_TOOLS = 128  # tools in a request, tool calls in a message
 INT64 = (-(2**63), 2**63 - 1)
 INT32_MAX = 2**31 - 1
 
@@ -126,12 +127,35 @@ class ContentPart(_Strict):
     refusal: str | None = None
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Strict):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type "object"
+    strict: bool | None = None  # the schema is always followed exactly here
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: Any = None  # known to OpenAI; refused by `chat_messages` when set
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = None
     function_call: Any = None
     audio: Any = None
@@ -144,9 +168,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ToolDef], Meta(max_length=MAX_TOOLS)] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     # OpenAI's fields for what this server does not do: a 400 naming them when set (below).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -159,7 +184,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 # Unsupported OpenAI fields and the values that still mean "not used".
 _UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
@@ -202,21 +227,34 @@ def message_text(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The history: role and text, an assistant's `tool_calls`, a tool result's
+    `tool_call_id` (serve/tool_calls.py `template_messages` readies them for templates)."""
     if not req.messages:
         raise OpenAIError(400, "messages must not be empty", param="messages")
     check_supported(req)
-    out = []
+    out: list[dict[str, Any]] = []
     for m in req.messages:
-        if m.tool_calls or m.function_call or m.audio:
-            raise OpenAIError(400, "tool calls and audio in messages are not supported",
-                              param="messages")
+        if m.function_call or m.audio:
+            raise OpenAIError(400, "function_call and audio in messages are not supported "
+                              "(tool_calls are)", param="messages")
         if m.role == "developer":  # OpenAI's newer name for the system role
             m = msgspec.structs.replace(m, role="system")
-        if m.role not in ("system", "user", "assistant"):
-            raise OpenAIError(400, f"message role must be system, user or assistant, got "
-                              f"{m.role!r}", param="messages")
-        out.append({"role": m.role, "content": message_text(m)})
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise OpenAIError(400, f"message role must be system, user, assistant or tool, "
+                              f"got {m.role!r}", param="messages")
+        if m.tool_calls and m.role != "assistant":
+            raise OpenAIError(400, "only assistant messages carry tool_calls",
+                              param="messages")
+        if m.role == "tool" and not m.tool_call_id:
+            raise OpenAIError(400, "a tool message needs the tool_call_id it answers",
+                              param="messages")
+        item: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+        if m.tool_calls:
+            item["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
     return out
 
 

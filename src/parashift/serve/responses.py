@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -10,6 +11,7 @@ import msgspec
 from parashift.engine.request_tracker import Sample as Choice
 from parashift.engine.request_tracker import SampleDelta as Delta
 from parashift.serve.generation import Generation
+from parashift.serve.tool_calls import ToolCallReader, ToolPlan, new_call_id
 from parashift.types.outputs import TokenLogprobs
 
 
@@ -67,6 +69,9 @@ class Formatter:
 
     def stream_chunk(self, delta: Delta) -> dict:
         raise NotImplementedError
+
+    def stream_chunks(self, delta: Delta) -> list[dict]:
+        return [self.stream_chunk(delta)]
 
 
 class CompletionFormatter(Formatter):
@@ -132,6 +137,12 @@ class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, tools: ToolPlan | None = None):
+        super().__init__(*args)
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self.reader = ToolCallReader(self.tools) if self.tools else None
+        self._sent: dict[int, _Sent] = {}  # a choice's index -> what its stream has sent
+
     def _entry(self, token_id: int, logprob: float) -> dict:
         token = self._token(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
@@ -148,10 +159,21 @@ class ChatFormatter(Formatter):
         return {"content": content}
 
     def _full_choice(self, choice: Choice) -> dict:
-        return {"index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish = choice.finish_reason
+        if self.reader is not None:
+            content, calls = self.reader.read(choice.text, final=True)
+            calls = [c for c in calls if c.complete]  # one cut off by max_tokens is no call
+            if calls:
+                message = {"role": "assistant", "content": content.strip() or None,
+                           "tool_calls": [{"id": new_call_id(), "type": "function",
+                                           "function": {"name": c.name,
+                                                        "arguments": c.arguments}}
+                                          for c in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(choice.logprobs),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish, "stop_reason": choice.stop_reason}
 
     def stream_start(self) -> list[dict]:
         return [self._envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -167,3 +189,45 @@ class ChatFormatter(Formatter):
             "logprobs": self._logprobs(new),
             "finish_reason": choice.finish_reason if delta.finished else None,
         }], chunk=True)
+
+    def stream_chunks(self, delta: Delta) -> list[dict]:
+        """With tools: the choice's text read again whole; what is new since the last chunk
+        goes out as content, as a call's id and name, or as a piece of its arguments."""
+        if self.reader is None:
+            return [self.stream_chunk(delta)]
+        choice = delta.sample
+        sent = self._sent.setdefault(choice.index, _Sent())
+        content, calls = self.reader.read(choice.text, final=delta.finished)
+        deltas: list[dict[str, Any]] = []
+        if len(content) > sent.content:
+            deltas.append({"content": content[sent.content:]})
+            sent.content = len(content)
+        for i, call in enumerate(calls):
+            if i == len(sent.ids):
+                sent.ids.append(new_call_id())
+                sent.arguments.append(0)
+                deltas.append({"tool_calls": [{"index": i, "id": sent.ids[i],
+                                               "type": "function", "function": {
+                                                   "name": call.name, "arguments": ""}}]})
+            if len(call.arguments) > sent.arguments[i]:
+                deltas.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": call.arguments[sent.arguments[i]:]}}]})
+                sent.arguments[i] = len(call.arguments)
+        if not deltas and (delta.finished or delta.num_new_logprobs):
+            deltas.append({})
+        finish = choice.finish_reason if delta.finished else None
+        if finish == "stop" and sent.ids:
+            finish = "tool_calls"
+        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
+        return [self._envelope([{
+            "index": choice.index, "delta": d,
+            "logprobs": self._logprobs(new) if i == 0 else None,
+            "finish_reason": finish if i == len(deltas) - 1 else None,
+        }], chunk=True) for i, d in enumerate(deltas)]
+
+
+@dataclass
+class _Sent:
+    content: int = 0  # characters of content
+    ids: list[str] = field(default_factory=list)  # the calls' ids, in order
+    arguments: list[int] = field(default_factory=list)  # characters of each call's arguments

@@ -48,7 +48,8 @@ async def _events(request: web.Request, response: web.StreamResponse, gen: Gener
             await response.write(responses.sse(chunk))
         async with asyncio.timeout(timeout):
             async for delta in gen.stream():
-                await response.write(responses.sse(formatter.stream_chunk(delta)))
+                for chunk in formatter.stream_chunks(delta):
+                    await response.write(responses.sse(chunk))
         usage = formatter.stream_usage()
         if usage is not None:
             await response.write(responses.sse(usage))
