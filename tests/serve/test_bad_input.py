@@ -130,8 +130,10 @@ BAD_REQUESTS = [
     ("unknown-message-field", CHAT, {"messages": [{"role": "user", "content": "x",
                                                    "mood": "happy"}]}, 400, "mood", ()),
     ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", ()),
-    ("response-format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}},
+    ("response-format", CHAT, {"messages": MSG, "response_format": {"type": "yaml"}},
      400, "response_format", ()),
+    ("tool-choice-without-tools", CHAT, {"messages": MSG, "tool_choice": "required"}, 400,
+     "tool_choice", ("needs tools",)),
 ]
 
 
