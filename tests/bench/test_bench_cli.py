@@ -144,11 +144,13 @@ def test_latency_reports_percentiles(tiny_llama):
 
 
 def test_latency_breakdown_splits_a_decode_step(tiny_llama, tmp_path):
-    """With a sampling mode: the sampler's share of the step is its own bucket."""
+    """With a sampling mode and a constraint: the sampler's and the grammar mask's shares of
+    the step are buckets of their own."""
     out = tmp_path / "latency.json"
     done = bench("latency", tiny_llama, *ENGINE, "--batch-size", "4", "--input-len", "8",
                  "--output-len", "6", "--iters", "1", "--breakdown", "--save-json", str(out),
-                 "--sampling", "temperature=0.8,top_k=20,repetition_penalty=1.1")
+                 "--sampling", "temperature=0.8,top_k=20,repetition_penalty=1.1",
+                 "--structured-regex", "[a-z]{64}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "decode step at batch 4" in done.stdout and "GEMM floor" in done.stdout
     doc = json.loads(out.read_text())
@@ -156,11 +158,27 @@ def test_latency_breakdown_splits_a_decode_step(tiny_llama, tmp_path):
                                            "repetition_penalty": 1.1}
     result = doc["results"]["breakdown"]
     buckets = result["buckets_ms"]
-    assert set(buckets) == {"gemm", "attention", "sampling", "other_ops", "python"}
+    assert set(buckets) == {"gemm", "attention", "sampling", "grammar", "other_ops", "python"}
     assert buckets["gemm"] > 0 and buckets["attention"] > 0 and buckets["sampling"] > 0
+    assert buckets["grammar"] > 0 and doc["settings"]["structured_regex"] == "[a-z]{64}"
     assert result["decode_steps"] == 5 and result["gemm_floor_ms"] > 0
     # The buckets are the profiled step's ops and the rest of its wall time.
     assert sum(buckets.values()) == pytest.approx(result["profiled_step_ms"], rel=0.5)
+
+
+@pytest.mark.parametrize("kind,hit_rate", [("one-schema", 7 / 8), ("distinct-schemas", 1 / 2)])
+def test_throughput_structured_against_unconstrained(tiny_llama, tmp_path, kind, hit_rate):
+    out = tmp_path / "structured.json"
+    done = cli_in_process("bench", "throughput", tiny_llama, "--dtype", "float32",
+                          "--max-model-len", "1024", "--kv-cache-memory", "32MiB",
+                          "--structured", kind, "--num-prompts", "4", "--save-json", str(out))
+    assert done.exit_code == 0, done.output[-3000:]
+    assert f"4 requests under {kind}" in done.stdout and "compile cache hit rate" in done.stdout
+    result = json.loads(out.read_text())["results"]
+    assert result["output_tokens"] > 0 and result["ratio"] > 0
+    # each request's constraint is compiled once (distinct) or once for all (one schema); the
+    # engine and the offline check both ask the cache
+    assert result["compile_cache_hit_rate"][0] == pytest.approx(hit_rate)
 
 
 def test_bench_moe_compares_ep_with_replicated_experts(tiny_model_factory, tmp_path):

@@ -21,7 +21,7 @@ from typing import Any
 GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
             "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu", "parashift_cpu::gemm_bf16"}
-BUCKETS = ("gemm", "attention", "sampling", "other_ops", "python")
+BUCKETS = ("gemm", "attention", "sampling", "grammar", "other_ops", "python")
 
 
 def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
@@ -61,6 +61,8 @@ def _bucket(event) -> tuple[int | None, str]:
             bucket = "attention"
         elif name == "parashift::sample" and bucket is None:
             bucket = "sampling"
+        elif name == "parashift::grammar" and bucket is None:  # structured outputs' mask
+            bucket = "grammar"
         node = node.cpu_parent
     if bucket is None:
         if event.name.startswith("parashift::step:"):

@@ -36,6 +36,10 @@ def latency(
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="then profile a decode step: GEMM, attention, sampling, other "
                             "ops, Python, against the GEMM floor")] = False,
+    structured_regex: Annotated[str | None, typer.Option(
+        "--structured-regex", help="every request under this regex constraint (e.g. "
+        "\"[a-z ]{4096}\": never complete within the batch): the grammar mask's cost, its "
+        "own bucket under --breakdown")] = None,
     sampling: Sampling = "",
     seed: Seed = 0,
     save_json: SaveJson = None,
@@ -56,6 +60,10 @@ def latency(
         fail("--warmup must be >= 0")
     try:
         fields = sampling_fields(sampling)
+        if structured_regex is not None:
+            from parashift import StructuredOutputsParams
+
+            fields["structured_outputs"] = StructuredOutputsParams(regex=structured_regex)
         engine_args.seed = seed
         if strategy_spec(engine_args).processes().num_engines > 1:
             raise ValueError("latency measures one engine: drop the dp axis")
@@ -89,7 +97,8 @@ def latency(
         report.save_json(save_json, "latency", {
             "model": engine_args.model, "batch_size": batch_size, "input_len": input_len,
             "output_len": output_len, "iters": iters, "warmup": warmup, "breakdown": breakdown,
-            "sampling": fields, "seed": seed}, results)
+            "sampling": {k: v for k, v in fields.items() if k != "structured_outputs"},
+            "structured_regex": structured_regex, "seed": seed}, results)
     if plot:
         from parashift.bench.plots import latency_cdf
 

@@ -124,8 +124,10 @@ class ModelRunner:
         req_ids = [order[i] for i in sample_rows]
         if out.grammar is not None:  # structured outputs: their rows' allowed tokens
             where = {r: i for i, r in enumerate(req_ids)}
-            apply_token_bitmask(logits, [where.get(r) for r in out.grammar.req_ids],
-                                out.grammar.bits, out.grammar.words)
+            with (record_function("parashift::grammar") if torch.autograd._profiler_enabled()
+                  else contextlib.nullcontext()):
+                apply_token_bitmask(logits, [where.get(r) for r in out.grammar.req_ids],
+                                    out.grammar.bits, out.grammar.words)
         # The label is for `bench latency --breakdown`; it costs ~7 us a step otherwise.
         with (record_function("parashift::sample") if torch.autograd._profiler_enabled()
               else contextlib.nullcontext()):

@@ -1,13 +1,13 @@
 """Structured outputs in the model runner: the rows of a step's logits whose grammar allows
 only some tokens next get -inf elsewhere, before the sampler (so sampling, and the logprobs
 it reports, are of the masked distribution). The bitmask comes with the step, filled by the
-engine core (engine/structured_output.py): one int32 word per 32 tokens."""
+engine core (engine/structured_output.py): one int32 word per 32 tokens, bit t of word t // 32
+(little-endian bytes, so numpy's little-order unpacking reads token order)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int | None], bits: bytes,
@@ -15,17 +15,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int | None], bits: byte
     """In place: logits[rows[i]] keeps the tokens set in row i of `bits` ([len(rows), words]
     int32 words), -inf elsewhere (columns past the bitmask's, if any, too); a row None is
     skipped (its request does not sample here)."""
-    masks = torch.frombuffer(bytearray(bits), dtype=torch.int32).view(len(rows), words)
-    kept = [i for i, row in enumerate(rows) if row is not None]
-    if not kept:
-        return
-    if len(kept) < len(rows):
-        masks, rows = masks[kept], [rows[i] for i in kept]
-    allowed = ((masks.unsqueeze(-1) >> _BITS) & 1).bool().view(len(rows), words * 32)
+    allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8).reshape(len(rows), words * 4),
+                            axis=1, bitorder="little").view(bool)
     vocab = logits.shape[-1]
     if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(rows, device=logits.device)
-    selected = logits.index_select(0, index)
-    selected.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
-    logits.index_copy_(0, index, selected)
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    blocked = torch.from_numpy(~allowed[:, :vocab]).to(logits.device, non_blocking=True)
+    for i, row in enumerate(rows):
+        if row is not None:
+            logits[row].masked_fill_(blocked[i], float("-inf"))
