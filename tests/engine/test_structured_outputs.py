@@ -78,7 +78,26 @@ def test_random_schemas_sampled_at_temperature_1_always_validate(llm, schema, se
         jsonschema.validate(json.loads(sample.text), schema)
 
 
-def test_smollm2_follows_schemas(smollm2_path):
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path) -> LLM:
+    engine = LLM(smollm2_path, max_model_len=512, kv_cache_memory=64 << 20)
+    yield engine
+    engine.shutdown()
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=SCHEMAS.filter(lambda s: "properties" in s or "items" in s), seed=st.integers(0, 99))
+def test_random_schemas_on_smollm2_validate(smollm2, schema, seed):
+    params = SamplingParams(temperature=1.0, max_tokens=400, seed=seed,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    (out,) = smollm2.chat([[{"role": "user", "content": "Reply in JSON."}]], params,
+                          use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop", (schema, out.outputs[0].text)
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_smollm2_follows_schemas(smollm2):
+    llm = smollm2
     schemas = [
         {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                           "age": {"type": "integer", "minimum": 0}},
@@ -90,33 +109,29 @@ def test_smollm2_follows_schemas(smollm2_path):
                                           "temps": {"type": "array", "maxItems": 3, "items": {
                                               "type": "number"}}},
          "required": ["city", "sunny", "temps"], "additionalProperties": False}]
-    llm = LLM(smollm2_path, max_model_len=512, kv_cache_memory=64 << 20)
-    try:
-        prompts = [[{"role": "user", "content": "Describe a person as JSON."}],
-                   [{"role": "user", "content": "Name some colours."}],
-                   [{"role": "user", "content": "Today's weather in Paris, as JSON."}]]
-        outs = llm.chat(prompts, [SamplingParams(
-            temperature=1.0, seed=7, n=2, max_tokens=200,
-            structured_outputs=StructuredOutputsParams(json=s)) for s in schemas],
-            use_tqdm=False)
-        for out, schema in zip(outs, schemas, strict=True):
-            for sample in out.outputs:
-                assert sample.finish_reason == "stop", sample.text
-                jsonschema.validate(json.loads(sample.text), schema)
-        anything = llm.chat(prompts[:1], SamplingParams(
-            temperature=0.7, seed=1, max_tokens=200,
-            structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
-        assert isinstance(json.loads(anything[0].outputs[0].text), dict)
-        # Greedy, with a constraint that never removes the greedy token: the same tokens.
-        free = llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=24),
-                        use_tqdm=False)[0].outputs[0]
-        held = llm.chat(prompts[:1], SamplingParams(
-            temperature=0, max_tokens=25, structured_outputs=StructuredOutputsParams(
-                choice=[free.text])), use_tqdm=False)[0].outputs[0]
-        assert held.text == free.text and held.finish_reason == "stop"
-        assert held.token_ids[:len(free.token_ids)] == free.token_ids
-    finally:
-        llm.shutdown()
+    prompts = [[{"role": "user", "content": "Describe a person as JSON."}],
+               [{"role": "user", "content": "Name some colours."}],
+               [{"role": "user", "content": "Today's weather in Paris, as JSON."}]]
+    outs = llm.chat(prompts, [SamplingParams(
+        temperature=1.0, seed=7, n=2, max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json=s)) for s in schemas],
+        use_tqdm=False)
+    for out, schema in zip(outs, schemas, strict=True):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", sample.text
+            jsonschema.validate(json.loads(sample.text), schema)
+    anything = llm.chat(prompts[:1], SamplingParams(
+        temperature=0.7, seed=1, max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
+    assert isinstance(json.loads(anything[0].outputs[0].text), dict)
+    # Greedy, with a constraint that never removes the greedy token: the same tokens.
+    free = llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=24),
+                    use_tqdm=False)[0].outputs[0]
+    held = llm.chat(prompts[:1], SamplingParams(
+        temperature=0, max_tokens=25, structured_outputs=StructuredOutputsParams(
+            choice=[free.text])), use_tqdm=False)[0].outputs[0]
+    assert held.text == free.text and held.finish_reason == "stop"
+    assert held.token_ids[:len(free.token_ids)] == free.token_ids
 
 
 def test_preemption_and_recompute_keep_constrained_outputs(llm, tiny_llama, monkeypatch):
@@ -147,6 +162,65 @@ def test_preemption_and_recompute_keep_constrained_outputs(llm, tiny_llama, monk
         assert_no_leaks(small)
     finally:
         small.shutdown()
+
+
+def test_the_embeddings_padding_ids_are_masked(llm):
+    """The tiny model's embedding has 320 rows for a 258-token vocabulary: rows past the
+    tokenizer's are no token, and no grammar allows them."""
+    params = SamplingParams(temperature=2.0, seed=4, max_tokens=64, n=4,
+                            structured_outputs=StructuredOutputsParams(regex="[^x]{64}"))
+    (out,) = llm.generate([[3, 4]], params, use_tqdm=False)
+    assert max(t for o in out.outputs for t in o.token_ids) < len(llm.get_tokenizer())
+
+
+def test_a_compile_stalls_no_other_request(llm, monkeypatch):
+    """While one request's grammar compiles (held here until the others are done), the
+    engine steps the others; then the held one runs."""
+    import threading
+
+    from parashift.engine.request import Request
+
+    release = threading.Event()
+    grammars = llm.engine.structured_grammars()
+    compile_ = grammars._compile
+    monkeypatch.setattr(grammars, "_compile",
+                        lambda params: (release.wait(60), compile_(params))[1])
+    core = llm.engine
+    held = StructuredOutputsParams(regex="held-[0-9]{2}")  # not cached: compiled now
+    core.add_request(Request("held", [1, 2], SamplingParams(
+        max_tokens=20, structured_outputs=held), None))
+    for i in range(3):
+        core.add_request(Request(f"free{i}", [5, i + 1], SamplingParams(
+            max_tokens=8, ignore_eos=True), None))
+    finished: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
+    while len(finished) < 3:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = tokens[out.request_id]
+    assert set(finished) == {"free0", "free1", "free2"} and "held" not in tokens
+    release.set()
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    text = llm.get_tokenizer().decode(tokens["held"], skip_special_tokens=True)
+    assert re.fullmatch("held-[0-9]{2}", text)
+
+
+def test_a_compile_past_its_time_limit_is_refused(tiny_llama):
+    import threading
+
+    release = threading.Event()
+    grammars = Grammars(tiny_llama, 320)
+    compile_ = grammars._compile
+    grammars._compile = lambda params: (release.wait(60), compile_(params))[1]
+    try:
+        with pytest.raises(ValueError, match="did not compile within 0 s"):
+            grammars.compile_now(StructuredOutputsParams(regex="a+"), timeout=0.2)
+    finally:
+        release.set()
+        grammars.shutdown()
 
 
 def test_a_complete_grammar_ends_the_request_even_under_ignore_eos(llm):
