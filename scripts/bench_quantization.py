@@ -18,7 +18,7 @@ from parashift.cli_options import engine_options, fail, parse_counts, setup_logg
 from parashift.defaults import QUANTIZATIONS
 
 if TYPE_CHECKING:
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 

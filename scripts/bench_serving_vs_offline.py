@@ -36,7 +36,7 @@ def serving_vs_offline(
     from parashift.bench import report
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_throughput
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
     if repeat < 1:
         fail("--repeat must be >= 1")

@@ -83,7 +83,7 @@ def test_engine_options_become_one_engine_args():
     from typer.testing import CliRunner
 
     from parashift.cli_options import engine_options
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
     seen = {}
 

@@ -21,7 +21,7 @@ from parashift.plan.cli import Objective, plan
 from parashift.wire.cluster_auth import read_secret_file
 
 if TYPE_CHECKING:
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="parashift: LLM inference whose parallel layout is a plugin.")

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import typer
 
 from parashift import env
-from parashift.config import EngineArgs
 from parashift.defaults import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS
+from parashift.engine.args import EngineArgs
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -57,7 +57,7 @@ ModelArg = Annotated[str | None, typer.Argument(
     help="Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")]
 
 # vLLM's engine flags, which every command that starts an engine takes: EngineArgs field ->
-# its typer option. The defaults are EngineArgs' own (config.py), written nowhere else.
+# its typer option. The defaults are EngineArgs' own (engine/args.py), written nowhere else.
 _ENGINE_FLAGS: dict[str, Any] = {
     "dtype": Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype")],
     "quantization": Annotated[Literal[QUANTIZATIONS] | None, typer.Option(

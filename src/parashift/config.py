@@ -28,53 +28,6 @@ def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str)
     return getattr(torch, resolve_dtype_name(dtype, checkpoint, device))
 
 
-@dataclass
-class EngineArgs:
-    """The user-facing engine knobs (CLI flags and `LLM(...)` keywords), with their defaults
-    written once: the CLI options are generated from these fields (cli_options.py) and `plan`
-    reads the same defaults. engine/args.py turns them into the validated configs."""
-
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    quantization: str | None = None  # weight-only int8 / int4 of the linear layers, CPU
-    max_model_len: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int | None = None
-    max_waiting_requests: int | None = None  # per engine; past it a new request is a 429
-    enable_chunked_prefill: bool = True
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    device: str | None = None
-    num_threads: int | None = None
-    attention_backend: str = "auto"  # auto: triton on CUDA, cpu (compiled kernels) on CPU
-    # CPU: our compiled kernels built for this CPU ("native"), for another (a gcc -march: a
-    # fleet's oldest CPU, or the AVX2 path tried on a newer one), or "off" (torch ops only)
-    cpu_kernels: str = "native"
-    enforce_eager: bool = False  # no CUDA graphs for decode
-    while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
-    strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
-    data_parallel_size: int | None = None
-    tensor_parallel_size: int | None = None
-    pipeline_parallel_size: int | None = None
-    pp_layer_partition: str | None = None  # layers per pipeline stage, e.g. "10,10,10"
-    enable_expert_parallel: bool = False
-    # CPU tensor parallel all-reduces through gloo only, not shared memory (to compare, or to
-    # rule the shared-memory path out)
-    disable_shm_all_reduce: bool = False
-    data_parallel_rank: int = 0
-    distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
-    # A class (module.Class) mixed into every worker: its methods answer collective_rpc, as
-    # vLLM's --worker-extension-cls (measurements from outside the product: scripts/).
-    worker_extension_cls: str | None = None
-
-
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how. `hf_config` is the transformers config of the checkpoint."""

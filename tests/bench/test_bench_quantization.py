@@ -9,7 +9,7 @@ import pytest
 from bench_quantization import PROMPTS, compare
 from conftest import study_in_process
 
-from parashift.config import EngineArgs
+from parashift.engine.args import EngineArgs
 
 ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB"]
 

@@ -4,9 +4,8 @@
 
 from __future__ import annotations
 
-from parashift.config import EngineArgs
 from parashift.defaults import default_max_num_batched_tokens
-from parashift.engine.args import create_config
+from parashift.engine.args import EngineArgs, create_config
 
 
 def budget(model: str, **kwargs) -> int:

@@ -135,17 +135,19 @@ def test_smollm2_follows_schemas(smollm2):
 
 
 def test_preemption_and_recompute_keep_constrained_outputs(llm, tiny_llama, monkeypatch):
-    """Four constrained requests growing to ~200 tokens in a 160-token cache: preempted and
-    recomputed, their seeded outputs are what the roomy engine gives, all valid."""
+    """Four constrained requests growing to ~200 tokens in a 640-token cache, their prompts
+    prefilled in chunks: preempted and recomputed, their seeded outputs are what the roomy
+    engine gives, all valid, and no block is left behind."""
     schema = {"type": "object", "properties": {"words": {
         "type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 12,
         "maxItems": 16}}, "required": ["words"], "additionalProperties": False}
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
                              structured_outputs=StructuredOutputsParams(json=schema))
               for s in range(4)]
-    prompts = [[5 + i, 6, 7] for i in range(4)]
+    prompts = [[5 + i, *range(6, 45)] for i in range(4)]
     small = LLM(tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                kv_cache_memory=40 * llm.engine.executor.kv_block_bytes())
+                kv_cache_memory=40 * llm.engine.executor.kv_block_bytes(),
+                max_num_batched_tokens=32)  # the 40-token prompts prefill in chunks
     try:
         requests = []
         add = small.engine.scheduler.add_request
@@ -223,6 +225,18 @@ def test_a_compile_past_its_time_limit_is_refused(tiny_llama):
         grammars.shutdown()
 
 
+def test_stop_strings_and_max_tokens_still_end_a_constrained_request(llm):
+    params = [SamplingParams(temperature=1.0, seed=2, max_tokens=40, stop=["c-"],
+                             structured_outputs=StructuredOutputsParams(regex="abc-[0-9]{3}")),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=3,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z]{20}"))]
+    stopped, cut = (o.outputs[0] for o in llm.generate([[1, 2], [1, 2]], params,
+                                                       use_tqdm=False))
+    assert (stopped.text, stopped.finish_reason) == ("ab", "stop")
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    assert re.fullmatch("[a-z]{3}", cut.text)
+
+
 def test_a_complete_grammar_ends_the_request_even_under_ignore_eos(llm):
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=50, ignore_eos=True,
                             structured_outputs=StructuredOutputsParams(regex="ab[0-9]"))
@@ -267,6 +281,23 @@ def test_each_constraint_compiles_once(tiny_llama):
             grammars.compile_now(StructuredOutputsParams(json={"type": "integer"}))
         grammars.compile_now(StructuredOutputsParams(choice=["a", "b"]))
         assert (grammars.misses, grammars.hits) == (2, 2)
+    finally:
+        grammars.shutdown()
+
+
+def test_the_cache_keeps_its_bytes_and_failures(tiny_llama, monkeypatch):
+    from parashift.engine import structured_output
+
+    grammars = Grammars(tiny_llama, 320)
+    try:
+        first = grammars.compile_now(StructuredOutputsParams(regex="a{1,4}"))
+        monkeypatch.setattr(structured_output, "CACHE_BYTES", first.memory_size_bytes)
+        grammars.compile_now(StructuredOutputsParams(regex="b{1,4}"))
+        assert len(grammars._cache) == 1  # the least recently used went
+        for _ in range(2):  # a bad constraint fails again without compiling again
+            with pytest.raises(ValueError, match="regex"):
+                grammars.compile_now(StructuredOutputsParams(regex="("))
+        assert grammars.misses == 3 and grammars.hits == 1
     finally:
         grammars.shutdown()
 

@@ -76,8 +76,7 @@ def load_peaks(folder: str, **engine_args) -> tuple[list[int], list[int]]:
     whose scratch copies would count in its peak."""
     from study_probes import EXTENSION
 
-    from parashift.config import EngineArgs
-    from parashift.engine.args import create_config
+    from parashift.engine.args import EngineArgs, create_config
     from parashift.engine.placement import engine_placement
     from parashift.executor.multiproc import MultiprocExecutor
 

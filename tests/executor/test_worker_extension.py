@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 
-from parashift.config import EngineArgs
-from parashift.engine.args import create_config
+from parashift.engine.args import EngineArgs, create_config
 from parashift.executor.worker import Worker, worker_class
 
 

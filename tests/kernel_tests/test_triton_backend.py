@@ -7,8 +7,7 @@ the registry: auto is torch on CPU."""
 
 import pytest
 
-from parashift.config import EngineArgs
-from parashift.engine.args import create_config, resolve_attention_backend
+from parashift.engine.args import EngineArgs, create_config, resolve_attention_backend
 from parashift.engine.llm import LLM
 from parashift.types.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from parashift.config import EngineArgs
+from parashift.engine.args import EngineArgs
 from parashift.engine.placement import node_mesh
 from parashift.runtime.endpoints import Endpoints
 from parashift.runtime.local_engines import LocalEngines

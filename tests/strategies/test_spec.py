@@ -7,8 +7,7 @@ import sys
 import pytest
 from conftest import install_strategy_plugin, tiny_config
 
-from parashift.config import EngineArgs
-from parashift.engine.args import create_config, strategy_spec
+from parashift.engine.args import EngineArgs, create_config, strategy_spec
 from parashift.strategies.mesh import DeviceMesh
 from parashift.strategies.spec import StrategySpec
 

@@ -110,8 +110,7 @@ def test_engine_init_carries_the_resolved_config_whole(tiny_llama, tmp_path):
 
     import torch
 
-    from parashift.config import EngineArgs
-    from parashift.engine.args import config_for_this_node, create_config
+    from parashift.engine.args import EngineArgs, config_for_this_node, create_config
     from parashift.wire.engine_config import config_to_wire
 
     config = create_config(EngineArgs(tiny_llama, dtype="bfloat16", max_num_seqs=7,

@@ -17,7 +17,7 @@ from parashift.bench.throughput_cli import throughput
 from parashift.cli_options import engine_options, fail, setup_logging
 
 if TYPE_CHECKING:
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
 bench_app = typer.Typer(no_args_is_help=True,
                         help="Measure throughput, latency and serving.")

@@ -11,8 +11,7 @@ import time
 import msgspec
 
 from parashift.bench.datasets import BenchRequest
-from parashift.config import EngineArgs
-from parashift.engine.args import create_config
+from parashift.engine.args import EngineArgs, create_config
 from parashift.engine.placement import node_mesh
 
 

@@ -26,7 +26,7 @@ from parashift.bench.options import (
 from parashift.cli_options import engine_options, fail, setup_logging
 
 if TYPE_CHECKING:
-    from parashift.config import EngineArgs
+    from parashift.engine.args import EngineArgs
 
 
 @engine_options

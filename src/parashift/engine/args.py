@@ -1,5 +1,10 @@
-"""How the user-facing `EngineArgs` (config.py) become the validated configs: the strategy
-from --strategy and vLLM's explicit size flags, the model, dtype and limits."""
+"""The user-facing `EngineArgs` and how they become the one resolved `EngineConfig`
+(config.py): the strategy from --strategy and vLLM's explicit size flags, the model, dtype,
+device, kernels and limits; and how an engine checks that config against its own node.
+
+Importing this module loads no torch: `plan` and the CLI read `EngineArgs` (the one home of
+the defaults) without it, so the resolution imports the model and layer modules it needs
+when it runs."""
 
 from __future__ import annotations
 
@@ -7,30 +12,79 @@ import functools
 import logging
 import os
 import socket
-
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parashift import env
 from parashift.config import (
     CacheConfig,
     DeviceConfig,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     resolve_dtype,
 )
-from parashift.defaults import ATTENTION_BACKENDS, default_max_num_batched_tokens
-from parashift.layers.kernel_dispatch import has_triton
-from parashift.layers.quantization import check_quantization
-from parashift.models.loader import load_hf_config, resolve_model_path
-from parashift.models.registry import architecture_of, get_model_class
+from parashift.defaults import (
+    ATTENTION_BACKENDS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    default_max_num_batched_tokens,
+)
 from parashift.strategies.pipeline import parse_partition
 from parashift.strategies.spec import StrategySpec
 from parashift.wire.engine_config import EngineConfigWire, config_from_wire
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    """The user-facing engine knobs (CLI flags and `LLM(...)` keywords), with their defaults
+    written once: the CLI options are generated from these fields (cli_options.py) and `plan`
+    reads the same defaults. `create_config` below resolves them into the one config."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = None  # weight-only int8 / int4 of the linear layers, CPU
+    max_model_len: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    max_waiting_requests: int | None = None  # per engine; past it a new request is a 429
+    enable_chunked_prefill: bool = True
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None
+    num_threads: int | None = None
+    attention_backend: str = "auto"  # auto: triton on CUDA, cpu (compiled kernels) on CPU
+    # CPU: our compiled kernels built for this CPU ("native"), for another (a gcc -march: a
+    # fleet's oldest CPU, or the AVX2 path tried on a newer one), or "off" (torch ops only)
+    cpu_kernels: str = "native"
+    enforce_eager: bool = False  # no CUDA graphs for decode
+    while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
+    strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
+    data_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    pp_layer_partition: str | None = None  # layers per pipeline stage, e.g. "10,10,10"
+    enable_expert_parallel: bool = False
+    # CPU tensor parallel all-reduces through gloo only, not shared memory (to compare, or to
+    # rule the shared-memory path out)
+    disable_shm_all_reduce: bool = False
+    data_parallel_rank: int = 0
+    distributed_executor_backend: str = "mp"  # "ray" inside engines run as Ray actors
+    # A class (module.Class) mixed into every worker: its methods answer collective_rpc, as
+    # vLLM's --worker-extension-cls (measurements from outside the product: scripts/).
+    worker_extension_cls: str | None = None
 
 
 @functools.cache  # once a process: configs are built more than once
@@ -67,6 +121,12 @@ def _with_partition(spec: StrategySpec, partition: str | None) -> StrategySpec:
 
 
 def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineConfig:
+    import torch
+
+    from parashift.layers.quantization import check_quantization
+    from parashift.models.loader import load_hf_config, resolve_model_path
+    from parashift.models.registry import architecture_of, get_model_class
+
     spec = spec or strategy_spec(args)
     parallel = ParallelConfig(spec, args.data_parallel_rank, args.distributed_executor_backend,
                               shm_all_reduce=not args.disable_shm_all_reduce)
@@ -102,14 +162,18 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
 
 
 def resolve_attention_backend(name: str, device: str, block_size: int,
-                              dtype: torch.dtype = torch.float32) -> str:
+                              dtype: torch.dtype | None = None) -> str:
     """`auto` -> triton on CUDA (when Triton is installed), the compiled CPU kernels on CPU in
     float32 and bfloat16, torch elsewhere; an explicit choice is checked against the device,
     the dtype and the block size."""
+    import torch
+
+    from parashift.layers.kernel_dispatch import has_triton
+
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {name!r} is unknown; known: "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    cpu_dtype = dtype in (torch.float32, torch.bfloat16)
+    cpu_dtype = dtype in (None, torch.float32, torch.bfloat16)
     if name == "auto":
         if device.startswith("cuda"):
             return "triton" if has_triton() and block_size >= 16 else "torch"
@@ -139,6 +203,10 @@ def config_for_this_node(wire: EngineConfigWire) -> EngineConfig:
     model, else the model the user named, found here; its transformers config must equal the
     launcher's), the device and the attention backend. A mismatch is an error naming this
     node; nothing is resolved again nor silently changed."""
+    import torch
+
+    from parashift.models.loader import load_hf_config, resolve_model_path
+
     node = socket.gethostname()
     model = wire.model
     path = model.path if os.path.isdir(model.path) else resolve_model_path(model.source)

@@ -10,8 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from parashift.config import EngineArgs
-from parashift.engine.args import create_config
+from parashift.engine.args import EngineArgs, create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
 from parashift.engine.request import Request, check_prompt_tokens

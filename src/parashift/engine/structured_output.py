@@ -37,7 +37,7 @@ from parashift.types.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENTRIES = 256  # compiled grammars kept (a schema compiles in well under a second)
+CACHE_BYTES = 256 << 20  # compiled grammars kept, least recently used out first
 COMPILE_TIMEOUT_S = 30.0  # past it a request's constraint is refused
 
 
@@ -56,21 +56,34 @@ class Grammars:
         self.hits = self.misses = 0
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """The compiled grammar, now or later (a failure is the future's ValueError)."""
+        """The compiled grammar, now or later (a failure is the future's ValueError, kept
+        like a result: the same constraint fails the same way)."""
         key = params.key
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.done() and (future.cancelled()
-                                                              or future.exception())):
+            if future is not None and not future.cancelled():
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return future
             self.misses += 1
             future = self._pool.submit(self._compile, params)
             self._cache[key] = future
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._evict()
             return future
+
+    def _evict(self) -> None:
+        """Least recently used first, past CACHE_BYTES of compiled grammars (the one in
+        progress stays)."""
+        total, sizes = 0, {}
+        for key, future in self._cache.items():
+            done = future.done() and not future.cancelled() and future.exception() is None
+            sizes[key] = future.result().memory_size_bytes if done else 0
+            total += sizes[key]
+        for key in list(self._cache):
+            if total <= CACHE_BYTES or len(self._cache) == 1:
+                break
+            total -= sizes[key]
+            del self._cache[key]
 
     def compile_now(self, params: StructuredOutputsParams,
                     timeout: float = COMPILE_TIMEOUT_S) -> Any:

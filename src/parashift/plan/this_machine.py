@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-from parashift.config import EngineArgs
 from parashift.defaults import DTYPE_BYTES, resolve_dtype_name
+from parashift.engine.args import EngineArgs
 from parashift.plan.auto import rank_plans
 from parashift.plan.estimate import Plan, PlanSettings, keeps_shared_weight_copies
 from parashift.plan.hardware import DEVICES, INTER_NODE

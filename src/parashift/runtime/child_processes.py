@@ -17,7 +17,7 @@ import multiprocessing.forkserver
 import threading
 from multiprocessing.context import BaseContext
 
-from parashift.config import EngineArgs
+from parashift.engine.args import EngineArgs
 
 PRELOAD = ["parashift.runtime.fork_server_name", "torch", "transformers",
            "parashift.engine.engine_process", "parashift.serve.api_server",

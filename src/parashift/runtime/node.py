@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from parashift import env
-from parashift.config import EngineArgs
+from parashift.engine.args import EngineArgs
 from parashift.serve.prefix_router import RoutingConfig
 
 
