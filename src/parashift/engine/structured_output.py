@@ -52,7 +52,7 @@ class Grammars:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
         self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
             collections.OrderedDict())
-        self._lock = threading.Lock()  # the API server compiles from its handlers' threads
+        self._lock = threading.Lock()  # callers and the compile thread (its evictions)
         self.hits = self.misses = 0
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
@@ -68,12 +68,16 @@ class Grammars:
             self.misses += 1
             future = self._pool.submit(self._compile, params)
             self._cache[key] = future
+        future.add_done_callback(self._on_compiled)
+        return future
+
+    def _on_compiled(self, _: concurrent.futures.Future) -> None:
+        with self._lock:
             self._evict()
-            return future
 
     def _evict(self) -> None:
-        """Least recently used first, past CACHE_BYTES of compiled grammars (the one in
-        progress stays)."""
+        """Least recently used first, past CACHE_BYTES of compiled grammars (the most recent
+        stays)."""
         total, sizes = 0, {}
         for key, future in self._cache.items():
             done = future.done() and not future.cancelled() and future.exception() is None
@@ -88,11 +92,14 @@ class Grammars:
     def compile_now(self, params: StructuredOutputsParams,
                     timeout: float = COMPILE_TIMEOUT_S) -> Any:
         """Compiled, or ValueError naming the problem (a compile past `timeout` included)."""
+        future = self.compile(params)
         try:
-            return self.compile(params).result(timeout)
+            compiled = future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the {params.kind} constraint did not compile within "
                              f"{timeout:.0f} s") from None
+        self._on_compiled(future)  # its callback may not have run yet
+        return compiled
 
     def clear(self) -> None:
         """Forget every compiled grammar and the counts (the vocabulary stays)."""
