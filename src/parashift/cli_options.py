@@ -83,6 +83,9 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "cpu_kernels": Annotated[str, typer.Option(
         "--cpu-kernels", help="CPU: our compiled kernels built for this CPU (native), for "
         "another (a gcc -march, e.g. haswell), or off (torch ops only)")],
+    "gemm_paths": Annotated[str | None, typer.Option(
+        "--gemm-paths", help="CPU: the GEMM paths the load-time timing chooses among, e.g. "
+        "linear,onednn (default: linear, onednn, own-bf16)")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
     "disable_shm_all_reduce": Annotated[bool, typer.Option(

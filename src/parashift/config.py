@@ -130,6 +130,9 @@ class ParallelConfig:
                              f"0..{num_engines - 1}")
 
 
+GEMM_PATHS = ("linear", "onednn", "own-bf16")  # layers/gemm.py's classes, by name
+
+
 def check_cpu_kernels(value: str) -> None:
     """--cpu-kernels: native, off, or a gcc -march name (it reaches g++'s command line)."""
     if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]{0,39}", value):
@@ -150,9 +153,17 @@ class DeviceConfig:
     attention_backend: str = "torch"  # resolved: never "auto"
     enforce_eager: bool = False  # CUDA only: decode without CUDA graphs
     cpu_kernels: str = "native"  # "native", "off" or a gcc -march (EngineArgs.cpu_kernels)
+    # CPU: the GEMM paths the load-time timing chooses among (layers/gemm_paths.py); each
+    # keeps one copy of a weight in the model's dtype, so the choice never changes the bytes
+    gemm_paths: tuple[str, ...] = GEMM_PATHS
 
     def __post_init__(self) -> None:
         check_cpu_kernels(self.cpu_kernels)
+        unknown = [p for p in self.gemm_paths if p not in GEMM_PATHS]
+        if unknown or "linear" not in self.gemm_paths:
+            raise ValueError(f"--gemm-paths {','.join(self.gemm_paths)}: choose among "
+                             f"{', '.join(GEMM_PATHS)}, linear included (every weight can "
+                             "take it)")
 
     @property
     def torch_device(self) -> torch.device:

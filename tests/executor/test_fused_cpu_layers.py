@@ -36,7 +36,7 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
 
     with monkeypatch.context() as m:
         # our GEMM path on every weight (timing may choose otherwise)
-        m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape, shared=False: (
+        m.setattr(gemm_paths.GemmPaths, "choose", lambda self, dtype, *shape, **_: (
             "own-bf16" if dtype == torch.bfloat16 else "linear"))
         m.setattr(FusedCpuLayers, "__call__", counted)
         if not fused:

@@ -185,7 +185,8 @@ def test_every_path_keeps_one_copy_and_a_shared_weight_one_more(tmp_path, monkey
     for path in candidates(dtype):
         model = _Tied(dtype)
         monkeypatch.setattr(GemmPaths, "choose", lambda self, dtype, *shape, shared=False,
-                            path=path: path if not shared or path != "linear" else "onednn")
+                            policy=None, path=path: (path if not shared or path != "linear"
+                                                     else "onednn"))
         prepare_gemm_weights(model, torch.device("cpu"))
         assert model.proj.weight.is_meta == (path != "linear"), path
         assert not model.embed.is_meta and model.head.weight is model.embed
@@ -202,6 +203,25 @@ def test_a_shared_weight_is_timed_without_f_linear(tmp_path, monkeypatch):
         timed.append(paths), {p: 1.0 for p in paths})[1])
     paths = GemmPaths(str(tmp_path / "cpu.json"))
     choice = paths.choose(torch.float32, 96, 64, shared=True)
-    if prepares_shared_weights(torch.float32):
-        assert "linear" not in timed[0] and choice != "linear"
-    assert paths.choose(torch.float32, 96, 64) in timed[-1]  # its own key
+    if prepares_shared_weights(torch.float32):  # the one prepared fp32 path: nothing to time
+        assert choice == "onednn" and timed == []
+    assert paths.choose(torch.float32, 96, 64) in timed[-1]  # its own key, timed
+    if gemm_paths.can_own_bf16() and prepares_shared_weights(torch.bfloat16):
+        assert paths.choose(torch.bfloat16, 96, 64, shared=True) != "linear"
+        assert "linear" not in timed[-1]
+
+
+def test_the_configs_policy_limits_the_choice(tmp_path, monkeypatch):
+    """--gemm-paths linear: every weight on F.linear, its plain weight kept, nothing timed;
+    an unknown path, or one without linear, is refused naming the flag."""
+    from parashift.config import DeviceConfig
+
+    monkeypatch.setenv("PARASHIFT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_paths, "time_paths", lambda *a, paths=None, **k: (
+        {p: 1.0 for p in paths} if len(paths) > 1 else pytest.fail("timed one path")))
+    model = _Tied(torch.bfloat16)
+    notes = prepare_gemm_weights(model, torch.device("cpu"), policy=("linear",))
+    assert not any(p.is_meta for p in model.parameters()) and "2 linear" in notes[-1]
+    for bad in (("linear", "mkl"), ("onednn",)):
+        with pytest.raises(ValueError, match="--gemm-paths"):
+            DeviceConfig("cpu", gemm_paths=bad)

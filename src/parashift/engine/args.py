@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from parashift import env
 from parashift.config import (
+    GEMM_PATHS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -69,6 +70,8 @@ class EngineArgs:
     # CPU: our compiled kernels built for this CPU ("native"), for another (a gcc -march: a
     # fleet's oldest CPU, or the AVX2 path tried on a newer one), or "off" (torch ops only)
     cpu_kernels: str = "native"
+    # CPU: the GEMM paths load-time timing may choose (comma-separated; None: all of them)
+    gemm_paths: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
@@ -145,7 +148,7 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         _say_auto_bf16(path)
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
         args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager,
-        args.cpu_kernels)
+        args.cpu_kernels, gemm_paths(args.gemm_paths, args.cpu_kernels))
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
@@ -159,6 +162,13 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
+
+
+def gemm_paths(value: str | None, cpu_kernels: str) -> tuple[str, ...]:
+    """--gemm-paths as the config records it: every path, or the ones named; our own kernel's
+    only with the kernels on."""
+    paths = GEMM_PATHS if value is None else tuple(p.strip() for p in value.split(",") if p)
+    return tuple(p for p in paths if p != "own-bf16" or cpu_kernels != "off")
 
 
 def resolve_attention_backend(name: str, device: str, block_size: int,

@@ -68,7 +68,7 @@ class Worker:
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
-                                         mc.quantization):
+                                         mc.quantization, self.config.device.gemm_paths):
             logger.info(note)
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
                                   self.device, self.parallel.group("pp"))

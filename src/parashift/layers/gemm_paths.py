@@ -158,16 +158,27 @@ class GemmPaths:
                 + (":shared" if shared else ""))
 
     def choose(self, dtype: torch.dtype, out_features: int, in_features: int,
-               shared: bool = False) -> str:
-        """The path of a weight of this dtype and shape; `shared`: another module also reads
+               shared: bool = False, policy: tuple[str, ...] | None = None) -> str:
+        """The path of a weight of this dtype and shape, among those of `policy` (the
+        config's gemm_paths; None: all) this CPU runs; `shared`: another module also reads
         the weight (prepares_shared_weights)."""
         key = self._key(dtype, out_features, in_features, shared)
-        allowed = candidates(dtype)
-        if shared and prepares_shared_weights(dtype):
+        every = candidates(dtype)
+        allowed = [p for p in every if policy is None or p in policy]
+        if shared and prepares_shared_weights(dtype) and len(allowed) > 1:
             allowed.remove("linear")
         known = self.choices.get(key)
-        if known in allowed:
-            return known
+        if known in allowed or len(allowed) == 1:
+            return known if known in allowed else allowed[0]
+        best, timed = self._time(dtype, out_features, in_features, allowed)
+        if policy is None or set(every) <= set(policy):  # a narrower policy's pick: not cached
+            self.choices[key] = best
+            self.timed[key] = timed
+        return best
+
+    @staticmethod
+    def _time(dtype: torch.dtype, out_features: int, in_features: int, allowed: list[str]
+              ) -> tuple[str, dict]:
         times = time_paths(dtype, out_features, in_features, paths=tuple(allowed))
         best = min(times, key=times.get)
         timed: dict = {"rows": times}
@@ -178,9 +189,7 @@ class GemmPaths:
             rival = min(others, key=lambda path: prefill.get(path, math.inf))
             if prefill.get(rival, math.inf) < LOSS_MARGIN * prefill["own-bf16"]:
                 best = rival
-        self.choices[key] = best
-        self.timed[key] = timed
-        return best
+        return best, timed
 
     def save(self) -> None:
         """Atomically, and only if something new was timed; a read-only cache is no error."""
@@ -198,7 +207,8 @@ class GemmPaths:
 
 
 def prepare_gemm_weights(model: nn.Module, device: torch.device,
-                         quantization: str | None = None) -> list[str]:
+                         quantization: str | None = None,
+                         policy: tuple[str, ...] | None = None) -> list[str]:
     """Give every module with a GEMM (a `gemm` attribute) the path chosen for its weight on
     this CPU, or its quantized weight (`quantization`, what layers/quantization.py names).
     A prepared path's copy replaces the module's plain weight (then a meta tensor) unless
@@ -215,7 +225,7 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device,
         if not isinstance(getattr(m, "gemm", None), Gemm) or isinstance(m.gemm, QuantizedGemm):
             continue
         shared = owners.get(id(m.weight), 0) > 1
-        path = paths.choose(m.weight.dtype, *m.weight.shape, shared=shared)
+        path = paths.choose(m.weight.dtype, *m.weight.shape, shared=shared, policy=policy)
         m.gemm = gemm_for_path(m.weight.data, path)
         if not m.gemm.reads_plain_weight and not shared:  # the prepared copy is the one kept
             m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)

@@ -57,7 +57,9 @@ def machine_settings(args: EngineArgs, checkpoint_dtype: str | None) -> PlanSett
         args.block_size, args.max_num_seqs,
         cpu_ids=None if is_gpu else tuple(sorted(os.sched_getaffinity(0))),
         quantization=args.quantization,
-        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype))
+        # (--gemm-paths linear leaves a tied head on the embedding's own weight)
+        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype)
+        and args.gemm_paths not in ("linear",))
 
 
 def choose_strategy(args: EngineArgs, objective: str, one_engine: bool = False
