@@ -241,12 +241,27 @@ def test_llama3_json_and_mistral():
     assert _read("mistral", "[TOOL_CALLS][{", final=False) == ("", [])
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_a_named_call_is_complete_once_its_object_closes():
+    reader = ToolCallReader(ToolPlan("named", name="f"))
+    assert not reader.read('{"a": 1', final=True)[1][0].complete  # cut by max_tokens
+    assert reader.read('{"a": "}"}', final=True)[1][0].complete
+
+
 def test_the_required_form_is_read_as_it_grows():
     reader = ToolCallReader(ToolPlan("required"))
     text = '[{"name": "f", "parameters": {"s": "}{"}}, {"name": "g", "parameters": {}}]'
     seen = []
     for end in range(len(text) + 1):
         _, calls = reader.read(text[:end], end == len(text))
+        assert all(c.complete == _parses(c.arguments) for c in calls)
         seen.append([(c.name, c.arguments, c.complete) for c in calls])
     assert seen[-1] == [("f", '{"s": "}{"}', True), ("g", "{}", True)]
     # every step only extends what came before: a stream never takes anything back

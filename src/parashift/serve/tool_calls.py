@@ -29,7 +29,6 @@ from typing import Any
 from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError
 from parashift.types.structured_outputs import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -117,10 +116,10 @@ class ToolCallReader:
 
     def read(self, text: str, final: bool) -> tuple[str, list[Call]]:
         mode = self.plan.mode
-        if mode == "named":
-            return "", [Call(self.plan.name or "", text, final)]
+        if mode == "named":  # complete once its object closes (max_tokens may cut it)
+            return "", [Call(self.plan.name or "", text, _json_value_end(text, 0) is not None)]
         if mode == "required":
-            return "", _required_calls(text, final)
+            return "", _required_calls(text)
         if mode == "auto":
             return _PARSERS[self.plan.parser or "hermes"](text, final)
         return text, []
@@ -151,7 +150,7 @@ def _json_value_end(text: str, start: int) -> int | None:
 _REQUIRED_ITEM = re.compile(r'\{"name": "([^"]*)"(, "parameters": )?')
 
 
-def _required_calls(text: str, final: bool) -> list[Call]:
+def _required_calls(text: str) -> list[Call]:
     """`[{"name": "f", "parameters": {...}}, ...]` as the `required` grammar writes it (its
     schema's order, compact separators), read as far as it goes."""
     calls, at = [], 1 if text.startswith("[") else len(text)
