@@ -270,6 +270,14 @@ def test_a_bad_constraint_is_a_value_error(llm, constraint, message):
             structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    # keywords the grammar would not enforce (an output breaking them would be accepted)
+    for keyword, value in (("not", {"type": "string"}), ("allOf", [{"type": "integer"}]),
+                           ("uniqueItems", True), ("contains", {"const": 3}),
+                           ("dependentRequired", {"a": ["b"]}), ("if", {"type": "object"})):
+        with pytest.raises(ValueError, match=f"'{keyword}'"):
+            StructuredOutputsParams(json={"type": "object", "properties": {
+                "a": {keyword: value}}})
+    StructuredOutputsParams(json={"type": "object", "properties": {"not": {}, "if": {}}})
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
 

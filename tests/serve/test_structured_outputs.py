@@ -124,6 +124,10 @@ def test_logprobs_are_of_the_masked_distribution(client):
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", "json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format", "'uniqueItems'"),
+    ({"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
+     "structured_outputs", "only references inside the schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs",

@@ -181,6 +181,8 @@ def test_a_history_with_tool_results_is_rendered(client, tool_model):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "array"}}}]}, 'type "object"'),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "not": {"required": ["a"]}}}}], "tool_choice": "required"}, "'not'"),
     ({"tools": [WEATHER, WEATHER]}, "a second function"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
         "type": "json_object"}}, "constrains the reply"),

@@ -175,7 +175,7 @@ def resolve_attention_backend(name: str, device: str, block_size: int,
                               dtype: torch.dtype | None = None) -> str:
     """`auto` -> triton on CUDA (when Triton is installed), the compiled CPU kernels on CPU in
     float32 and bfloat16, torch elsewhere; an explicit choice is checked against the device,
-    the dtype and the block size."""
+    the dtype (None: float32) and the block size."""
     import torch
 
     from parashift.layers.kernel_dispatch import has_triton
@@ -183,7 +183,8 @@ def resolve_attention_backend(name: str, device: str, block_size: int,
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {name!r} is unknown; known: "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    cpu_dtype = dtype in (None, torch.float32, torch.bfloat16)
+    dtype = dtype or torch.float32
+    cpu_dtype = dtype in (torch.float32, torch.bfloat16)
     if name == "auto":
         if device.startswith("cuda"):
             return "triton" if has_triton() and block_size >= 16 else "torch"

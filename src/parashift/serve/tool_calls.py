@@ -87,16 +87,23 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if req.parallel_tool_calls is False:
             array["maxItems"] = 1
-        return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=array))
+        return ToolPlan("required", tools, constraint=_constraint(array))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
             choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
         name = choice["function"]["name"]
         if name not in schemas:
             raise OpenAIError(400, f"tool_choice names {name!r}, which is not among the tools",
                               param="tool_choice")
-        return ToolPlan("named", tools, name, StructuredOutputsParams(json=schemas[name]))
+        return ToolPlan("named", tools, name, _constraint(schemas[name]))
     raise OpenAIError(400, 'tool_choice must be "none", "auto", "required" or {"type": '
                       '"function", "function": {"name": ...}}', param="tool_choice")
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as e:  # a keyword the grammar would not enforce
+        raise OpenAIError(400, f"tools: {e}", param="tools") from None
 
 
 @dataclass

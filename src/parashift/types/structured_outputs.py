@@ -11,6 +11,39 @@ from typing import Any
 
 MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or grammar: bounded work to compile
 MAX_CHOICES = 1024
+# JSON schema keywords xgrammar compiles as if they were absent (measured on 0.2.9: an
+# instance that breaks them is accepted): refused, so that every output validates. (`oneOf`
+# is taken as `anyOf`, as vLLM takes it: its branches' overlap is the schema's own.)
+UNENFORCED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "allOf", "uniqueItems", "contains", "minContains",
+    "maxContains", "dependentRequired", "dependentSchemas", "dependencies",
+    "unevaluatedProperties", "unevaluatedItems", "propertyNames"})
+# keywords whose value maps names (not keywords) to schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def check_schema_keywords(schema: Any, at: str = "") -> None:
+    """ValueError naming the first keyword of `schema` the grammar would not enforce, or a
+    `$ref` outside the schema."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_schema_keywords(item, f"{at}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        where = f"{at}/{key}"
+        if key in UNENFORCED_KEYWORDS:
+            raise ValueError(f"structured_outputs.json: the keyword {key!r} (at {where}) is "
+                             "not supported")
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise ValueError(f"structured_outputs.json: $ref {value!r} (at {where}): only "
+                             "references inside the schema are supported")
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema_keywords(sub, f"{where}/{name}")
+        elif key not in ("enum", "const", "required", "examples", "default"):
+            check_schema_keywords(value, where)
 
 
 @dataclass
@@ -36,6 +69,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice needs 1 to {MAX_CHOICES} strings")
             if any(not isinstance(c, str) for c in self.choice):
                 raise ValueError("structured_outputs.choice takes strings")
+        if self.json is not None:
+            try:
+                check_schema_keywords(json.loads(self.json))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
         text = self.json or self.regex or self.grammar or ""
         if isinstance(text, str) and len(text) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"structured_outputs.{given[0]} has more than "
