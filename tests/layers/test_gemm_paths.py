@@ -19,6 +19,7 @@ from parashift.layers.gemm_paths import (
     candidates,
     prepare_gemm_weights,
     prepares_shared_weights,
+    weight_bytes,
 )
 
 
@@ -166,12 +167,6 @@ class _Tied(nn.Module):
                                        requires_grad=False))
 
 
-def _weight_bytes(model: nn.Module) -> int:  # as executor/worker.Worker.weight_bytes counts
-    seen = {id(p): p for p in model.parameters() if not p.is_meta}
-    return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
-        m.gemm.kept_bytes for m in model.modules() if isinstance(getattr(m, "gemm", None), Gemm))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_keeps_one_copy_and_a_shared_weight_one_more(tmp_path, monkeypatch, dtype):
     """Whichever path each weight takes, the model keeps the same bytes: a prepared path's copy
@@ -181,7 +176,7 @@ def test_every_path_keeps_one_copy_and_a_shared_weight_one_more(tmp_path, monkey
     x = torch.randn(3, 64).to(dtype)
     plain = _Tied(dtype)
     reference = (plain.head.gemm(x, None), plain.proj.gemm(x, None))
-    base = _weight_bytes(plain)
+    base = weight_bytes(plain)
     for path in candidates(dtype):
         model = _Tied(dtype)
         monkeypatch.setattr(GemmPaths, "choose", lambda self, dtype, *shape, shared=False,
@@ -191,7 +186,7 @@ def test_every_path_keeps_one_copy_and_a_shared_weight_one_more(tmp_path, monkey
         assert model.proj.weight.is_meta == (path != "linear"), path
         assert not model.embed.is_meta and model.head.weight is model.embed
         extra = 96 * 64 * model.embed.element_size() if prepares_shared_weights(dtype) else 0
-        assert _weight_bytes(model) == base + extra, path
+        assert weight_bytes(model) == base + extra, path
         for got, want in zip((model.head.gemm(x, None), model.proj.gemm(x, None)), reference,
                              strict=True):
             assert torch.allclose(got.double(), want.double(), atol=2e-2, rtol=2e-2), path

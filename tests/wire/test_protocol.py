@@ -8,10 +8,9 @@ from parashift.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    chat_messages,
     parse,
-    sampling_params,
 )
+from parashift.serve.request_params import chat_messages, sampling_params
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p

@@ -109,9 +109,7 @@ class EngineCore:
             return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.freed_req_ids:
-            if self.grammars is not None:  # only compiling requests left: wait, not spin
-                self.grammars.wait_for_any(0.05)
-            return self.scheduler.take_unscheduled_outputs()
+            return self._idle_step()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -126,12 +124,17 @@ class EngineCore:
             if empty:
                 break
         if not queue:
-            if self.grammars is not None:  # only compiling requests left: wait, not spin
-                self.grammars.wait_for_any(0.05)
-            return self.scheduler.take_unscheduled_outputs()
+            return self._idle_step()
         # The result first: if waiting fails, the batch stays queued to meet its result later.
         runner_output = self.executor.wait()
         return self.scheduler.update_from_output(queue.popleft(), runner_output)
+
+    def _idle_step(self) -> list[EngineCoreOutput]:
+        """Nothing to run: what finished unscheduled; with only compiling requests left, a
+        wait for a compile (not a spin)."""
+        if self.grammars is not None:
+            self.grammars.wait_for_any(0.05)
+        return self.scheduler.take_unscheduled_outputs()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -170,10 +170,7 @@ class Scheduler:
                                fill_bitmask(constrained, self.vocab_size))
 
     def _finish_unscheduled(self, req: Request, error: str) -> None:
-        req.status = RequestStatus.FINISHED_ABORTED
-        self.kv_cache.free(req)
-        self._forget(req.request_id)
-        del self.requests[req.request_id]
+        self._finish(req, RequestStatus.FINISHED_ABORTED, already_removed=True)
         self._finished_unscheduled.append(EngineCoreOutput(
             req.request_id, [], None, RequestStatus.FINISHED_ABORTED.value, error))
 

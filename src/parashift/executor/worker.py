@@ -15,8 +15,7 @@ from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
 from parashift.layers.attention.backend import get_attention_backend
-from parashift.layers.gemm import Gemm
-from parashift.layers.gemm_paths import prepare_gemm_weights
+from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
@@ -111,13 +110,8 @@ class Worker:
         return shard.has_lm_head and shard.tp_rank == 0
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's weights: its parameters (a tied weight once) and the copies
-        its GEMMs keep in their place (a prepared layout, a quantized weight): what `plan`
-        predicts."""
-        seen = {id(p): p for p in self.model.parameters() if not p.is_meta}
-        return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
-            m.gemm.kept_bytes for m in self.model.modules()
-            if isinstance(getattr(m, "gemm", None), Gemm))
+        """Bytes of this rank's weights (layers/gemm_paths.py): what `plan` predicts."""
+        return weight_bytes(self.model)
 
     def stop(self) -> None:
         """Before the process exits: the last activations sent must reach the next stage."""

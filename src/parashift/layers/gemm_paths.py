@@ -237,6 +237,14 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device,
             + ", ".join(f"{n} {path}" for path, n in sorted(counts.items()))]
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: its parameters (a shared one once, a meta one not at all)
+    and the copies its GEMMs keep in their place (a prepared layout, a quantized weight)."""
+    seen = {id(p): p for p in model.parameters() if not p.is_meta}
+    return sum(p.numel() * p.element_size() for p in seen.values()) + sum(
+        m.gemm.kept_bytes for m in model.modules() if isinstance(getattr(m, "gemm", None), Gemm))
+
+
 def quantize_weights(model: nn.Module, method: str) -> list[str]:
     """The linear weights that layers/quantization.py quantizes -> `method`, the float weights
     dropped. A module opts in with `quantizable = True` (the decoder layers' projections)."""

@@ -25,7 +25,8 @@ from parashift.runtime.endpoints import Endpoints, bind_listener
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
-from parashift.serve.api_server import ApiServerArgs, run_api_server
+from parashift.serve.api_process import run_api_server
+from parashift.serve.api_server import ApiServerArgs
 from parashift.wire import protocol as p
 from parashift.wire.engine_config import config_to_wire
 from parashift.wire.sockets import tcp_url, zmq_context

@@ -1,12 +1,11 @@
-"""The OpenAI-compatible HTTP server (aiohttp + uvloop). One process per --api-server-count;
-all accept on one listening socket and reach every engine through their own broker."""
+"""The OpenAI-compatible HTTP server (aiohttp): its routes and how a request becomes engine
+requests. Its process (one per --api-server-count, all on one listening socket):
+serve/api_process.py."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import signal
 import socket
 import time
 import uuid
@@ -19,13 +18,6 @@ from aiohttp import web
 
 from parashift.engine.request import check_prompt_tokens
 from parashift.engine.structured_output import COMPILE_TIMEOUT_S, Grammars
-from parashift.processes import (
-    die_with_parent,
-    exit_now,
-    remove_launch_folder,
-    set_process_name,
-    setup_child_logging,
-)
 from parashift.serve import responses, sse
 from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_routes import EngineRoutes
@@ -38,12 +30,11 @@ from parashift.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    chat_messages,
     parse,
-    sampling_params,
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
+from parashift.serve.request_params import chat_messages, constrained, sampling_params
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
 
@@ -256,19 +247,11 @@ class ApiServer:
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than "
                               f"{MAX_CHOICES} choices in one request", param="n")
-        params = [sampling_params(req, len(p), self.args.max_model_len) for p in prompts]
-        if tools is not None and tools.constraint is not None:  # required or named
-            if params[0].structured_outputs is not None:
-                raise OpenAIError(400, f'tool_choice "{tools.mode}" constrains the reply: give '
-                                  "no response_format or structured_outputs with it",
-                                  param="tool_choice")
-            params = [dataclasses.replace(p, structured_outputs=tools.constraint)
-                      for p in params]
-            await self._check_constraint(tools.constraint, "tools")
-        elif params[0].structured_outputs is not None:
-            await self._check_constraint(params[0].structured_outputs,
-                                         "structured_outputs" if req.structured_outputs
-                                         else "response_format")
+        params, field = constrained(
+            req, [sampling_params(req, len(p), self.args.max_model_len) for p in prompts],
+            tools.constraint if tools is not None else None)
+        if field is not None:
+            await self._check_constraint(params[0].structured_outputs, field)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,
@@ -301,51 +284,3 @@ class ApiServer:
             t = gen.timing
             self.metrics.observe_request(status, gen.num_prompt_tokens, gen.num_output_tokens,
                                          t.arrival, t.first_token, time.monotonic())
-
-
-async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
-    server = ApiServer(args)
-    server.engines.start()
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.SockSite(runner, sock)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    ended = [asyncio.create_task(stop.wait()),
-             asyncio.create_task(server.engines.shutdown_requested.wait())]
-    # Accept only once every engine is ready, as vLLM does: until then a client's connection
-    # waits in the listener's backlog, so that a client polling /v1/models (or /health) is
-    # answered when its requests can run, not with a 503 during the engines' start-up.
-    ready = asyncio.create_task(server.engines.all_ready.wait())
-    await asyncio.wait([ready, *ended], return_when=asyncio.FIRST_COMPLETED)
-    serving = ready.done()
-    ready.cancel()
-    if serving:
-        await site.start()
-        await server.engines.tell_launcher_ready()
-        await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
-        # Stop accepting, let in-flight requests drain within the timeout, abort the rest.
-        await site.stop()
-    deadline = time.monotonic() + server.engines.shutdown_timeout
-    while server.engines.sinks and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    await runner.cleanup()
-    await server.engines.close()
-    remove_launch_folder(args.request_address)  # here, where a 2nd SIGTERM cannot cut it short
-
-
-def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:
-    """Process entry point (multiprocessing target)."""
-    set_process_name(f"parashift-api-{args.index}")
-    die_with_parent()
-    setup_child_logging(args.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve(args, sock))
-    exit_now(0)
