@@ -90,6 +90,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
+    # schedule step N+1 while step N runs (engine/core.py); resolved from --async-scheduling
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.while_asleep not in ("reject", "wait"):

@@ -1,9 +1,9 @@
 """Scheduler + KVCacheManager driven by a synthetic model runner: budgets, ordering, chunked
 prefill, preemption, aborts, and (property tests) that every request finishes without leaks.
 
-The runner here keeps its requests as the real ModelRunner does (executor/request_states.py:
-the same deltas applied, the same rule for which rows sample) and samples a fixed token: only
-the model is left out."""
+The runner here keeps its requests as the real ModelRunner does (executor/input_batch.py: the
+same deltas applied, the same rule for which rows sample, its own sampled tokens kept) and
+samples a fixed token: only the model is left out."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.request import Request, RequestStatus
 from parashift.engine.scheduler import Scheduler
-from parashift.executor.request_states import RequestStates
+from parashift.executor.input_batch import InputBatch
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
 
@@ -26,23 +26,34 @@ class FakeRunner:
     """The runner side of the protocol, without a model."""
 
     def __init__(self) -> None:
-        self.requests = RequestStates()
+        self.batch: InputBatch | None = None
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.requests.apply(out)
+        if self.batch is None:  # few rows: the tests grow it
+            self.batch = InputBatch(sched.config.max_model_len, sched.kv_cache.block_size, 2)
+        batch = self.batch
+        batch.apply(out)
         order = list(out.num_scheduled_tokens)
-        states = [self.requests[req_id] for req_id in order]
-        for req_id, state in zip(order, states, strict=True):
+        rows = batch.rows_of(order)
+        for req_id, row in zip(order, rows.tolist(), strict=True):
             req, num = sched.requests[req_id], out.num_scheduled_tokens[req_id]
             # The runner's view agrees with the scheduler's after applying the deltas.
-            assert state.token_ids == req.all_token_ids
-            assert state.block_ids == sched.kv_cache.block_ids(req_id)
-            assert state.num_computed_tokens + num == req.num_computed_tokens
-            assert req.num_computed_tokens <= req.num_tokens
-            assert len(state.block_ids) * sched.kv_cache.block_size >= req.num_computed_tokens
-        rows = self.requests.advance(states, np.array([out.num_scheduled_tokens[r]
-                                                       for r in order]))
-        return ModelRunnerOutput({order[i]: SAMPLED_TOKEN for i in rows})
+            # (beyond the scheduler's tokens: those it sampled in steps still in flight)
+            tokens = batch.token_row(req_id)
+            assert tokens[: req.num_tokens] == req.all_token_ids
+            assert len(tokens) <= req.num_tokens + req.num_output_placeholders
+            assert batch.block_row(req_id) == sched.kv_cache.block_ids(req_id)
+            assert batch.num_computed_tokens[row] + num == req.num_computed_tokens
+            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+            assert batch.num_blocks[row] * sched.kv_cache.block_size >= req.num_computed_tokens
+        sampling = batch.advance(rows, np.array([out.num_scheduled_tokens[r] for r in order],
+                                                dtype=np.int64))
+        sampled = {order[i]: self.sample(order[i]) for i in sampling.tolist()}
+        batch.append_sampled(rows[sampling], list(sampled.values()))
+        return ModelRunnerOutput(sampled)
+
+    def sample(self, req_id: str) -> int:
+        return SAMPLED_TOKEN
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_batched_tokens: int = 64,
@@ -197,7 +208,7 @@ def test_abort_waiting_running_and_unknown():
     assert_no_leaks(sched)
     out, outputs = step(sched, runner)
     assert out.is_empty and outputs == [] and out.freed_req_ids == {"a", "b"}
-    assert runner.requests == {}
+    assert runner.batch.num_reqs == 0 and runner.batch.rows == {}
 
 
 def test_prefix_hit_at_admission():
@@ -329,4 +340,4 @@ def test_random_workloads_respect_budgets_and_finish_without_leaks(w):
     out = sched.schedule()
     assert out.is_empty
     runner.execute(sched, out)
-    assert runner.requests == {}
+    assert runner.batch.num_reqs == 0 and runner.batch.rows == {}

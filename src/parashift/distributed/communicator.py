@@ -96,6 +96,14 @@ class GroupCommunicator:
                     group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor, on every rank (in place)."""
+        if self.world_size > 1:
+            start = time.perf_counter()
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+            self._count(start, tensor)
+        return tensor
+
     # --- pipeline: point to point along the group (rank i -> rank i + 1) ----------------------
     def send_next(self, tensor: torch.Tensor) -> None:
         """Send to the next rank without waiting for it to receive; the previous send is

@@ -73,6 +73,8 @@ class EngineArgs:
     # CPU: the GEMM paths load-time timing may choose (comma-separated; None: all of them)
     gemm_paths: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # schedule step N+1 while step N runs; None: where it measured faster (default_async)
+    async_scheduling: bool | None = None
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     strategy: str | None = None  # e.g. "dp2"; the explicit sizes below must agree with it
     data_parallel_size: int | None = None
@@ -156,12 +158,21 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, device_name,
         None if args.enable_chunked_prefill else max_model_len)
+    async_scheduling = (args.async_scheduling if args.async_scheduling is not None
+                        else default_async_scheduling(device_name))
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests,
-                                args.while_asleep)
+                                args.while_asleep, async_scheduling)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
+
+
+def default_async_scheduling(device: str) -> bool:
+    """On CUDA, as vLLM: the GPU runs step N while the host prepares N+1. On CPU the host and
+    the "device" share the cores: docs/BENCHMARKS.md ("Async scheduling") has the measurement
+    this follows."""
+    return device.startswith("cuda")
 
 
 def gemm_paths(value: str | None, cpu_kernels: str) -> tuple[str, ...]:

@@ -1,8 +1,12 @@
 """The engine core: a scheduler, an executor and a KV cache; `step` is the whole loop body.
 
-With a pipeline (the strategy's `max_batches_in_flight` > 1) a step keeps a batch queue, as
-vLLM's `step_with_batch_queue`: it submits new batches until the queue is full or nothing is
-left to schedule, then waits for the oldest."""
+Batches in flight are one mechanism for two purposes, as vLLM's `step_with_batch_queue`: a
+step submits new batches until the queue is full or nothing is left to schedule, then waits
+for the oldest. A pipeline keeps one batch per stage in flight, each of other requests. Async
+scheduling (one stage) keeps two: step N+1 is scheduled and submitted while step N runs, its
+requests' tokens from step N as placeholders that the runner fills itself; a structured-output
+mask that needs those tokens is made once step N's output is in, while step N+1's forward
+runs, and sent after it (vLLM's deferred `sample_tokens`)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ def make_executor(config: EngineConfig, placement: EnginePlacement | None = None
 
 
 class EngineCore:
+    supports_async_scheduling = True  # lockstep waves (engine/lockstep.py) step one at a time
+
     def __init__(self, config: EngineConfig, executor=None,
                  placement: EnginePlacement | None = None):
         self.config = config
@@ -77,8 +83,12 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f max-length sequences "
                     "at once)", num_blocks, block_size, capacity, capacity / max_len)
         kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        depth = self.executor.max_batches_in_flight
-        self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size)
+        pipeline = self.executor.max_batches_in_flight
+        self.async_scheduling = (config.scheduler.async_scheduling and pipeline == 1
+                                 and self.supports_async_scheduling)
+        depth = 2 if self.async_scheduling else pipeline
+        self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size,
+                                   placeholders=self.async_scheduling)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
             collections.deque() if depth > 1 else None)
 
@@ -127,7 +137,10 @@ class EngineCore:
             return self._idle_step()
         # The result first: if waiting fails, the batch stays queued to meet its result later.
         runner_output = self.executor.wait()
-        return self.scheduler.update_from_output(queue.popleft(), runner_output)
+        outputs = self.scheduler.update_from_output(queue.popleft(), runner_output)
+        if queue and queue[0].grammar_deferred:  # its forward runs; its mask is known now
+            self.executor.sample_tokens(self.scheduler.deferred_bitmask(queue[0]))
+        return outputs
 
     def _idle_step(self) -> list[EngineCoreOutput]:
         """Nothing to run: what finished unscheduled; with only compiling requests left, a

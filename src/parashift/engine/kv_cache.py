@@ -164,9 +164,12 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # Blocks this step fills are registered now: every layer writes the step's K/V
             # before attending, so a request admitted later in the same step may share them.
-            self._update_block_hashes(request, total)
+            # Not a block holding a placeholder (a token in flight, async scheduling): its
+            # hash needs the token, and the next step registers it.
+            known = min(total, request.num_tokens)
+            self._update_block_hashes(request, known)
             start = self.num_cached_blocks.get(request.request_id, 0)
-            num_full = total // self.block_size
+            num_full = known // self.block_size
             for i in range(start, num_full):
                 self.pool.cache(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)

@@ -52,6 +52,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens that steps in flight will sample, not known yet (async scheduling).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

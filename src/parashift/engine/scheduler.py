@@ -5,16 +5,21 @@ the next chunk of an unfinished prefill); waiting requests are then admitted int
 left, starting after their longest cached prefix. When the KV pool runs dry the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later.
 
-With a pipeline the engine keeps several batches in flight. A request is in at most one of
-them: its next step is scheduled only once its previous one returned, so each new batch is made
-of the other requests. Each batch takes about an equal share of the tokens to run, so that the
-batches in flight keep every stage equally busy. A request preempted or aborted while in
-flight keeps its place in no batch; the stale result is dropped when it returns."""
+The engine may keep several batches in flight (engine/core.py). With async scheduling a request
+whose step is in flight is scheduled again at once: the token that step will sample is a
+placeholder (`num_output_placeholders`), which the runner fills from its own sampled ids, and
+which becomes a real token when the step's output arrives. Without placeholders (a pipeline,
+whose first stage cannot know what the last one samples) a request is in at most one batch: its
+next step is scheduled only once its previous one returned, so each new batch is made of the
+other requests, and each takes about an equal share of the tokens to run, so that the batches
+in flight keep every stage equally busy. Either way a request preempted or aborted while in
+flight keeps its place in no batch, and the stale result is dropped when it returns: a
+finished request never emits a token from a step scheduled before it finished."""
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from parashift.config import SchedulerConfig
@@ -37,12 +42,17 @@ class QueueFullError(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_batches_in_flight: int = 1, vocab_size: int = 0):
+                 max_batches_in_flight: int = 1, vocab_size: int = 0,
+                 placeholders: bool = False):
         self.config = config
         self.vocab_size = vocab_size  # the bitmask's width, for structured outputs
         self.kv_cache = kv_cache
         self.max_batches_in_flight = max_batches_in_flight
-        self.in_flight: set[str] = set()  # requests of batches submitted and not yet returned
+        self.placeholders = placeholders  # async scheduling: schedule in-flight requests again
+        # Requests of batches submitted and not yet returned: in how many.
+        self.in_flight: Counter[str] = Counter()
+        # Masks that wait for their requests' in-flight tokens: batch -> constrained requests.
+        self._deferred_grammar: dict[int, list[str]] = {}
         self.num_preemptions = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -76,7 +86,7 @@ class Scheduler:
         waits. Requests join whole until the target is reached (cutting a prompt to balance
         would only serialise it: its halves cannot be in flight together)."""
         budget, depth = self.config.max_num_batched_tokens, self.max_batches_in_flight
-        if depth == 1:
+        if depth == 1 or self.placeholders:
             return budget
         work = 0
         for req in itertools.chain(self.running, self.waiting):
@@ -93,13 +103,16 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
+        pending_grammar = False  # a constrained row samples after an unknown token
         i = 0
         while i < len(self.running) and budget > stop_at:
             req = self.running[i]
-            if req.request_id in self.in_flight:
+            if req.request_id in self.in_flight and not self._may_run_ahead(req):
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens,
+                          budget)
+            pending_grammar |= req.grammar is not None and req.num_output_placeholders > 0
             new_block_ids = self.kv_cache.allocate_slots(req, num_new)
             while new_block_ids is None:
                 victim = self._preemption_victim(i)
@@ -114,7 +127,7 @@ class Scheduler:
             synced = self._num_synced_tokens[req.request_id]
             cached_reqs.append(CachedRequestData(
                 req.request_id, req.all_token_ids[synced:], new_block_ids,
-                req.num_computed_tokens,
+                req.num_computed_tokens, synced,
             ))
             self._num_synced_tokens[req.request_id] = req.num_tokens
             num_scheduled[req.request_id] = num_new
@@ -161,13 +174,43 @@ class Scheduler:
         for req_id, num_new in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += num_new
-            if req.grammar is not None and req.num_computed_tokens == req.num_tokens:
-                constrained.append((req_id, req.grammar))  # it samples this step
-        self.in_flight.update(num_scheduled)
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # it samples this step
+                if req.grammar is not None:
+                    constrained.append(req_id)
+            self.in_flight[req_id] += 1
         freed, self._freed_req_ids = self._freed_req_ids, set()
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               sum(num_scheduled.values()), freed,
-                               fill_bitmask(constrained, self.vocab_size))
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                              freed)
+        if pending_grammar:  # as vLLM: the mask is made once the in-flight tokens are in
+            out.grammar_deferred = True
+            self._deferred_grammar[id(out)] = constrained
+        else:
+            out.grammar = self._bitmask(constrained)
+        return out
+
+    def _may_run_ahead(self, req: Request) -> bool:
+        """Async scheduling: whether a request in flight is scheduled again now. Not when the
+        tokens in flight already reach its length limits (the step would be thrown away)."""
+        if not self.placeholders:
+            return False
+        num_outputs = req.num_output_tokens + req.num_output_placeholders
+        max_tokens = req.params.max_tokens
+        return ((max_tokens is None or num_outputs < max_tokens)
+                and req.num_tokens + req.num_output_placeholders < self.config.max_model_len)
+
+    def _bitmask(self, req_ids: list[str]):
+        """The grammar rows of the constrained requests that sample in a batch; a request that
+        finished or was preempted since has none (its token will be dropped)."""
+        states = [(r, req.grammar) for r in req_ids
+                  if (req := self.requests.get(r)) is not None
+                  and req.status == RequestStatus.RUNNING and req.grammar is not None]
+        return fill_bitmask(states, self.vocab_size)
+
+    def deferred_bitmask(self, scheduler_output: SchedulerOutput):
+        """The mask of a batch scheduled with placeholders, once the batches before it have
+        returned and their tokens moved its requests' grammars on."""
+        return self._bitmask(self._deferred_grammar.pop(id(scheduler_output)))
 
     def _finish_unscheduled(self, req: Request, error: str) -> None:
         self._finish(req, RequestStatus.FINISHED_ABORTED, already_removed=True)
@@ -189,6 +232,7 @@ class Scheduler:
         self.kv_cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # the tokens in flight are dropped
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget(req.request_id)
@@ -197,12 +241,17 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.take_unscheduled_outputs()
-        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if self.in_flight[req_id] <= 0:
+                del self.in_flight[req_id]
+        self._deferred_grammar.pop(id(scheduler_output), None)
         for req_id, token_id in runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
             # Gone, or preempted while in flight: the token belongs to a discarded run.
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
+            req.num_output_placeholders -= 1
             req.append_output_token(token_id)
             status = req.check_stop(self.config.max_model_len)
             if req.grammar is not None and not req.grammar.accept(token_id):
@@ -232,6 +281,7 @@ class Scheduler:
         if not already_removed:
             self.running.remove(req)
         req.status = status
+        req.num_output_placeholders = 0
         self.kv_cache.free(req)
         self._forget(req.request_id)
         del self.requests[req.request_id]

@@ -1,6 +1,15 @@
-"""The executor for an engine whose one worker is the engine process itself."""
+"""The executor for an engine whose one worker is the engine process itself.
+
+With async scheduling the model runs in a thread of its own ("parashift-runner"), so that the
+engine schedules step N+1 and processes step N's outputs while step N runs: `submit` queues a
+step, `wait` returns the oldest step's output, `sample_tokens` hands a deferred step its mask.
+Torch releases the GIL inside its ops (and our compiled kernels inside theirs)."""
 
 from __future__ import annotations
+
+import collections
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -10,7 +19,12 @@ from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.worker import threads_for, worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
+from parashift.types.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WaveStepOutput,
+)
 
 
 class LocalExecutor:
@@ -26,6 +40,9 @@ class LocalExecutor:
                                      rank.cuda_index is not None)
         self.worker = worker_class(config)(config, ParallelContext(shard, groups),
                                            threads_for(config, rank.cpu_ids))
+        self._thread: ThreadPoolExecutor | None = None  # made by the first submit
+        self._futures: collections.deque[Future] = collections.deque()
+        self._masks: queue.SimpleQueue[GrammarBitmask | None] = queue.SimpleQueue()
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
@@ -40,7 +57,28 @@ class LocalExecutor:
         self.worker.initialize_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        output = self.worker.execute_model(scheduler_output)
+        assert output is not None, "a deferred mask needs submit / sample_tokens / wait"
+        return output
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="parashift-runner")
+            # torch's thread count is per thread: the runner's is the engine's
+            self._thread.submit(torch.set_num_threads, torch.get_num_threads()).result()
+        self._futures.append(self._thread.submit(self._execute, scheduler_output))
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self.worker.execute_model(scheduler_output)
+        if output is None:  # its mask comes once the steps before it have returned
+            output = self.worker.sample_tokens(self._masks.get())
+        return output
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        self._masks.put(grammar)
+
+    def wait(self) -> ModelRunnerOutput:
+        return self._futures.popleft().result()
 
     def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
                           ) -> WaveStepOutput:
@@ -56,4 +94,6 @@ class LocalExecutor:
         pass  # the worker is this process
 
     def shutdown(self) -> None:
-        pass
+        if self._thread is not None:
+            self._masks.put(None)  # a step still waiting for its mask ends
+            self._thread.shutdown(wait=True, cancel_futures=True)

@@ -1,9 +1,14 @@
-"""Turns a scheduler step into one flat, unpadded batch, runs the model, samples. Its copy of
-the running requests, kept from the scheduler's deltas: executor/request_states.py."""
+"""Turns a scheduler step into one flat, unpadded batch, runs the model, samples. Its rows of
+the running requests, kept from the scheduler's deltas: executor/input_batch.py.
+
+A step whose structured-output mask waits for tokens still in flight (async scheduling) runs
+its forward and logits in `execute_model`, which returns None, and samples in
+`sample_tokens(mask)` once the engine has made the mask."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,12 +18,13 @@ from torch.profiler import record_function
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
-from parashift.executor.request_states import RequestState, RequestStates
+from parashift.executor.input_batch import InputBatch
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.penalties import PenaltyInputs
 from parashift.layers.sampler import Sampler, SamplingMetadata, position_seed, row_uniforms
 from parashift.layers.token_mask import apply_token_bitmask
 from parashift.types.outputs import (
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -27,19 +33,40 @@ from parashift.types.outputs import (
 from parashift.types.sampling_params import SamplingParams
 
 
+@dataclass
+class _Unsampled:
+    """A step's logits waiting for their mask."""
+
+    logits: torch.Tensor  # [num_rows, vocab]
+    rows: np.ndarray  # the batch rows that sample
+    req_ids: list[str]
+
+
+def _label(name: str):
+    # The labels are for `bench latency --breakdown`; they cost ~7 us a step otherwise.
+    return (record_function(name) if torch.autograd._profiler_enabled()
+            else contextlib.nullcontext())
+
+
 class ModelRunner:
     """`pp`: the pipeline group. A stage after the first receives the previous stage's hidden
     states and residual; a stage before the last sends its own on and samples nothing."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
-                 device: torch.device, pp: GroupCommunicator | None = None):
+                 device: torch.device, max_model_len: int,
+                 pp: GroupCommunicator | None = None,
+                 share_sampled: GroupCommunicator | None = None):
         self.model = model
         self.pp = pp or GroupCommunicator()
+        # Async scheduling under tensor parallel: the tp ranks that do not sample need the
+        # sampled ids for the placeholders of the step after (rank 0 broadcasts them).
+        self.share_sampled = share_sampled
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests = RequestStates()
+        self.batch = InputBatch(max_model_len, block_size)
+        self._unsampled: _Unsampled | None = None
         self.vocab_size: int = model.config.vocab_size
         # MoE over several engines: every step starts with the group's token-count exchange.
         dispatcher = getattr(model, "dispatcher", None)
@@ -67,20 +94,29 @@ class ModelRunner:
                                  SamplingParams(max_tokens=1), blocks, 0)
         self.execute_model(SchedulerOutput([request], [], {"profile": num_tokens}, num_tokens,
                                            set()))
-        del self.requests["profile"]
+        self.batch.remove("profile")
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """None: the step's logits wait for `sample_tokens` (a deferred mask)."""
         if self.dispatcher is not None:  # its collectives need the step's count exchange
             return self.execute_wave_step(out, has_work=False).output
-        self.requests.apply(out)
+        self.batch.apply(out)
         return self._run(out) if not out.is_empty else ModelRunnerOutput({})
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The deferred step's sampling, with its mask."""
+        pending, self._unsampled = self._unsampled, None
+        if pending is None:  # not the output rank, or nothing sampled
+            return ModelRunnerOutput({})
+        return self._sample(pending.logits, pending.rows, pending.req_ids, grammar)
 
     @torch.inference_mode()
     def execute_wave_step(self, out: SchedulerOutput, has_work: bool) -> WaveStepOutput:
         """Lockstep: every engine comes here every step of a wave, with work or without;
         `has_work`: whether this engine still has requests."""
-        self.requests.apply(out)
+        self.batch.apply(out)
         comm = self.dispatcher.ep.stats
         waited = comm.seconds
         group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens, has_work)
@@ -102,43 +138,59 @@ class ModelRunner:
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.model(no_tokens, no_tokens, self.backend.build_metadata(step))
 
-    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        batch = self.batch
+        scheduled = out.num_scheduled_tokens
+        all_ids = list(scheduled)
+        all_q = np.fromiter(scheduled.values(), dtype=np.int64, count=len(all_ids))
         # Decodes (one query token) first: the attention backend batches them together.
-        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] > 1)
-        states = [self.requests[r] for r in order]
-        q_lens = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)
-        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        input_ids, positions, step = self._prepare_inputs(states, q_lens, starts)
+        order = np.argsort(all_q > 1, kind="stable")
+        q_lens = all_q[order]
+        rows = batch.rows_of(all_ids)[order]
+        input_ids, positions, step = self._prepare_inputs(rows, q_lens)
         if self.graphs is not None and self.graphs.can_run(step):
             hidden = self.graphs.run(input_ids, positions, step)
         else:
             hidden = self._forward_stage(input_ids, positions, self.backend.build_metadata(step))
-        sample_rows = self.requests.advance(states, q_lens)
-        if hidden is None or not sample_rows:  # a stage before the last
-            return ModelRunnerOutput({})
-        last_token = torch.from_numpy(step.query_start_loc[1:][sample_rows] - 1).to(self.device)
+        sampling = batch.advance(rows, q_lens)
+        if hidden is None or not len(sampling):  # a stage before the last
+            return None if out.grammar_deferred else ModelRunnerOutput({})
+        last_token = torch.from_numpy(step.query_start_loc[1:][sampling] - 1).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, last_token))
         if logits is None:  # not the output rank
-            return ModelRunnerOutput({})
-        sampled_states = [states[i] for i in sample_rows]
-        req_ids = [order[i] for i in sample_rows]
-        if out.grammar is not None:  # structured outputs: their rows' allowed tokens
+            if self.share_sampled is not None:
+                self._receive_sampled(rows[sampling])
+            return None if out.grammar_deferred else ModelRunnerOutput({})
+        req_ids = [all_ids[i] for i in order[sampling].tolist()]
+        if out.grammar_deferred:
+            self._unsampled = _Unsampled(logits, rows[sampling], req_ids)
+            return None
+        return self._sample(logits, rows[sampling], req_ids, out.grammar)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str],
+                grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        if grammar is not None:  # structured outputs: their rows' allowed tokens
             where = {r: i for i, r in enumerate(req_ids)}
-            with (record_function("parashift::grammar") if torch.autograd._profiler_enabled()
-                  else contextlib.nullcontext()):
-                apply_token_bitmask(logits, [where.get(r) for r in out.grammar.req_ids],
-                                    out.grammar.bits, out.grammar.words)
-        # The label is for `bench latency --breakdown`; it costs ~7 us a step otherwise.
-        with (record_function("parashift::sample") if torch.autograd._profiler_enabled()
-              else contextlib.nullcontext()):
-            md = sampling_metadata(sampled_states, self.vocab_size, self.device)
+            with _label("parashift::grammar"):
+                apply_token_bitmask(logits, [where.get(r) for r in grammar.req_ids],
+                                    grammar.bits, grammar.words)
+        with _label("parashift::sample"):
+            md = sampling_metadata(self.batch, rows, self.vocab_size, self.device)
             tokens, logprobs = self.sampler(logits, md)
+        # The placeholders of a step scheduled before these tokens reach the scheduler.
+        self.batch.append_sampled(rows, tokens)
+        if self.share_sampled is not None:
+            self.share_sampled.broadcast(torch.tensor(tokens, dtype=torch.long))
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
             dict(zip(req_ids, tokens, strict=True)),
             {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
             if has_logprobs else None,
         )
+
+    def _receive_sampled(self, rows: np.ndarray) -> None:
+        tokens = self.share_sampled.broadcast(torch.empty(len(rows), dtype=torch.long))
+        self.batch.append_sampled(rows, tokens.tolist())
 
     def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        metadata) -> torch.Tensor | None:
@@ -156,72 +208,72 @@ class ModelRunner:
             out = None
         return out
 
-    def _prepare_inputs(self, states: list[RequestState], q_lens: np.ndarray,
-                        starts: np.ndarray):
-        bs = self.block_size
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
+    def _prepare_inputs(self, rows: np.ndarray, q_lens: np.ndarray):
+        """The step's flat inputs, gathered from the batch's rows with array ops."""
+        batch, bs = self.batch, self.block_size
+        starts = batch.num_computed_tokens[rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
         positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
-        input_ids: list[int] = []
-        for state, start, q_len in zip(states, starts.tolist(), q_lens.tolist(), strict=True):
-            input_ids.extend(state.token_ids[start : start + q_len])
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
-        rows = np.repeat(np.arange(len(states)), q_lens)
-        slot_mapping = block_table[rows, positions // bs] * bs + positions % bs
-        num_decodes = int(np.searchsorted(q_lens > 1, True))
+        token_rows = np.repeat(rows, q_lens)
+        input_ids = batch.token_ids[token_rows, positions]
+        block_table = batch.block_table[rows, : int(batch.num_blocks[rows].max())]
+        slot_mapping = (block_table[np.repeat(np.arange(len(rows)), q_lens), positions // bs]
+                        * bs + positions % bs)
         step = AttentionStepInputs(
             query_start_loc=cu,
             seq_lens=starts + q_lens,
             num_computed_tokens=starts,
             block_table=block_table,
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
-            num_decodes=num_decodes,
+            num_decodes=int(np.searchsorted(q_lens > 1, True)),
             block_size=bs,
             sliding_window=getattr(self.model, "sliding_window", None),
             device=self.device,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return ids, torch.from_numpy(positions).to(self.device), step
+        return (torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(positions).to(self.device), step)
 
 
-def sampling_metadata(states: list[RequestState], vocab_size: int,
+def sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                       device: torch.device) -> SamplingMetadata:
-    """The sampler's view of a step's sampling rows."""
-    params = [s.params for s in states]
+    """The sampler's view of a step's sampling rows, from the batch's columns."""
+    temperature = batch.temperature[rows]
+    sampled = temperature > 0.0
+    all_greedy = not sampled.any()
 
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+    def column(values: np.ndarray, used: bool) -> torch.Tensor | None:
+        # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
+        return torch.from_numpy(values).to(device) if used else None
 
-    greedy = [p.is_greedy for p in params]
-    all_greedy = all(greedy)
-    sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
-    seeds = {
-        i: position_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
-        for i, (s, p) in enumerate(zip(states, params, strict=True))
-        if p.seed is not None and not greedy[i]
-    }
+    top_k = batch.top_k[rows]
+    top_p = batch.top_p[rows]
+    min_p = batch.min_p[rows]
+    seeds = {}
+    if not all_greedy and batch.seeded[rows].any():
+        output_pos = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        for i in np.flatnonzero(batch.seeded[rows]).tolist():
+            seed = batch.params[rows[i]].seed
+            seeds[i] = position_seed(seed, int(output_pos[i]))
+    counts = [batch.counts[r] for r in rows.tolist()]
     penalties = None
-    if any(s.counts is not None for s in states):
+    if any(c is not None for c in counts):
+        params = [batch.params[r] for r in rows.tolist()]
         penalties = PenaltyInputs.gather(
-            [s.counts for s in states], [p.repetition_penalty for p in params],
+            counts, [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
             device)
-    # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
+    num_logprobs: list[int | None] = [None] * len(rows)
+    if batch.has_logprobs[rows].any():
+        num_logprobs = [batch.params[r].logprobs for r in rows.tolist()]
     return SamplingMetadata(
-        temperature=column([0.0 if g else p.temperature
-                            for p, g in zip(params, greedy, strict=True)], torch.float32),
-        all_greedy=all_greedy,
-        top_k=column([max(p.top_k, 0) for p in params], torch.int64)
-        if any(0 < p.top_k < vocab_size for p in sampled) else None,
-        top_p=column([p.top_p for p in params], torch.float32)
-        if any(p.top_p < 1.0 for p in sampled) else None,
-        min_p=column([p.min_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in sampled) else None,
-        uniforms=None if all_greedy else row_uniforms(len(states), seeds, device),
+        temperature=torch.from_numpy(temperature).to(device),
+        all_greedy=bool(all_greedy),
+        top_k=column(top_k, bool(((top_k > 0) & (top_k < vocab_size)).any())),
+        top_p=column(top_p, bool((top_p < 1.0).any())),
+        min_p=column(min_p, bool((min_p > 0.0).any())),
+        uniforms=None if all_greedy else row_uniforms(len(rows), seeds, device),
         penalties=penalties,
-        num_logprobs=[p.logprobs for p in params],
+        num_logprobs=num_logprobs,
     )

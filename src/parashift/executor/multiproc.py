@@ -28,7 +28,12 @@ from parashift.distributed import shm_all_reduce
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.processes import exit_after, join_within
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
+from parashift.types.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WaveStepOutput,
+)
 from parashift.wire import protocol as p
 from parashift.wire.sockets import zmq_context
 
@@ -143,6 +148,10 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step; its output comes from `wait`, in submission order."""
         self._broadcast(p.ExecuteModel(scheduler_output))
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        """The mask of the deferred step submitted last: its output comes from `wait`."""
+        self._broadcast(p.SampleTokens(grammar))
 
     def wait(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet waited for."""

@@ -19,7 +19,12 @@ from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
-from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput, WaveStepOutput
+from parashift.types.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WaveStepOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +74,15 @@ class Worker:
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
                                          mc.quantization, self.config.device.gemm_paths):
             logger.info(note)
+        tp, pp = self.parallel.group("tp"), self.parallel.group("pp")
+        # Async scheduling's placeholders (one pipeline stage, no lockstep waves): tp rank 0
+        # shares what it sampled.
+        lockstep = getattr(self.model, "dispatcher", None) is not None and \
+            self.model.dispatcher.is_active
+        shares = (self.config.scheduler.async_scheduling and pp.world_size == 1
+                  and tp.world_size > 1 and not lockstep)
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
-                                  self.device, self.parallel.group("pp"))
+                                  self.device, mc.max_model_len, pp, tp if shares else None)
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights too (level 2); the engine has no request
@@ -180,8 +192,11 @@ class Worker:
                 and not device.enforce_eager and shard.tp_size == 1
                 and self.runner.pp.world_size == 1 and self.runner.dispatcher is None)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar)
 
     def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
                           ) -> WaveStepOutput:

@@ -142,6 +142,10 @@ def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None
         msg = p.decode(commands.recv(), p.ToWorker)
         if isinstance(msg, p.ExecuteModel):
             output = worker.execute_model(msg.scheduler_output)
+            if answers and output is not None:  # None: it samples at SampleTokens
+                results.send(p.encode(p.StepResult(output)))
+        elif isinstance(msg, p.SampleTokens):
+            output = worker.sample_tokens(msg.grammar)
             if answers:
                 results.send(p.encode(p.StepResult(output)))
         elif isinstance(msg, p.ExecuteWaveStep):

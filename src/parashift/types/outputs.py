@@ -27,6 +27,7 @@ class CachedRequestData:
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
+    token_offset: int  # the position of new_token_ids[0]
 
 
 @dataclass
@@ -37,6 +38,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
     grammar: GrammarBitmask | None = None  # the constrained rows that sample this step
+    # Async scheduling: the mask depends on tokens still in flight and follows the batch
+    # (the runner runs the forward, then waits for it to sample).
+    grammar_deferred: bool = False
 
     @property
     def is_empty(self) -> bool:

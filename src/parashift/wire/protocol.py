@@ -33,6 +33,7 @@ import msgspec
 
 from parashift.types.outputs import (
     EngineCoreOutput,
+    GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
@@ -217,6 +218,13 @@ class ExecuteModel(_Msg):
     scheduler_output: SchedulerOutput
 
 
+class SampleTokens(_Msg):
+    """The mask of the last step submitted with a deferred one (async scheduling with
+    structured outputs): its sampling goes on."""
+
+    grammar: GrammarBitmask | None
+
+
 class ExecuteWaveStep(_Msg):
     """One lockstep step (expert parallel over engines): the step, and whether this engine
     still has requests."""
@@ -248,7 +256,7 @@ class WorkerReply(_Msg):
     error: str | None = None
 
 
-ToWorker = ExecuteModel | ExecuteWaveStep | WorkerCall
+ToWorker = ExecuteModel | SampleTokens | ExecuteWaveStep | WorkerCall
 FromWorker = WorkerReady | StepResult | WaveStepResult | WorkerReply
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher

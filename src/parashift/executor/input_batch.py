@@ -1,0 +1,172 @@
+"""The model runner's persistent input batch: one row per request it holds, kept across steps.
+
+A row holds the request's token ids, its counts, its block-table row and its sampling settings
+as columns. Each step applies only what changed (requests added, freed or preempted; new
+tokens; new blocks), and the step's inputs are gathered from the rows with array ops. A freed
+row is filled by the last one, so the rows stay dense.
+
+Token ids are written at their positions, so a token the runner sampled itself (async
+scheduling's placeholder, filled before the scheduler knows it) and the same token sent back
+by the scheduler later are one write, never two. Torch-free: the scheduler tests drive it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parashift.layers.penalties import TokenCounts
+from parashift.types.outputs import NewRequestData, SchedulerOutput
+from parashift.types.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, block_size: int, max_num_reqs: int = 16):
+        # A request that reached max_model_len tokens still samples one more.
+        self.width = max_model_len + 1
+        self.max_blocks = -(-self.width // block_size)
+        self.req_ids: list[str] = []  # row -> request id
+        self.rows: dict[str, int] = {}
+        self.params: list[SamplingParams] = []
+        self.counts: list[TokenCounts | None] = []  # for penalties, only where used
+        self._allocate(max_num_reqs)
+
+    def _allocate(self, capacity: int) -> None:
+        old = self.__dict__.get("token_ids")
+        self.capacity = capacity
+
+        def grow(name: str, shape: tuple[int, ...], dtype, fill) -> None:
+            new = np.full(shape, fill, dtype=dtype)
+            if old is not None:
+                prev = getattr(self, name)
+                new[: len(prev)] = prev
+            setattr(self, name, new)
+
+        grow("token_ids", (capacity, self.width), np.int64, 0)
+        grow("num_tokens", (capacity,), np.int64, 0)
+        grow("num_prompt_tokens", (capacity,), np.int64, 0)
+        grow("num_computed_tokens", (capacity,), np.int64, 0)
+        grow("block_table", (capacity, self.max_blocks), np.int64, 0)
+        grow("num_blocks", (capacity,), np.int64, 0)
+        # Sampling columns: greedy rows have temperature 0 and neutral filters.
+        grow("temperature", (capacity,), np.float32, 0.0)
+        grow("top_k", (capacity,), np.int64, 0)
+        grow("top_p", (capacity,), np.float32, 1.0)
+        grow("min_p", (capacity,), np.float32, 0.0)
+        grow("seeded", (capacity,), np.bool_, False)
+        grow("has_logprobs", (capacity,), np.bool_, False)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.rows
+
+    # --- a step's deltas ------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        """Requests freed, new ones (a preempted request comes back as new), and the running
+        ones' new tokens and blocks."""
+        for req_id in out.freed_req_ids:
+            self.remove(req_id)
+        for new in out.new_reqs:
+            self.add(new)
+        for cached in out.cached_reqs:
+            row = self.rows[cached.req_id]
+            self.write_tokens(row, cached.token_offset, cached.new_token_ids)
+            self.append_blocks(row, cached.new_block_ids)
+            self.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def add(self, new: NewRequestData) -> None:
+        if new.req_id in self.rows:  # preempted and readmitted before its freeing was applied
+            self.remove(new.req_id)
+        if self.num_reqs == self.capacity:
+            self._allocate(2 * self.capacity)
+        row = self.num_reqs
+        self.req_ids.append(new.req_id)
+        self.rows[new.req_id] = row
+        tokens, prompt = new.token_ids, new.num_prompt_tokens
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = prompt
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        params = new.params
+        greedy = params.is_greedy
+        self.temperature[row] = 0.0 if greedy else params.temperature
+        self.top_k[row] = 0 if greedy else max(params.top_k, 0)
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.seeded[row] = params.seed is not None and not greedy
+        self.has_logprobs[row] = params.logprobs is not None
+        self.params.append(params)
+        self.counts.append(TokenCounts(tokens[:prompt], tokens[prompt:])
+                           if params.has_penalties else None)
+
+    def remove(self, req_id: str) -> None:
+        """Drop a request's row; the last row moves into its place."""
+        row = self.rows.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:
+            moved = self.req_ids[last]
+            self.rows[moved] = row
+            self.req_ids[row] = moved
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            b = self.num_blocks[last]
+            self.block_table[row, :b] = self.block_table[last, :b]
+            for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                           self.num_blocks, self.temperature, self.top_k, self.top_p,
+                           self.min_p, self.seeded, self.has_logprobs):
+                column[row] = column[last]
+            self.params[row] = self.params[last]
+            self.counts[row] = self.counts[last]
+        self.req_ids.pop()
+        self.params.pop()
+        self.counts.pop()
+
+    def write_tokens(self, row: int, offset: int, token_ids: list[int]) -> None:
+        """Tokens at positions offset.. (those already there are the same tokens)."""
+        if not token_ids:
+            return
+        end = offset + len(token_ids)
+        known = int(self.num_tokens[row])
+        self.token_ids[row, offset:end] = token_ids
+        if end > known:
+            self.num_tokens[row] = end
+            counts = self.counts[row]
+            if counts is not None:
+                counts.add(token_ids[known - offset:])
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = int(self.num_blocks[row])
+            self.block_table[row, start : start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    # --- a step's rows --------------------------------------------------------------------------
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        rows = self.rows
+        return np.fromiter((rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def advance(self, rows: np.ndarray, q_lens: np.ndarray) -> np.ndarray:
+        """After a step computed `q_lens` tokens of `rows`: the indices (into `rows`) of those
+        with all their known tokens computed now, which sample (a partial prefill chunk only
+        fills the cache)."""
+        self.num_computed_tokens[rows] += q_lens
+        return np.flatnonzero(self.num_computed_tokens[rows] >= self.num_tokens[rows])
+
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """The runner's own sampled tokens, at each row's next position: a step scheduled
+        before the scheduler has them (a placeholder) reads them from here."""
+        for row, token in zip(rows.tolist(), token_ids, strict=True):
+            self.write_tokens(row, int(self.num_tokens[row]), [token])
+
+    def token_row(self, req_id: str) -> list[int]:
+        row = self.rows[req_id]
+        return self.token_ids[row, : self.num_tokens[row]].tolist()
+
+    def block_row(self, req_id: str) -> list[int]:
+        row = self.rows[req_id]
+        return self.block_table[row, : self.num_blocks[row]].tolist()
