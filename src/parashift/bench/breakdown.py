@@ -7,15 +7,21 @@ attention (everything inside the attention layers: KV write, gather, SDPA), samp
 LM head), other ops (norms, rotary, activations, embedding, copies: torch's or the compiled
 CPU kernels'); what the step's
 wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
-dispatch). Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
+dispatch). The plain run also times, per step, what the model runner spends in the forward, the logits and
+the sampler (the kernels' work: on CPU the GEMM and attention kernels): the rest of the
+step's wall time is the host's serial time (scheduling, input preparation, output
+processing), the share async scheduling and the persistent batch take off the critical path.
+Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
 the batch's rows, back to back (weights streamed from memory as in a real step). Under the
 profiler the decoder layers run op by op even where they are one kernel call otherwise
 (executor/fused_cpu_layers.py): the plain step time is the fused one, the split the unfused."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
@@ -25,8 +31,10 @@ BUCKETS = ("gemm", "attention", "sampling", "grammar", "other_ops", "python")
 
 
 def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
-               sampling: dict | None) -> list[float]:
-    """Every step of one batch; seconds per step (the first is the prefill)."""
+               sampling: dict | None, device: list[float] | None = None
+               ) -> list[tuple[float, float]]:
+    """Every step of one batch: its seconds, and those of `device` (a _device_timer's) within
+    it (the first step is the prefill)."""
     from torch.profiler import record_function
 
     from parashift.engine.request import Request
@@ -39,14 +47,44 @@ def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
         core.add_request(Request(f"b{i}", prompt, params, None))
     times = []
     while core.has_unfinished_requests():
+        if device is not None:
+            device[0] = 0.0
         start = time.perf_counter()
         if label:
             with record_function(f"parashift::step:{len(times)}"):
                 core.step()
         else:
             core.step()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, device[0] if device is not None else 0.0))
     return times
+
+
+@contextlib.contextmanager
+def _device_timer(runner) -> Iterator[list[float]]:
+    """Seconds the runner spends in the forward, the logits and the sampler, summed since the
+    last read (the list's one entry); the runner's own methods are restored after."""
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    patched = {"_forward_stage": runner._forward_stage, "sampler": runner.sampler}
+    runner._forward_stage = timed(runner._forward_stage)
+    runner.sampler = timed(runner.sampler)
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = timed(compute_logits)
+    try:
+        yield spent
+    finally:
+        for name, value in patched.items():
+            setattr(runner, name, value)
+        del runner.model.compute_logits  # the class's method again
 
 
 def _bucket(event) -> tuple[int | None, str]:
@@ -115,9 +153,12 @@ def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int,
     prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
                for b in range(batch_size)]
     _run_batch(core, prompts, min(output_len, 4), False, sampling)  # warm-up
-    plain = _run_batch(core, prompts, output_len, False, sampling)[1:]
+    with _device_timer(worker.runner) as spent:
+        plain_all = _run_batch(core, prompts, output_len, False, sampling, spent)
+    plain = [t for t, _ in plain_all[1:]]
+    host = [t - device for t, device in plain_all[1:]]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled = _run_batch(core, prompts, output_len, True, sampling)
+        profiled = [t for t, _ in _run_batch(core, prompts, output_len, True, sampling)]
     per_step: dict[int, dict[str, float]] = {}
     for event in prof.events():
         step, bucket = _bucket(event)
@@ -128,6 +169,8 @@ def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int,
     median = {b: statistics.median(s[b] for s in per_step.values()) for b in BUCKETS}
     return {"batch_size": batch_size, "decode_steps": len(plain),
             "step_ms": statistics.median(plain) * 1e3,
+            "host_serial_ms": statistics.median(host) * 1e3,
+            "async_scheduling": core.async_scheduling,
             "profiled_step_ms": statistics.median(profiled[1:]) * 1e3,
             "buckets_ms": median,
             "gemm_floor_ms": gemm_floor_ms(worker.model, batch_size)}
@@ -142,6 +185,10 @@ def format_breakdown(result: dict[str, Any]) -> str:
     for name in BUCKETS:
         lines.append(f"  {name.replace('_', ' '):12s} {buckets[name]:8.2f} ms  "
                      f"{buckets[name] / total:6.1%}")
+    lines.append(f"  host serial time per step (the wall time outside the forward, logits "
+                 f"and sampler; async scheduling "
+                 f"{'on' if result['async_scheduling'] else 'off'}): "
+                 f"{result['host_serial_ms']:.2f} ms")
     lines.append(f"  GEMM floor of this run (every GEMM weight once at {result['batch_size']} "
                  f"rows): {result['gemm_floor_ms']:.2f} ms")
     return "\n".join(lines)
