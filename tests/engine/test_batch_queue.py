@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 from parashift.engine.request import RequestStatus
-from parashift.engine.scheduler import Scheduler
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 

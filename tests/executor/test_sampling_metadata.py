@@ -5,7 +5,6 @@ steps and preemption."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from parashift.executor.input_batch import InputBatch

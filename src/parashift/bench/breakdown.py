@@ -7,9 +7,9 @@ attention (everything inside the attention layers: KV write, gather, SDPA), samp
 LM head), other ops (norms, rotary, activations, embedding, copies: torch's or the compiled
 CPU kernels'); what the step's
 wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
-dispatch). The plain run also times, per step, what the model runner spends in the forward, the logits and
-the sampler (the kernels' work: on CPU the GEMM and attention kernels): the rest of the
-step's wall time is the host's serial time (scheduling, input preparation, output
+dispatch). The plain run also times, per step, what the model runner spends in the forward,
+the logits and the sampler (the kernels' work: on CPU the GEMM and attention kernels): the rest
+of the step's wall time is the host's serial time (scheduling, input preparation, output
 processing), the share async scheduling and the persistent batch take off the critical path.
 Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
 the batch's rows, back to back (weights streamed from memory as in a real step). Under the

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from parashift.layers.penalties import TokenCounts
 from parashift.types.outputs import NewRequestData, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
+from parashift.types.token_counts import TokenCounts
 
 
 class InputBatch:
@@ -108,6 +108,8 @@ class InputBatch:
         if row is None:
             return
         last = self.num_reqs - 1
+        # A gathered table is as wide as its widest row: the others read zeros past their end.
+        self.block_table[row, : self.num_blocks[row]] = 0
         if row != last:
             moved = self.req_ids[last]
             self.rows[moved] = row
@@ -122,6 +124,7 @@ class InputBatch:
                 column[row] = column[last]
             self.params[row] = self.params[last]
             self.counts[row] = self.counts[last]
+            self.block_table[last, :b] = 0
         self.req_ids.pop()
         self.params.pop()
         self.counts.pop()

@@ -46,6 +46,8 @@ class LocalExecutor:
         self._futures: collections.deque[Future] = collections.deque()
         self._masks: queue.SimpleQueue[GrammarBitmask | None] = queue.SimpleQueue()
         try:
+            if rank.cuda_index is not None and self._thread is not None:
+                self._call(torch.cuda.set_device, rank.cuda_index)  # per thread
             self.worker = self._call(worker_class(config), config,
                                      ParallelContext(shard, groups),
                                      threads_for(config, rank.cpu_ids))
