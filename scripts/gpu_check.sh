@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check for a lent machine (an H200 here): the Triton kernels against their references
 # on the GPU, their times against the memory-bandwidth floor, and end-to-end offline throughput
-# and TPOT for SmolLM2 and a random-weight ~0.5 B Llama in bf16, eager and with CUDA graphs
+# and TPOT for SmolLM2 and a random-weight ~0.5 B Llama in bf16, eager and with CUDA graphs,
+# async scheduling (the default with CUDA) against one step at a time (--no-async-scheduling)
 # (dp2 and tp2 too when more than one GPU is visible). Prints one table; within 8 minutes.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      (GPU_CHECK_COMMIT names the commit if no .git)
@@ -118,6 +119,13 @@ for mode in eager graphs; do
         --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 \
         ${flag[@]+"${flag[@]}"} --save-json "$out/llama0.5b-$mode.json"
 done
+# async scheduling is on by default with CUDA: the same run one step at a time, to compare
+step "llama0.5b-throughput-graphs-sync" "${bench[@]}" throughput "$random_model" \
+    --dtype bfloat16 --num-prompts 64 --max-num-seqs 64 --input-len 128 --output-len 256 \
+    --no-async-scheduling --save-json "$out/llama0.5b-graphs-sync.json"
+step "smollm2-latency128-graphs-sync" "${bench[@]}" latency ${smollm2[@]+"${smollm2[@]}"} \
+    --dtype bfloat16 --batch-size 1 --input-len 32 --output-len 128 --iters 5 \
+    --no-async-scheduling --save-json "$out/smollm2-latency128-graphs-sync.json"
 if [ "$num_gpus" -gt 1 ]; then  # the 0.5 B Llama: SmolLM2's 9 heads do not split over tp2
     for strategy in dp2 tp2; do
         step "llama0.5b-$strategy" "${bench[@]}" throughput "$random_model" --dtype bfloat16 \
@@ -141,14 +149,15 @@ if kernels:
               f"{100 * k['fraction_of_floor']:.0f}% of the bandwidth floor, max err "
               f"{k['max_error']:.1e}{'' if k['ok'] else ' FAIL'} |")
 for name in ("smollm2", "llama0.5b", "llama0.5b-dp2", "llama0.5b-tp2"):
-    for mode in ("-eager", "-graphs", ""):
+    for mode in ("-eager", "-graphs", "-graphs-sync", ""):
         r = load(f"{name}{mode}.json")
         if r:
             p = r["parashift"]
             print(f"| {name}{mode} offline | {p['total_tokens_per_s']:.0f} tok/s total, "
                   f"{p['output_tokens_per_s']:.0f} output tok/s |")
-for mode in ("eager", "graphs"):
-    one, many = load(f"smollm2-latency1-{mode}.json"), load(f"smollm2-latency128-{mode}.json")
+for mode in ("eager", "graphs", "graphs-sync"):
+    one = load(f"smollm2-latency1-{mode.removesuffix('-sync')}.json")
+    many = load(f"smollm2-latency128-{mode}.json")
     if one and many:
         tpot = (many["latency_ms"]["median"] - one["latency_ms"]["median"]) / 127
         print(f"| smollm2 TPOT batch 1 ({mode}) | {tpot:.2f} ms (target < 4 with graphs) |")

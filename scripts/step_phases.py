@@ -1,5 +1,6 @@
 """Where a batch-32 decode step's time goes, phase by phase: scheduling, the runner's deltas,
-input gathering, forward, LM head, sampling metadata, sampler, output update (per-step medians
+input gathering, attention metadata, forward, LM head, sampling metadata, sampler, output
+update (per-step medians
 of one batch's decode steps). `python scripts/step_phases.py [--sample] [--async]`."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import statistics
 import sys
 import time
 
-import parashift.executor.model_runner as model_runner
 from parashift.engine.llm import LLM
 from parashift.engine.request import Request
 from parashift.types.sampling_params import SamplingParams
@@ -42,7 +42,8 @@ def main() -> None:
     runner._forward_stage = timed("forward", runner._forward_stage)
     runner.model.compute_logits = timed("LM head", runner.model.compute_logits)
     runner.sampler = timed("sampler", runner.sampler)
-    model_runner.sampling_metadata = timed("metadata", model_runner.sampling_metadata)
+    runner._sampling_metadata = timed("metadata", runner._sampling_metadata)
+    runner.backend.build_metadata = timed("attn metadata", runner.backend.build_metadata)
     prompts = [[(100 + 31 * b + 7 * i) % 49000 for i in range(16)] for b in range(32)]
 
     def batch(n: int) -> list[float]:

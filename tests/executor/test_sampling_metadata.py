@@ -79,3 +79,26 @@ def test_penalty_counts_follow_the_request():
         pairs = dict(zip(md.penalties.token_ids.tolist(), md.penalties.output_counts.tolist(),
                          strict=True))
         assert pairs == {10: 0.0, 11: 0.0, 12: 1.0, 13: 3.0}
+
+
+def test_the_runner_reuses_the_columns_until_a_request_comes_or_goes():
+    from types import SimpleNamespace
+
+    from parashift.executor.model_runner import ModelRunner
+
+    batch = InputBatch(max_model_len=32, block_size=16)
+    runner = SimpleNamespace(batch=batch, _sampling_cache=None, vocab_size=VOCAB, device=CPU)
+    batch.add(state(SamplingParams(temperature=0.0)))
+    seeded = state(SamplingParams(temperature=1.0, seed=9, frequency_penalty=0.5), outputs=1)
+    batch.add(seeded)
+    rows = batch.rows_of(batch.req_ids)
+    first = ModelRunner._sampling_metadata(runner, rows)
+    batch.append_sampled(rows, [3, 3])  # one step later: new positions, new counts
+    second = ModelRunner._sampling_metadata(runner, rows)
+    assert second.temperature is first.temperature  # the cached column
+    assert second.uniforms[1].item() == seeded_uniform(position_seed(9, 2))
+    assert first.uniforms[1].item() == seeded_uniform(position_seed(9, 1))
+    assert 3 in second.penalties.token_ids.tolist()
+    batch.remove(batch.req_ids[0])
+    third = ModelRunner._sampling_metadata(runner, batch.rows_of(batch.req_ids))
+    assert third.temperature is not first.temperature and len(third.temperature) == 1

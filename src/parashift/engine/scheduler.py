@@ -178,7 +178,7 @@ class Scheduler:
                 req.num_output_placeholders += 1  # it samples this step
                 if req.grammar is not None:
                     constrained.append(req_id)
-            self.in_flight[req_id] += 1
+        self.in_flight.update(num_scheduled.keys())
         freed, self._freed_req_ids = self._freed_req_ids, set()
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                               freed)
@@ -241,10 +241,13 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.take_unscheduled_outputs()
-        self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if self.in_flight[req_id] <= 0:
-                del self.in_flight[req_id]
+        if self.max_batches_in_flight == 1:  # this batch was the only one
+            self.in_flight.clear()
+        else:
+            self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
+            for req_id in scheduler_output.num_scheduled_tokens:
+                if self.in_flight[req_id] <= 0:
+                    del self.in_flight[req_id]
         self._deferred_grammar.pop(id(scheduler_output), None)
         for req_id, token_id in runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)

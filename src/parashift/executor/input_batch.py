@@ -27,6 +27,7 @@ class InputBatch:
         self.rows: dict[str, int] = {}
         self.params: list[SamplingParams] = []
         self.counts: list[TokenCounts | None] = []  # for penalties, only where used
+        self.version = 0  # bumped when rows come or go: what the sampling columns' cache keys
         self._allocate(max_num_reqs)
 
     def _allocate(self, capacity: int) -> None:
@@ -53,6 +54,7 @@ class InputBatch:
         grow("min_p", (capacity,), np.float32, 0.0)
         grow("seeded", (capacity,), np.bool_, False)
         grow("has_logprobs", (capacity,), np.bool_, False)
+        grow("penalized", (capacity,), np.bool_, False)
 
     @property
     def num_reqs(self) -> int:
@@ -98,15 +100,18 @@ class InputBatch:
         self.min_p[row] = 0.0 if greedy else params.min_p
         self.seeded[row] = params.seed is not None and not greedy
         self.has_logprobs[row] = params.logprobs is not None
+        self.penalized[row] = params.has_penalties
         self.params.append(params)
         self.counts.append(TokenCounts(tokens[:prompt], tokens[prompt:])
                            if params.has_penalties else None)
+        self.version += 1
 
     def remove(self, req_id: str) -> None:
         """Drop a request's row; the last row moves into its place."""
         row = self.rows.pop(req_id, None)
         if row is None:
             return
+        self.version += 1
         last = self.num_reqs - 1
         # A gathered table is as wide as its widest row: the others read zeros past their end.
         self.block_table[row, : self.num_blocks[row]] = 0
@@ -120,7 +125,7 @@ class InputBatch:
             self.block_table[row, :b] = self.block_table[last, :b]
             for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                            self.num_blocks, self.temperature, self.top_k, self.top_p,
-                           self.min_p, self.seeded, self.has_logprobs):
+                           self.min_p, self.seeded, self.has_logprobs, self.penalized):
                 column[row] = column[last]
             self.params[row] = self.params[last]
             self.counts[row] = self.counts[last]
@@ -163,8 +168,11 @@ class InputBatch:
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """The runner's own sampled tokens, at each row's next position: a step scheduled
         before the scheduler has them (a placeholder) reads them from here."""
-        for row, token in zip(rows.tolist(), token_ids, strict=True):
-            self.write_tokens(row, int(self.num_tokens[row]), [token])
+        positions = self.num_tokens[rows]
+        self.token_ids[rows, positions] = token_ids
+        self.num_tokens[rows] = positions + 1
+        for i in np.flatnonzero(self.penalized[rows]).tolist():
+            self.counts[rows[i]].add([token_ids[i]])
 
     def token_row(self, req_id: str) -> list[int]:
         row = self.rows[req_id]

@@ -8,6 +8,7 @@ its forward and logits in `execute_model`, which returns None, and samples in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(max_model_len, block_size)
         self._unsampled: _Unsampled | None = None
+        self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         self.vocab_size: int = model.config.vocab_size
         # MoE over several engines: every step starts with the group's token-count exchange.
         dispatcher = getattr(model, "dispatcher", None)
@@ -155,8 +157,10 @@ class ModelRunner:
         sampling = batch.advance(rows, q_lens)
         if hidden is None or not len(sampling):  # a stage before the last
             return None if out.grammar_deferred else ModelRunnerOutput({})
-        last_token = torch.from_numpy(step.query_start_loc[1:][sampling] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last_token))
+        if len(sampling) < hidden.shape[0]:  # the last token of each row that samples
+            last_token = step.query_start_loc[1:][sampling] - 1
+            hidden = hidden.index_select(0, torch.from_numpy(last_token).to(self.device))
+        logits = self.model.compute_logits(hidden)
         if logits is None:  # not the output rank
             if self.share_sampled is not None:
                 self._receive_sampled(rows[sampling])
@@ -175,7 +179,7 @@ class ModelRunner:
                 apply_token_bitmask(logits, [where.get(r) for r in grammar.req_ids],
                                     grammar.bits, grammar.words)
         with _label("parashift::sample"):
-            md = sampling_metadata(self.batch, rows, self.vocab_size, self.device)
+            md = self._sampling_metadata(rows)
             tokens, logprobs = self.sampler(logits, md)
         # The placeholders of a step scheduled before these tokens reach the scheduler.
         self.batch.append_sampled(rows, tokens)
@@ -187,6 +191,21 @@ class ModelRunner:
             {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
             if has_logprobs else None,
         )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The columns of the same rows as last step (no request came or went) are reused:
+        only the draws and the penalty counts change from step to step."""
+        key = (self.batch.version, rows.tobytes())
+        if self._sampling_cache is not None and self._sampling_cache[0] == key:
+            md = self._sampling_cache[1]
+            if md.all_greedy and md.penalties is None:
+                return md
+            return dataclasses.replace(md, uniforms=None if md.all_greedy else row_uniforms(
+                len(rows), row_seeds(self.batch, rows), self.device),
+                penalties=penalty_inputs(self.batch, rows, self.device))
+        md = sampling_metadata(self.batch, rows, self.vocab_size, self.device)
+        self._sampling_cache = (key, md)
+        return md
 
     def _receive_sampled(self, rows: np.ndarray) -> None:
         tokens = self.share_sampled.broadcast(torch.empty(len(rows), dtype=torch.long))
@@ -250,20 +269,6 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     top_k = batch.top_k[rows]
     top_p = batch.top_p[rows]
     min_p = batch.min_p[rows]
-    seeds = {}
-    if not all_greedy and batch.seeded[rows].any():
-        output_pos = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-        for i in np.flatnonzero(batch.seeded[rows]).tolist():
-            seed = batch.params[rows[i]].seed
-            seeds[i] = position_seed(seed, int(output_pos[i]))
-    counts = [batch.counts[r] for r in rows.tolist()]
-    penalties = None
-    if any(c is not None for c in counts):
-        params = [batch.params[r] for r in rows.tolist()]
-        penalties = PenaltyInputs.gather(
-            counts, [p.repetition_penalty for p in params],
-            [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
-            device)
     num_logprobs: list[int | None] = [None] * len(rows)
     if batch.has_logprobs[rows].any():
         num_logprobs = [batch.params[r].logprobs for r in rows.tolist()]
@@ -273,7 +278,28 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         top_k=column(top_k, bool(((top_k > 0) & (top_k < vocab_size)).any())),
         top_p=column(top_p, bool((top_p < 1.0).any())),
         min_p=column(min_p, bool((min_p > 0.0).any())),
-        uniforms=None if all_greedy else row_uniforms(len(rows), seeds, device),
-        penalties=penalties,
+        uniforms=None if all_greedy else row_uniforms(len(rows), row_seeds(batch, rows),
+                                                      device),
+        penalties=penalty_inputs(batch, rows, device),
         num_logprobs=num_logprobs,
     )
+
+
+def row_seeds(batch: InputBatch, rows: np.ndarray) -> dict[int, int]:
+    """Seeded sampling rows -> their draw's seed, from (seed, output position)."""
+    seeded = np.flatnonzero(batch.seeded[rows])
+    if not len(seeded):
+        return {}
+    output_pos = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    return {i: position_seed(batch.params[rows[i]].seed, int(output_pos[i]))
+            for i in seeded.tolist()}
+
+
+def penalty_inputs(batch: InputBatch, rows: np.ndarray,
+                   device: torch.device) -> PenaltyInputs | None:
+    if not batch.penalized[rows].any():
+        return None
+    params = [batch.params[r] for r in rows.tolist()]
+    return PenaltyInputs.gather(
+        [batch.counts[r] for r in rows.tolist()], [p.repetition_penalty for p in params],
+        [p.frequency_penalty for p in params], [p.presence_penalty for p in params], device)
