@@ -46,8 +46,8 @@ class FakeRunner:
             assert batch.num_computed_tokens[row] + num == req.num_computed_tokens
             assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
             assert batch.num_blocks[row] * sched.kv_cache.block_size >= req.num_computed_tokens
-        sampling = batch.advance(rows, np.array([out.num_scheduled_tokens[r] for r in order],
-                                                dtype=np.int64))
+        q_lens = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)
+        sampling = batch.advance(rows, batch.num_computed_tokens[rows] + q_lens)
         sampled = {order[i]: self.sample(order[i]) for i in sampling.tolist()}
         batch.append_sampled(rows[sampling], list(sampled.values()))
         return ModelRunnerOutput(sampled)

@@ -44,10 +44,10 @@ def test_rotary_in_place_on_views_of_the_qkv_output(dtype, params, num_q_heads, 
     k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_k_heads) * head_dim].view(
         num_tokens, num_k_heads, head_dim)
     positions = torch.randint(0, 512, (num_tokens,), device=DEVICE)
-    want_q, want_k = apply_rotary_reference(q.cpu(), k.cpu(), rope.cos_cache.cpu(),
-                                            rope.sin_cache.cpu(), positions.cpu())
+    want_q, want_k = apply_rotary_reference(q.cpu(), k.cpu(), rope.cos_sin_cache[0].cpu(),
+                                            rope.cos_sin_cache[1].cpu(), positions.cpu())
     v_before = qkv[:, (num_q_heads + num_k_heads) * head_dim :].clone()
-    apply_rotary(q, k, rope.cos_cache, rope.sin_cache, positions)
+    apply_rotary(q, k, rope.cos_sin_cache[0], rope.cos_sin_cache[1], positions)
     assert (q.cpu().float() - want_q.float()).abs().max() < TOLERANCE[dtype] * 2
     assert (k.cpu().float() - want_k.float()).abs().max() < TOLERANCE[dtype] * 2
     assert torch.equal(qkv[:, (num_q_heads + num_k_heads) * head_dim :], v_before)

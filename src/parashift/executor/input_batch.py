@@ -28,6 +28,7 @@ class InputBatch:
         self.params: list[SamplingParams] = []
         self.counts: list[TokenCounts | None] = []  # for penalties, only where used
         self.version = 0  # bumped when rows come or go: what the sampling columns' cache keys
+        self.num_penalized = 0  # rows whose request has penalties (their counts change)
         self._allocate(max_num_reqs)
 
     def _allocate(self, capacity: int) -> None:
@@ -101,6 +102,7 @@ class InputBatch:
         self.seeded[row] = params.seed is not None and not greedy
         self.has_logprobs[row] = params.logprobs is not None
         self.penalized[row] = params.has_penalties
+        self.num_penalized += params.has_penalties
         self.params.append(params)
         self.counts.append(TokenCounts(tokens[:prompt], tokens[prompt:])
                            if params.has_penalties else None)
@@ -112,6 +114,7 @@ class InputBatch:
         if row is None:
             return
         self.version += 1
+        self.num_penalized -= bool(self.penalized[row])
         last = self.num_reqs - 1
         # A gathered table is as wide as its widest row: the others read zeros past their end.
         self.block_table[row, : self.num_blocks[row]] = 0
@@ -158,12 +161,12 @@ class InputBatch:
         rows = self.rows
         return np.fromiter((rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
-    def advance(self, rows: np.ndarray, q_lens: np.ndarray) -> np.ndarray:
-        """After a step computed `q_lens` tokens of `rows`: the indices (into `rows`) of those
-        with all their known tokens computed now, which sample (a partial prefill chunk only
-        fills the cache)."""
-        self.num_computed_tokens[rows] += q_lens
-        return np.flatnonzero(self.num_computed_tokens[rows] >= self.num_tokens[rows])
+    def advance(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """After a step computed `rows` up to `seq_lens` tokens: the indices (into `rows`) of
+        those with all their known tokens computed now, which sample (a partial prefill chunk
+        only fills the cache)."""
+        self.num_computed_tokens[rows] = seq_lens
+        return np.flatnonzero(seq_lens >= self.num_tokens[rows])
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """The runner's own sampled tokens, at each row's next position: a step scheduled
@@ -171,8 +174,9 @@ class InputBatch:
         positions = self.num_tokens[rows]
         self.token_ids[rows, positions] = token_ids
         self.num_tokens[rows] = positions + 1
-        for i in np.flatnonzero(self.penalized[rows]).tolist():
-            self.counts[rows[i]].add([token_ids[i]])
+        if self.num_penalized:
+            for i in np.flatnonzero(self.penalized[rows]).tolist():
+                self.counts[rows[i]].add([token_ids[i]])
 
     def token_row(self, req_id: str) -> list[int]:
         row = self.rows[req_id]

@@ -143,33 +143,35 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         batch = self.batch
         scheduled = out.num_scheduled_tokens
-        all_ids = list(scheduled)
-        all_q = np.fromiter(scheduled.values(), dtype=np.int64, count=len(all_ids))
-        # Decodes (one query token) first: the attention backend batches them together.
-        order = np.argsort(all_q > 1, kind="stable")
-        q_lens = all_q[order]
-        rows = batch.rows_of(all_ids)[order]
+        req_ids = list(scheduled)
+        q_lens = np.fromiter(scheduled.values(), dtype=np.int64, count=len(req_ids))
+        rows = batch.rows_of(req_ids)
+        if q_lens.max() > 1:  # decodes (one query token) first: the attention backend
+            order = np.argsort(q_lens > 1, kind="stable")  # batches them together
+            q_lens, rows = q_lens[order], rows[order]
+            req_ids = [req_ids[i] for i in order.tolist()]
         input_ids, positions, step = self._prepare_inputs(rows, q_lens)
+        sampling = batch.advance(rows, step.seq_lens)  # (the rows' state, while it is in cache)
         if self.graphs is not None and self.graphs.can_run(step):
             hidden = self.graphs.run(input_ids, positions, step)
         else:
             hidden = self._forward_stage(input_ids, positions, self.backend.build_metadata(step))
-        sampling = batch.advance(rows, q_lens)
         if hidden is None or not len(sampling):  # a stage before the last
             return None if out.grammar_deferred else ModelRunnerOutput({})
         if len(sampling) < hidden.shape[0]:  # the last token of each row that samples
             last_token = step.query_start_loc[1:][sampling] - 1
             hidden = hidden.index_select(0, torch.from_numpy(last_token).to(self.device))
+        if len(sampling) < len(rows):
+            rows, req_ids = rows[sampling], [req_ids[i] for i in sampling.tolist()]
         logits = self.model.compute_logits(hidden)
         if logits is None:  # not the output rank
             if self.share_sampled is not None:
-                self._receive_sampled(rows[sampling])
+                self._receive_sampled(rows)
             return None if out.grammar_deferred else ModelRunnerOutput({})
-        req_ids = [all_ids[i] for i in order[sampling].tolist()]
         if out.grammar_deferred:
-            self._unsampled = _Unsampled(logits, rows[sampling], req_ids)
+            self._unsampled = _Unsampled(logits, rows, req_ids)
             return None
-        return self._sample(logits, rows[sampling], req_ids, out.grammar)
+        return self._sample(logits, rows, req_ids, out.grammar)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str],
                 grammar: GrammarBitmask | None) -> ModelRunnerOutput:
@@ -229,24 +231,29 @@ class ModelRunner:
 
     def _prepare_inputs(self, rows: np.ndarray, q_lens: np.ndarray):
         """The step's flat inputs, gathered from the batch's rows with array ops."""
-        batch, bs = self.batch, self.block_size
+        batch, bs, n = self.batch, self.block_size, len(rows)
         starts = batch.num_computed_tokens[rows]
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
-        token_rows = np.repeat(rows, q_lens)
+        seq_lens = starts + q_lens
+        block_table = batch.block_table[rows, : -(-int(seq_lens.max()) // bs)]
+        if q_lens[-1] == 1:  # decodes come first: all of them are
+            cu = np.arange(n + 1)
+            positions, token_rows, table_rows, num_decodes = starts, rows, cu[:n], n
+        else:
+            cu = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu[1:])
+            positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(cu[-1])
+            token_rows = np.repeat(rows, q_lens)
+            table_rows = np.repeat(np.arange(n), q_lens)
+            num_decodes = int(np.searchsorted(q_lens > 1, True))
         input_ids = batch.token_ids[token_rows, positions]
-        block_table = batch.block_table[rows, : int(batch.num_blocks[rows].max())]
-        slot_mapping = (block_table[np.repeat(np.arange(len(rows)), q_lens), positions // bs]
-                        * bs + positions % bs)
+        slot_mapping = block_table[table_rows, positions // bs] * bs + positions % bs
         step = AttentionStepInputs(
             query_start_loc=cu,
-            seq_lens=starts + q_lens,
+            seq_lens=seq_lens,
             num_computed_tokens=starts,
             block_table=block_table,
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
-            num_decodes=int(np.searchsorted(q_lens > 1, True)),
+            num_decodes=num_decodes,
             block_size=bs,
             sliding_window=getattr(self.model, "sliding_window", None),
             device=self.device,

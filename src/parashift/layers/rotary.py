@@ -53,14 +53,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
                             _inv_freq(head_dim, params))
-        # [max_position, head_dim // 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # [2, max_position, head_dim // 2]: cos, then sin
+        self.register_buffer("cos_sin_cache", torch.stack([freqs.cos(), freqs.sin()]),
+                             persistent=False)
+        self._in_dtype: dict[torch.dtype, torch.Tensor] = {}  # the cache cast once per dtype
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Per-step tables, computed once and shared by every layer: [num_tokens, 1, d/2]."""
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        """Per-step tables, computed once and shared by every layer: [num_tokens, 1, d/2]
+        each, from one gather (rounding to `dtype` before or after a gather is the same)."""
+        cache = self._in_dtype.get(dtype)
+        if cache is None or cache.device != self.cos_sin_cache.device:
+            cache = self._in_dtype[dtype] = self.cos_sin_cache.to(dtype)
+        cos, sin = cache.index_select(1, positions).unsqueeze(2)
         return cos, sin
 
 
