@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from parashift.executor.input_batch import InputBatch
-from parashift.executor.model_runner import sampling_metadata
+from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.sampler import position_seed, seeded_uniform
 from parashift.types.outputs import NewRequestData
 from parashift.types.sampling_params import SamplingParams
