@@ -87,6 +87,8 @@ class EngineCore:
         self.async_scheduling = (config.scheduler.async_scheduling and pipeline == 1
                                  and self.supports_async_scheduling)
         depth = 2 if self.async_scheduling else pipeline
+        if self.async_scheduling:
+            logger.info("async scheduling: step N+1 is scheduled while step N runs")
         self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size,
                                    placeholders=self.async_scheduling)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
