@@ -1,31 +1,59 @@
-"""Where a batch-32 decode step's time goes, phase by phase: scheduling, the runner's deltas,
-input gathering, attention metadata, forward, LM head, sampling metadata, sampler, output
-update (per-step medians
-of one batch's decode steps). `python scripts/step_phases.py [--sample] [--async]`."""
+"""Where a batch-32 decode step's time goes, phase by phase, as exclusive times (a phase's own
+time, its sub-phases' taken out), per decode step of one batch: the scheduler, the runner's
+bookkeeping, input gathering, the forward's own ops, the fused decoder layers, the LM head, the
+sampler. `python scripts/step_phases.py [--sample] [--async]`."""
 
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 import time
+from collections import defaultdict
 
 from parashift.engine.llm import LLM
 from parashift.engine.request import Request
 from parashift.types.sampling_params import SamplingParams
 
-TIMES: dict[str, list[float]] = {}
+SPENT: defaultdict[str, float] = defaultdict(float)
+_stack: list[float] = []  # per open phase: the time of its sub-phases
 
 
 def timed(name: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         start = time.perf_counter()
+        _stack.append(0.0)
         try:
             return fn(*args, **kwargs)
         finally:
-            TIMES.setdefault(name, []).append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            SPENT[name] += elapsed - _stack.pop()
+            if _stack:
+                _stack[-1] += elapsed
     return call
+
+
+def instrument(core) -> None:
+    runner = core.executor.worker.runner
+    model = runner.model
+    phases = [
+        (core, "step", "engine step"), (core.scheduler, "schedule", "schedule"),
+        (core.scheduler, "update_from_output", "update"),
+        (runner, "execute_model", "runner"), (runner.batch, "apply", "apply deltas"),
+        (runner, "_run", "runner"), (runner, "_prepare_inputs", "gather inputs"),
+        (runner.batch, "advance", "rows that sample"),
+        (runner.backend, "build_metadata", "attention metadata"),
+        (runner, "_forward_stage", "forward's own ops"),
+        (model.embed_tokens, "forward", "embedding"), (model.rotary_emb, "cos_sin", "rotary"),
+        (model.norm, "forward", "final norm"), (model, "compute_logits", "LM head"),
+        (runner, "_sample", "runner"), (runner, "_sampling_metadata", "sampling metadata"),
+        (runner, "sampler", "sampler"), (runner.batch, "append_sampled", "append sampled"),
+    ]
+    for owner, attr, name in phases:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    if model.fused_layers is not None:  # a class-level call: wrap the class's __call__
+        cls = type(model.fused_layers)
+        cls.__call__ = timed("fused decoder layers", cls.__call__)
 
 
 def main() -> None:
@@ -34,35 +62,26 @@ def main() -> None:
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False,
               async_scheduling="--async" in sys.argv)
     core = llm.engine
-    runner = core.executor.worker.runner
-    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
-    core.scheduler.update_from_output = timed("update", core.scheduler.update_from_output)
-    runner.batch.apply = timed("apply deltas", runner.batch.apply)
-    runner._prepare_inputs = timed("gather inputs", runner._prepare_inputs)
-    runner._forward_stage = timed("forward", runner._forward_stage)
-    runner.model.compute_logits = timed("LM head", runner.model.compute_logits)
-    runner.sampler = timed("sampler", runner.sampler)
-    runner._sampling_metadata = timed("metadata", runner._sampling_metadata)
-    runner.backend.build_metadata = timed("attn metadata", runner.backend.build_metadata)
+    instrument(core)
     prompts = [[(100 + 31 * b + 7 * i) % 49000 for i in range(16)] for b in range(32)]
 
-    def batch(n: int) -> list[float]:
+    def batch(n: int) -> tuple[int, float]:
         for i, prompt in enumerate(prompts):
             core.add_request(Request(f"r{n}-{i}", prompt, SamplingParams(
                 max_tokens=128, ignore_eos=True, **sampling), None))
-        steps = []
+        core.step()  # the prefill
+        SPENT.clear()
+        steps, start = 0, time.perf_counter()
         while core.has_unfinished_requests():
-            start = time.perf_counter()
             core.step()
-            steps.append(time.perf_counter() - start)
-        return steps[1:]  # the decode steps
+            steps += 1
+        return steps, time.perf_counter() - start
 
     batch(0)
-    TIMES.clear()
-    steps = batch(1)
-    print(f"decode step: {statistics.median(steps) * 1e3:.2f} ms (median of {len(steps)})")
-    for name, values in TIMES.items():
-        print(f"  {name:14s} {statistics.median(values[1:]) * 1e3:7.3f} ms")
+    steps, seconds = batch(1)
+    print(f"decode step: {seconds / steps * 1e3:.2f} ms (mean of {steps}); exclusive times:")
+    for name, total in sorted(SPENT.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:22s} {total / steps * 1e3:7.3f} ms")
     llm.shutdown()
 
 
