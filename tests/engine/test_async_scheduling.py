@@ -2,8 +2,10 @@
 for N's tokens) gives the tokens that one step at a time gives: greedy and seeded sampling,
 n=3, stop strings, logprobs, preemption under a small KV cache, aborts mid-stream, a
 structured-output constraint (its mask made once the token in flight is in), and tensor and
-pipeline parallel (tp rank 0 broadcasts its sampled ids; a pipeline keeps its own batches in
-flight). Lockstep waves (dp2xep) are covered in serve/test_expert_parallel.py."""
+pipeline parallel with all of these (tp rank 0 broadcasts its sampled ids, and samples a
+deferred mask's step at SampleTokens; a pipeline keeps its own batches in flight). Lockstep
+waves (dp2xep) are in serve/test_expert_parallel.py, a served engine in
+serve/test_async_serving.py."""
 
 from __future__ import annotations
 
@@ -67,10 +69,12 @@ def test_preemption_and_recompute_match(tiny_llama):
     assert all(PREEMPTIONS), PREEMPTIONS
 
 
+CONSTRAINED = SamplingParams(temperature=1.0, seed=11, max_tokens=40, structured_outputs=(
+    StructuredOutputsParams(regex=r"(ab|cd){2,6}x")))
+
+
 def test_a_constraint_masks_after_the_token_in_flight(tiny_llama):
-    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40, structured_outputs=(
-        StructuredOutputsParams(regex=r"(ab|cd){2,6}x")))
-    sync, async_ = both(tiny_llama, [params])
+    sync, async_ = both(tiny_llama, [CONSTRAINED])
     assert sync == async_
     assert all(c[2] == "stop" for o in sync[0] for c in o)
 
@@ -103,5 +107,6 @@ def test_an_aborted_request_emits_nothing_more(tiny_llama):
 def test_tensor_and_pipeline_parallel_match(tiny_model_factory, strategy):
     folder = tiny_model_factory("llama", num_hidden_layers=4)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    sync, async_ = both(folder, [greedy, SAMPLED], strategy=strategy)
+    sync, async_ = both(folder, [greedy, SAMPLED, CONSTRAINED], strategy=strategy)
     assert sync == async_
+    assert all(c[2] == "stop" for o in sync[2] for c in o)  # every constrained output ended
