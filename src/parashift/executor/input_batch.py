@@ -61,9 +61,6 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self.rows
-
     # --- a step's deltas ------------------------------------------------------------------------
     def apply(self, out: SchedulerOutput) -> None:
         """Requests freed, new ones (a preempted request comes back as new), and the running
