@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -15,21 +16,29 @@ from parashift.engine.request import Request
 from parashift.types.sampling_params import SamplingParams
 
 SPENT: defaultdict[str, float] = defaultdict(float)
-_stack: list[float] = []  # per open phase: the time of its sub-phases
+_open = threading.local()  # per thread (the runner's, with --async): each open phase's
+# sub-phase time
+
+
+def _stack() -> list[float]:
+    if not hasattr(_open, "stack"):
+        _open.stack = []
+    return _open.stack
 
 
 def timed(name: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        stack = _stack()
         start = time.perf_counter()
-        _stack.append(0.0)
+        stack.append(0.0)
         try:
             return fn(*args, **kwargs)
         finally:
             elapsed = time.perf_counter() - start
-            SPENT[name] += elapsed - _stack.pop()
-            if _stack:
-                _stack[-1] += elapsed
+            SPENT[name] += elapsed - stack.pop()
+            if stack:
+                stack[-1] += elapsed
     return call
 
 

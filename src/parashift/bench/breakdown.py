@@ -61,8 +61,10 @@ def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
 
 @contextlib.contextmanager
 def _device_timer(runner) -> Iterator[list[float]]:
-    """Seconds the runner spends in the forward, the logits and the sampler, summed since the
-    last read (the list's one entry); the runner's own methods are restored after."""
+    """Seconds the runner spends in the forward (a CUDA graph's too), the logits and the
+    sampler, summed since the last read (the list's one entry); the runner's own methods are
+    restored after. With async scheduling a runner call that spans two steps counts in the
+    step it ends in."""
     spent = [0.0]
 
     def timed(fn):
@@ -74,17 +76,20 @@ def _device_timer(runner) -> Iterator[list[float]]:
                 spent[0] += time.perf_counter() - start
         return call
 
-    patched = {"_forward_stage": runner._forward_stage, "sampler": runner.sampler}
-    runner._forward_stage = timed(runner._forward_stage)
-    runner.sampler = timed(runner.sampler)
-    compute_logits = runner.model.compute_logits
-    runner.model.compute_logits = timed(compute_logits)
+    targets = [(runner, "_forward_stage"), (runner, "sampler"), (runner.model, "compute_logits")]
+    if runner.graphs is not None:
+        targets.append((runner.graphs, "run"))
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]
+    for owner, name in targets:
+        setattr(owner, name, timed(getattr(owner, name)))
     try:
         yield spent
-    finally:
-        for name, value in patched.items():
-            setattr(runner, name, value)
-        del runner.model.compute_logits  # the class's method again
+    finally:  # each instance's own attribute again, or none (its class's method)
+        for owner, name, own in saved:
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 def _bucket(event) -> tuple[int | None, str]:

@@ -158,8 +158,13 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, device_name,
         None if args.enable_chunked_prefill else max_model_len)
-    async_scheduling = (args.async_scheduling if args.async_scheduling is not None
-                        else default_async_scheduling(device_name))
+    # Decided here once for every process: not with a pipeline (its stages keep their own
+    # batches in flight) or lockstep waves (their collectives go one step at a time).
+    processes = spec.processes()
+    async_scheduling = (
+        (args.async_scheduling if args.async_scheduling is not None
+         else default_async_scheduling(device_name))
+        and processes.max_batches_in_flight == 1 and not processes.lockstep)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests,
                                 args.while_asleep, async_scheduling)

@@ -48,8 +48,6 @@ def make_executor(config: EngineConfig, placement: EnginePlacement | None = None
 
 
 class EngineCore:
-    supports_async_scheduling = True  # lockstep waves (engine/lockstep.py) step one at a time
-
     def __init__(self, config: EngineConfig, executor=None,
                  placement: EnginePlacement | None = None):
         self.config = config
@@ -83,10 +81,8 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f max-length sequences "
                     "at once)", num_blocks, block_size, capacity, capacity / max_len)
         kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        pipeline = self.executor.max_batches_in_flight
-        self.async_scheduling = (config.scheduler.async_scheduling and pipeline == 1
-                                 and self.supports_async_scheduling)
-        depth = 2 if self.async_scheduling else pipeline
+        self.async_scheduling = config.scheduler.async_scheduling  # (resolved: engine/args.py)
+        depth = 2 if self.async_scheduling else self.executor.max_batches_in_flight
         if self.async_scheduling:
             logger.info("async scheduling: step N+1 is scheduled while step N runs")
         self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size,

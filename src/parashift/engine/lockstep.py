@@ -19,9 +19,6 @@ from parashift.wire import protocol as p
 
 
 class LockstepEngineCore(EngineCore):
-    # A wave step's collectives carry whether the group still has work: one step at a time.
-    supports_async_scheduling = False
-
     def __init__(self, *args, **kwargs):
         self.wave_stats = WaveStats()
         super().__init__(*args, **kwargs)

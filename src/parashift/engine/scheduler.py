@@ -51,8 +51,6 @@ class Scheduler:
         self.placeholders = placeholders  # async scheduling: schedule in-flight requests again
         # Requests of batches submitted and not yet returned: in how many.
         self.in_flight: Counter[str] = Counter()
-        # Masks that wait for their requests' in-flight tokens: batch -> constrained requests.
-        self._deferred_grammar: dict[int, list[str]] = {}
         self.num_preemptions = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -183,8 +181,7 @@ class Scheduler:
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                               freed)
         if pending_grammar:  # as vLLM: the mask is made once the in-flight tokens are in
-            out.grammar_deferred = True
-            self._deferred_grammar[id(out)] = constrained
+            out.deferred_grammar_req_ids = constrained
         else:
             out.grammar = self._bitmask(constrained)
         return out
@@ -210,7 +207,7 @@ class Scheduler:
     def deferred_bitmask(self, scheduler_output: SchedulerOutput):
         """The mask of a batch scheduled with placeholders, once the batches before it have
         returned and their tokens moved its requests' grammars on."""
-        return self._bitmask(self._deferred_grammar.pop(id(scheduler_output)))
+        return self._bitmask(scheduler_output.deferred_grammar_req_ids or [])
 
     def _finish_unscheduled(self, req: Request, error: str) -> None:
         self._finish(req, RequestStatus.FINISHED_ABORTED, already_removed=True)
@@ -241,14 +238,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.take_unscheduled_outputs()
-        if self.max_batches_in_flight == 1:  # this batch was the only one
-            self.in_flight.clear()
-        else:
-            self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
-            for req_id in scheduler_output.num_scheduled_tokens:
-                if self.in_flight[req_id] <= 0:
-                    del self.in_flight[req_id]
-        self._deferred_grammar.pop(id(scheduler_output), None)
+        self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
         for req_id, token_id in runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
             # Gone, or preempted while in flight: the token belongs to a discarded run.

@@ -229,16 +229,12 @@ def fill_bitmask(states: list[tuple[str, GrammarState]], vocab_size: int
     next (bit t of word t // 32), or only end-of-sequence where it allows none."""
     if not states:
         return None
-    import contextlib
-
-    import torch
     import xgrammar as xgr
-    from torch.profiler import record_function
+
+    from parashift.layers.profiling import profiler_label
 
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
-    # (a bucket of `bench latency --breakdown`)
-    with (record_function("parashift::grammar") if torch.autograd._profiler_enabled()
-          else contextlib.nullcontext()):
+    with profiler_label("parashift::grammar"):
         for row, (_, state) in enumerate(states):
             state.matcher.fill_next_token_bitmask(bitmask, row)
             if not bitmask[row].any() and state._eos is not None:

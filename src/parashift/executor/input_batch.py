@@ -17,6 +17,16 @@ from parashift.types.outputs import NewRequestData, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
 from parashift.types.token_counts import TokenCounts
 
+# One value per row: (name, dtype, the value of an empty row). Sampling columns: greedy rows
+# have temperature 0 and neutral filters.
+_COLUMNS = (
+    ("num_tokens", np.int64, 0), ("num_prompt_tokens", np.int64, 0),
+    ("num_computed_tokens", np.int64, 0), ("num_blocks", np.int64, 0),
+    ("temperature", np.float32, 0.0), ("top_k", np.int64, 0), ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0), ("seeded", np.bool_, False), ("has_logprobs", np.bool_, False),
+    ("penalized", np.bool_, False),
+)
+
 
 class InputBatch:
     def __init__(self, max_model_len: int, block_size: int, max_num_reqs: int = 16):
@@ -32,30 +42,17 @@ class InputBatch:
         self._allocate(max_num_reqs)
 
     def _allocate(self, capacity: int) -> None:
-        old = self.__dict__.get("token_ids")
+        grown = self.__dict__.get("token_ids") is not None
         self.capacity = capacity
-
-        def grow(name: str, shape: tuple[int, ...], dtype, fill) -> None:
+        arrays = [(name, (capacity,), dtype, fill) for name, dtype, fill in _COLUMNS]
+        arrays += [("token_ids", (capacity, self.width), np.int64, 0),
+                   ("block_table", (capacity, self.max_blocks), np.int64, 0)]
+        for name, shape, dtype, fill in arrays:
             new = np.full(shape, fill, dtype=dtype)
-            if old is not None:
+            if grown:
                 prev = getattr(self, name)
                 new[: len(prev)] = prev
             setattr(self, name, new)
-
-        grow("token_ids", (capacity, self.width), np.int64, 0)
-        grow("num_tokens", (capacity,), np.int64, 0)
-        grow("num_prompt_tokens", (capacity,), np.int64, 0)
-        grow("num_computed_tokens", (capacity,), np.int64, 0)
-        grow("block_table", (capacity, self.max_blocks), np.int64, 0)
-        grow("num_blocks", (capacity,), np.int64, 0)
-        # Sampling columns: greedy rows have temperature 0 and neutral filters.
-        grow("temperature", (capacity,), np.float32, 0.0)
-        grow("top_k", (capacity,), np.int64, 0)
-        grow("top_p", (capacity,), np.float32, 1.0)
-        grow("min_p", (capacity,), np.float32, 0.0)
-        grow("seeded", (capacity,), np.bool_, False)
-        grow("has_logprobs", (capacity,), np.bool_, False)
-        grow("penalized", (capacity,), np.bool_, False)
 
     @property
     def num_reqs(self) -> int:
@@ -123,9 +120,8 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             b = self.num_blocks[last]
             self.block_table[row, :b] = self.block_table[last, :b]
-            for column in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                           self.num_blocks, self.temperature, self.top_k, self.top_p,
-                           self.min_p, self.seeded, self.has_logprobs, self.penalized):
+            for name, *_ in _COLUMNS:
+                column = getattr(self, name)
                 column[row] = column[last]
             self.params[row] = self.params[last]
             self.counts[row] = self.counts[last]

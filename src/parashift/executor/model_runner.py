@@ -7,26 +7,20 @@ its forward and logits in `execute_model`, which returns None, and samples in
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.executor.input_batch import InputBatch
-from parashift.executor.sampling_inputs import (
-    penalty_inputs,
-    row_seeds,
-    sampling_metadata,
-)
+from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
-from parashift.layers.sampler import Sampler, SamplingMetadata, row_uniforms
+from parashift.layers.profiling import profiler_label
+from parashift.layers.sampler import Sampler, SamplingMetadata
 from parashift.layers.token_mask import apply_token_bitmask
 from parashift.types.outputs import (
     GrammarBitmask,
@@ -45,12 +39,6 @@ class _Unsampled:
     logits: torch.Tensor  # [num_rows, vocab]
     rows: np.ndarray  # the batch rows that sample
     req_ids: list[str]
-
-
-def _label(name: str):
-    # The labels are for `bench latency --breakdown`; they cost ~7 us a step otherwise.
-    return (record_function(name) if torch.autograd._profiler_enabled()
-            else contextlib.nullcontext())
 
 
 class ModelRunner:
@@ -181,16 +169,17 @@ class ModelRunner:
                 grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         if grammar is not None:  # structured outputs: their rows' allowed tokens
             where = {r: i for i, r in enumerate(req_ids)}
-            with _label("parashift::grammar"):
+            with profiler_label("parashift::grammar"):
                 apply_token_bitmask(logits, [where.get(r) for r in grammar.req_ids],
                                     grammar.bits, grammar.words)
-        with _label("parashift::sample"):
+        with profiler_label("parashift::sample"):
             md = self._sampling_metadata(rows)
             tokens, logprobs = self.sampler(logits, md)
         # The placeholders of a step scheduled before these tokens reach the scheduler.
         self.batch.append_sampled(rows, tokens)
         if self.share_sampled is not None:
-            self.share_sampled.broadcast(torch.tensor(tokens, dtype=torch.long))
+            self.share_sampled.broadcast(torch.tensor(tokens, dtype=torch.long,
+                                                      device=self.device))
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
             dict(zip(req_ids, tokens, strict=True)),
@@ -199,22 +188,17 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The columns of the same rows as last step (no request came or went) are reused:
-        only the draws and the penalty counts change from step to step."""
+        """The columns of the same rows as last step (no request came or went) are reused."""
         key = (self.batch.version, rows.tobytes())
-        if self._sampling_cache is not None and self._sampling_cache[0] == key:
-            md = self._sampling_cache[1]
-            if md.all_greedy and md.penalties is None:
-                return md
-            return dataclasses.replace(md, uniforms=None if md.all_greedy else row_uniforms(
-                len(rows), row_seeds(self.batch, rows), self.device),
-                penalties=penalty_inputs(self.batch, rows, self.device))
-        md = sampling_metadata(self.batch, rows, self.vocab_size, self.device)
+        cache = self._sampling_cache
+        md = sampling_metadata(self.batch, rows, self.vocab_size, self.device,
+                               cache[1] if cache is not None and cache[0] == key else None)
         self._sampling_cache = (key, md)
         return md
 
     def _receive_sampled(self, rows: np.ndarray) -> None:
-        tokens = self.share_sampled.broadcast(torch.empty(len(rows), dtype=torch.long))
+        tokens = self.share_sampled.broadcast(torch.empty(len(rows), dtype=torch.long,
+                                                          device=self.device))
         self.batch.append_sampled(rows, tokens.tolist())
 
     def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,

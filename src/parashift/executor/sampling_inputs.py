@@ -4,6 +4,8 @@ rows' draws from (seed, output position), the penalized rows' token counts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -13,8 +15,21 @@ from parashift.layers.sampler import SamplingMetadata, position_seed, row_unifor
 
 
 def sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
-                      device: torch.device) -> SamplingMetadata:
-    """The sampler's view of a step's sampling rows, from the batch's columns."""
+                      device: torch.device, reuse: SamplingMetadata | None = None
+                      ) -> SamplingMetadata:
+    """The sampler's view of a step's sampling rows, from the batch's columns. `reuse`: the
+    same rows' metadata of an earlier step, no request having come or gone since: only the
+    draws and the penalty counts are made again."""
+    md = reuse if reuse is not None else _columns(batch, rows, vocab_size, device)
+    uniforms = None if md.all_greedy else row_uniforms(len(rows), row_seeds(batch, rows), device)
+    penalties = penalty_inputs(batch, rows, device)
+    if uniforms is None and penalties is None and md.penalties is None:
+        return md
+    return dataclasses.replace(md, uniforms=uniforms, penalties=penalties)
+
+
+def _columns(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+             device: torch.device) -> SamplingMetadata:
     temperature = batch.temperature[rows]
     sampled = temperature > 0.0
     all_greedy = not sampled.any()
@@ -35,9 +50,8 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         top_k=column(top_k, bool(((top_k > 0) & (top_k < vocab_size)).any())),
         top_p=column(top_p, bool((top_p < 1.0).any())),
         min_p=column(min_p, bool((min_p > 0.0).any())),
-        uniforms=None if all_greedy else row_uniforms(len(rows), row_seeds(batch, rows),
-                                                      device),
-        penalties=penalty_inputs(batch, rows, device),
+        uniforms=None,
+        penalties=None,
         num_logprobs=num_logprobs,
     )
 
@@ -54,7 +68,7 @@ def row_seeds(batch: InputBatch, rows: np.ndarray) -> dict[int, int]:
 
 def penalty_inputs(batch: InputBatch, rows: np.ndarray,
                    device: torch.device) -> PenaltyInputs | None:
-    if not batch.penalized[rows].any():
+    if not batch.num_penalized or not batch.penalized[rows].any():
         return None
     params = [batch.params[r] for r in rows.tolist()]
     return PenaltyInputs.gather(

@@ -74,15 +74,12 @@ class Worker:
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
                                          mc.quantization, self.config.device.gemm_paths):
             logger.info(note)
-        tp, pp = self.parallel.group("tp"), self.parallel.group("pp")
-        # Async scheduling's placeholders (one pipeline stage, no lockstep waves): tp rank 0
-        # shares what it sampled.
-        lockstep = getattr(self.model, "dispatcher", None) is not None and \
-            self.model.dispatcher.is_active
-        shares = (self.config.scheduler.async_scheduling and pp.world_size == 1
-                  and tp.world_size > 1 and not lockstep)
+        tp = self.parallel.group("tp")
+        # Async scheduling's placeholders: tp rank 0 shares what it sampled.
+        shares = self.config.scheduler.async_scheduling and tp.world_size > 1
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
-                                  self.device, mc.max_model_len, pp, tp if shares else None)
+                                  self.device, mc.max_model_len, self.parallel.group("pp"),
+                                  tp if shares else None)
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights too (level 2); the engine has no request

@@ -168,8 +168,10 @@ class GemmPaths:
         if shared and prepares_shared_weights(dtype) and len(allowed) > 1:
             allowed.remove("linear")
         known = self.choices.get(key)
-        if known in allowed or len(allowed) == 1:
-            return known if known in allowed else allowed[0]
+        if known in allowed:
+            return known
+        if len(allowed) == 1:
+            return allowed[0]
         best, timed = self._time(dtype, out_features, in_features, allowed)
         if policy is None or set(every) <= set(policy):  # a narrower policy's pick: not cached
             self.choices[key] = best

@@ -20,7 +20,10 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int | None], bits: byte
     vocab = logits.shape[-1]
     if allowed.shape[1] < vocab:
         allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-    blocked = torch.from_numpy(~allowed[:, :vocab]).to(logits.device, non_blocking=True)
-    for i, row in enumerate(rows):
-        if row is not None:
-            logits[row].masked_fill_(blocked[i], float("-inf"))
+    kept = [(i, row) for i, row in enumerate(rows) if row is not None]
+    if not kept:
+        return
+    masks, targets = zip(*kept, strict=True)
+    blocked = torch.from_numpy(~allowed[list(masks), :vocab]).to(logits.device)
+    index = torch.tensor(targets, device=logits.device)
+    logits[index] = logits[index].masked_fill(blocked, float("-inf"))  # one op for all rows

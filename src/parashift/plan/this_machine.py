@@ -9,7 +9,7 @@ import os
 import subprocess
 
 from parashift.defaults import DTYPE_BYTES, resolve_dtype_name
-from parashift.engine.args import EngineArgs
+from parashift.engine.args import EngineArgs, gemm_paths
 from parashift.plan.auto import rank_plans
 from parashift.plan.estimate import Plan, PlanSettings, keeps_shared_weight_copies
 from parashift.plan.hardware import DEVICES, INTER_NODE
@@ -59,7 +59,7 @@ def machine_settings(args: EngineArgs, checkpoint_dtype: str | None) -> PlanSett
         quantization=args.quantization,
         # (--gemm-paths linear leaves a tied head on the embedding's own weight)
         shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype)
-        and args.gemm_paths not in ("linear",))
+        and gemm_paths(args.gemm_paths, args.cpu_kernels) != ("linear",))
 
 
 def choose_strategy(args: EngineArgs, objective: str, one_engine: bool = False

@@ -38,13 +38,17 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]  # finished, aborted or preempted: drop their runner state
     grammar: GrammarBitmask | None = None  # the constrained rows that sample this step
-    # Async scheduling: the mask depends on tokens still in flight and follows the batch
-    # (the runner runs the forward, then waits for it to sample).
-    grammar_deferred: bool = False
+    # Async scheduling: constrained rows whose mask depends on tokens still in flight. The
+    # mask follows the batch (the runner runs the forward, then waits for it to sample).
+    deferred_grammar_req_ids: list[str] | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def grammar_deferred(self) -> bool:
+        return self.deferred_grammar_req_ids is not None
 
 
 @dataclass
