@@ -15,7 +15,8 @@ from parashift.wire import protocol as p
 def _broker(tmp_path, lockstep: bool) -> EngineClient:
     broker = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 3)
     for rank in range(3):
-        broker.on_ready(p.EngineReady(rank, 256, 100, 1000 + rank, 16, lockstep))
+        broker.on_ready(p.EngineReady(rank, 256, 100, 1000 + rank, 16, lockstep),
+                        str(rank).encode())
     return broker
 
 

@@ -35,7 +35,7 @@ def wait_failed(monitor: zmq.Socket) -> bool:
 def test_keys_are_a_function_of_the_secret():
     a, b = ClusterKeys.from_secret(SECRET), ClusterKeys.from_secret(SECRET)
     assert a == b and a != ClusterKeys.from_secret(SECRET + "x")
-    assert a.server_public != a.client_public and len(a.server_secret) == 40
+    assert a.server.public != a.client.public and len(a.server.secret) == 40
 
 
 def test_peers_with_the_secret_talk_and_others_get_nothing():

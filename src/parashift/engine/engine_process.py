@@ -30,7 +30,8 @@ from parashift.processes import (
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
 from parashift.types.outputs import EngineCoreOutput
 from parashift.wire import protocol as p
-from parashift.wire.sockets import subscriber, zmq_context
+from parashift.wire.cluster_auth import CurvePair, Role
+from parashift.wire.sockets import routing_id, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class EngineProcess:
         self.incarnation = os.getpid()
         self.placement = placement
         self.ctx = zmq_context()
+        self.links = self.ctx  # after EngineInit over CURVE: a context with the rank's key
         self.handshake = self.ctx.socket(zmq.DEALER)
-        self.handshake.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self.handshake.setsockopt(zmq.IDENTITY, routing_id(f"dp{rank}"))
         self.handshake.setsockopt(zmq.LINGER, 1000)
         self.handshake.connect(handshake_address)
         self.inputs: list[zmq.Socket] = []
@@ -71,7 +73,12 @@ class EngineProcess:
         if not self.handshake.poll(int(self.handshake_timeout * 1000)):
             raise TimeoutError(f"no launcher answered the handshake within "
                                f"{self.handshake_timeout:.0f} s")
-        init = p.decode(self.handshake.recv(), p.EngineInit)
+        init = p.decode_or_drop(self.handshake.recv(), p.EngineInit, "handshake")
+        if init is None:
+            raise RuntimeError("the launcher answered the handshake with a message this engine "
+                               "cannot read (another parashift version?)")
+        if init.rank_key is not None:  # every other link speaks for this rank, with its key
+            self.links = zmq_context(role=Role(CurvePair(*init.rank_key)))
         if self.placement is not None and self.placement.cpu_ids:
             # this rank's own cores (its workers'), so that ranks do not fight over them
             os.sched_setaffinity(0, self.placement.cpu_ids)
@@ -81,26 +88,27 @@ class EngineProcess:
                                                                       placement=self.placement)
         self.hold_while_asleep = config.scheduler.while_asleep == "wait"
         self.sleep = SleepState(self.rank, self.core, self._answer)
+        identity = routing_id(f"dp{self.rank}")  # the API servers learn it from EngineReady
         for address in init.request_addresses:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+            sock = self.links.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self.inputs.append(sock)
         for address in init.output_addresses:
-            sock = self.ctx.socket(zmq.PUSH)
+            sock = self.links.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)  # never drop outputs; in-flight work is bounded
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
             self.outputs.append(sock)
         if init.coordinator_address:
-            self.load_out = self.ctx.socket(zmq.PUSH)
+            self.load_out = self.links.socket(zmq.PUSH)
             self.load_out.setsockopt(zmq.LINGER, 0)
             self.load_out.connect(init.coordinator_address)
-            self._heartbeat = Heartbeat(self.ctx, init.coordinator_address, self.rank,
+            self._heartbeat = Heartbeat(self.links, init.coordinator_address, self.rank,
                                         self.incarnation)
         self.steps = (LockstepSteps(self.rank, self.core, self.load_out, subscriber(
-            self.ctx, init.coordinator_publish_address), self._publish) if lockstep
+            self.links, init.coordinator_publish_address), self._publish) if lockstep
             else Steps(self.core, self._publish))
         cfg = self.core.config
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
@@ -251,6 +259,8 @@ class EngineProcess:
             self.core.shutdown()  # its tensor-parallel workers, if any
         if self._heartbeat is not None:  # it closes its own socket
             self._heartbeat.stop()
+        if self.links is not self.ctx:
+            self.links.destroy(linger=linger_ms)
         self.ctx.destroy(linger=linger_ms)
 
 

@@ -24,6 +24,7 @@ import zmq
 from parashift.processes import die_with_parent, set_process_name, setup_child_logging
 from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import HeadKeys, rank_principal, speaks_for
 from parashift.wire.sockets import bind, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,11 @@ def idle(rank: int) -> p.EngineLoad:
 
 class Coordinator:
     def __init__(self, num_engines: int, stats_address: str, publish_address: str,
-                 heartbeat_timeout: float = 5.0, bound: dict[str, socket.socket] | None = None):
-        self.ctx = zmq_context()
+                 heartbeat_timeout: float = 5.0, bound: dict[str, socket.socket] | None = None,
+                 head_keys: HeadKeys | None = None):
+        """`head_keys`: over CURVE, whose links it accepts (the head's, the ranks', and the
+        nodes' subscriptions); a message speaking for a rank counts only from that rank's."""
+        self.ctx = zmq_context(role=head_keys.role(cluster=True) if head_keys else None)
         self.stats = self.ctx.socket(zmq.PULL)
         self.stats.setsockopt(zmq.LINGER, 0)
         bind(self.stats, stats_address, bound)
@@ -72,10 +76,12 @@ class Coordinator:
         changed = False
         while True:
             try:
-                msg = p.decode_or_drop(self.stats.recv(zmq.NOBLOCK), p.ToEngineLoad, "load")
+                frame = self.stats.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return changed
-            if msg is None or not 0 <= msg.rank < len(self.load):
+            msg = p.decode_or_drop(frame.buffer, p.ToEngineLoad, "load")
+            if (msg is None or not 0 <= msg.rank < len(self.load)
+                    or not speaks_for(frame, rank_principal(msg.rank), "load")):
                 continue
             if isinstance(msg, p.StartWave):  # on to every engine at once
                 self.publish.send(p.encode(p.StartWave(msg.wave)))
@@ -105,14 +111,15 @@ class Coordinator:
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str,
                     heartbeat_timeout: float, log_level: str,
-                    bound: dict[str, socket.socket] | None = None) -> None:
+                    bound: dict[str, socket.socket] | None = None,
+                    head_keys: HeadKeys | None = None) -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name("parashift-dp-coordinator")
     die_with_parent()
     setup_child_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     coordinator = Coordinator(num_engines, stats_address, publish_address, heartbeat_timeout,
-                              bound)
+                              bound, head_keys)
 
     def on_term(*_: Any) -> None:
         coordinator.stopping = True

@@ -18,7 +18,7 @@ from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs, StartupError
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import handshake_failed
-from parashift.wire.sockets import subscriber, tcp_url, zmq_context
+from parashift.wire.sockets import routing_id, subscriber, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class HeadlessLauncher:
             args.log_level, args.startup_timeout, args.restart_dead_engines)
         self.ctx = zmq_context()
         self.to_head = self.ctx.socket(zmq.DEALER)
-        self.to_head.setsockopt(zmq.IDENTITY, f"node-{self.local_ranks[0]}".encode())
+        self.to_head.setsockopt(zmq.IDENTITY, routing_id(f"node-{self.local_ranks[0]}"))
         self.to_head.setsockopt(zmq.LINGER, 1000)
         self.head_heartbeats: zmq.Socket | None = None
         self.stopping = False

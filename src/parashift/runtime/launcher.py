@@ -15,6 +15,7 @@ import time
 
 import zmq
 
+from parashift import env
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
@@ -22,14 +23,16 @@ from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener
+from parashift.runtime.handshake import Handshake
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
 from parashift.serve.api_process import run_api_server
 from parashift.serve.api_server import ApiServerArgs
 from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import HeadKeys
 from parashift.wire.engine_config import config_to_wire
-from parashift.wire.sockets import tcp_url, zmq_context
+from parashift.wire.sockets import routing_id, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +72,15 @@ class Launcher:
                 {r: self.mesh.engine_placement(r) for r in self.local_ranks},
                 self.endpoints.handshake, args.log_level, args.startup_timeout,
                 args.restart_dead_engines)
-        self.ctx = zmq_context()
-        self.handshake: zmq.Socket | None = None
+        self.head_keys = HeadKeys.mint(self.num_engines) if env.cluster_secret() else None
+        self.ctx = zmq_context(role=self.head_keys.role(cluster=True) if self.head_keys
+                               else None)
+        self.handshake = Handshake(self.ctx, self.num_engines, self.head_keys,
+                                   self._engine_init,
+                                   p.NodeInit(self.endpoints.coordinator_publish))
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.controls: list[zmq.Socket] = []
-        self.nodes: set[bytes] = set()  # identities of headless launchers
         self.ready: dict[int, p.Ready] = {}
         self.stopping = False
         self.serving = False  # start() completed
@@ -101,16 +107,8 @@ class Launcher:
                         self.spec, self.engines.bundles)
         mp = child_processes.context()
         self.listener = bind_listener(self.args.host, self.args.port)
-        self.handshake = self.ctx.socket(zmq.ROUTER)
-        self.handshake.setsockopt(zmq.LINGER, 0)
-        self.handshake.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank reuses its name
         try:
-            if self.endpoints.handshake.endswith(":0"):
-                host = self.endpoints.handshake.removeprefix("tcp://").rpartition(":")[0]
-                port = self.handshake.bind_to_random_port(f"tcp://{host}")
-                self.endpoints.handshake = tcp_url(host.strip("[]"), port)
-            else:
-                self.handshake.bind(self.endpoints.handshake)
+            self.endpoints.handshake = self.handshake.bind(self.endpoints.handshake)
             if self.args.backend == "ray":
                 self.engines.handshake_address = self.endpoints.handshake
         except zmq.ZMQError as e:
@@ -125,11 +123,14 @@ class Launcher:
                 args=(self.num_engines, self.endpoints.coordinator_load,
                       self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
                       self.args.log_level, self.endpoints.handed(
-                          self.endpoints.coordinator_load, self.endpoints.coordinator_publish)))
+                          self.endpoints.coordinator_load, self.endpoints.coordinator_publish),
+                      self.head_keys))
             self.coordinator.start()
             coordinator_pub = self.endpoints.coordinator_publish
+            self.handshake.watch(coordinator_pub)
             if self.lockstep is not None:
                 self.lockstep.watch(self.ctx, coordinator_pub)
+        launcher_identity = routing_id("launcher")
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
@@ -139,7 +140,8 @@ class Launcher:
                 routing=self.args.routing, bound=self.endpoints.handed(
                     self.endpoints.requests[i], self.endpoints.outputs[i]),
                 max_body_bytes=self.args.max_body_bytes,
-                tool_call_parser=self.args.tool_call_parser)
+                tool_call_parser=self.args.tool_call_parser, head_keys=self.head_keys,
+                launcher_identity=launcher_identity)
             proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
                               name=f"parashift-api-{i}")
             proc.start()
@@ -147,7 +149,7 @@ class Launcher:
                 os.sched_setaffinity(proc.pid, self.mesh.api_server_cpus)
             self.api_procs.append(proc)
             control = self.ctx.socket(zmq.DEALER)
-            control.setsockopt(zmq.IDENTITY, b"launcher")
+            control.setsockopt(zmq.IDENTITY, launcher_identity)
             control.setsockopt(zmq.LINGER, 0)
             control.connect(self.endpoints.requests[i])
             self.controls.append(control)
@@ -190,23 +192,8 @@ class Launcher:
 
     def _serve_handshake(self, timeout_ms: int, starting: bool = False) -> None:
         """Engines (first start, restarts, other nodes) and headless launchers."""
-        if not self.handshake.poll(timeout_ms):
-            return
-        frames = self.handshake.recv_multipart()
-        if len(frames) != 2:  # a ROUTER frame is [identity, message]: anything else is junk
-            p.decode_or_drop(b"", p.Handshake, "handshake")
-            return
-        identity, frame = frames
-        msg = p.decode_or_drop(frame, p.Handshake, "handshake")
-        if isinstance(msg, p.Hello):
-            group = self.lockstep
-            config = self.config.for_engine(msg.rank, self.args.backend,
-                                            group.address if group else None)
-            coordinator = self.endpoints.coordinator_load if self.coordinator else None
-            self.handshake.send_multipart([identity, p.encode(p.EngineInit(
-                config_to_wire(config), self.endpoints.requests, self.endpoints.outputs,
-                coordinator, self.endpoints.coordinator_publish if group else None))])
-        elif isinstance(msg, p.Ready):
+        msg = self.handshake.receive(timeout_ms)
+        if isinstance(msg, p.Ready):
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg
             if self.lockstep is not None:
@@ -218,19 +205,23 @@ class Launcher:
             if starting:
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")
             logger.error("engine dp%d failed to start again: %s", msg.rank, msg.error)
-        elif isinstance(msg, p.NodeHello):
-            self.nodes.add(identity)
-            logger.info("a headless node joined with ranks dp%d-dp%d", msg.start_rank,
-                        msg.start_rank + msg.size - 1)
-            self.handshake.send_multipart([identity, p.encode(
-                p.NodeInit(self.endpoints.coordinator_publish))])
         elif isinstance(msg, p.EngineDead):  # a headless launcher saw one of its ranks die
             if starting:
                 raise StartupError(f"engine dp{msg.rank} died during start-up: {msg.reason}")
             self._announce_dead(msg)
 
+    def _engine_init(self, rank: int) -> p.EngineInit:
+        group = self.lockstep
+        config = self.config.for_engine(rank, self.args.backend,
+                                        group.address if group else None)
+        return p.EngineInit(config_to_wire(config), self.endpoints.requests,
+                            self.endpoints.outputs,
+                            self.endpoints.coordinator_load if self.coordinator else None,
+                            self.endpoints.coordinator_publish if group else None)
+
     def _announce_dead(self, death: p.EngineDead) -> None:
         logger.error("engine dp%d died: %s", death.rank, death.reason)
+        self.handshake.release(death.rank)
         for control in self.controls:
             control.send(p.encode(death), zmq.NOBLOCK)
 
@@ -269,12 +260,7 @@ class Launcher:
                 control.send(p.encode(p.Shutdown(timeout)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        for node in self.nodes:  # headless launchers stop their engines
-            try:
-                self.handshake.send_multipart([node, p.encode(p.Shutdown(timeout))],
-                                              zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self.handshake.shut_down_nodes(timeout)
         # A start-up that failed has nothing to drain, and a child stuck in its own start (an
         # engine hung in its load ignores SIGTERM) would only be waited for: a short grace,
         # then the kill.
@@ -288,7 +274,7 @@ class Launcher:
         self.engines.stop(grace or 10.0)
         if self.listener is not None:
             self.listener.close()
-        self.ctx.destroy(linger=500 if self.nodes else 0)
+        self.ctx.destroy(linger=500 if self.handshake.nodes else 0)
         self.endpoints.remove()
 
 

@@ -37,6 +37,7 @@ from parashift.serve.prefix_router import RoutingConfig
 from parashift.serve.request_params import chat_messages, constrained, sampling_params
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
+from parashift.wire.cluster_auth import HeadKeys
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class ApiServerArgs:
     max_model_len: int
     eos_token_id: int | None
     vocab_size: int
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     log_level: str = "INFO"
     coordinator_address: str | None = None  # the DP coordinator's PUB (dp > 1)
     request_timeout: float | None = None  # seconds a generation may take; None: no limit
@@ -60,6 +61,8 @@ class ApiServerArgs:
     bound: dict[str, socket.socket] = field(default_factory=dict)  # tcp: bound by the launcher
     max_body_bytes: int = 8 << 20
     tool_call_parser: str | None = None  # --enable-auto-tool-choice: tool_choice "auto" reads
+    head_keys: HeadKeys | None = field(default=None, repr=False)  # over CURVE (engine_client)
+    launcher_identity: bytes = b"launcher"  # the launcher's on our request socket
 
 
 
@@ -82,8 +85,8 @@ class ApiServer:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = args.max_model_len * max(1, longest)
         self.engines = EngineClient(args.index, args.request_address, args.output_address,
-                             args.num_engines, args.coordinator_address, args.bound,
-                             args.routing)
+                                    args.num_engines, args.coordinator_address, args.bound,
+                                    args.routing, args.head_keys, args.launcher_identity)
         # Structured outputs: each constraint is compiled here once first, so that a bad one
         # is a 400 (its own tokenizer copy, loaded in its compile thread on first use).
         self.grammars = Grammars(args.tokenizer_path, args.vocab_size)

@@ -22,6 +22,7 @@ from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import HEAD, HeadKeys, rank_principal, speaks_for
 from parashift.wire.sockets import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -50,14 +51,17 @@ class EngineClient:
     def __init__(self, client_index: int, request_address: str, output_address: str,
                  num_engines: int, coordinator_address: str | None = None,
                  bound: dict[str, socket.socket] | None = None,
-                 routing: RoutingConfig | None = None):
-        """`bound`: listening sockets the launcher bound at our tcp addresses."""
+                 routing: RoutingConfig | None = None, head_keys: HeadKeys | None = None,
+                 launcher: bytes = b"launcher"):
+        """`bound`: listening sockets the launcher bound at our tcp addresses; `head_keys`:
+        over CURVE, the only keys our sockets accept (the head's and the ranks'), and what
+        speaks for a rank counts only from its key; `launcher`: the launcher's identity."""
         self.client_index = client_index
         self.num_engines = num_engines
-        self.ctx = zmq_context(asyncio=True)
+        self.launcher = launcher
+        self.ctx = zmq_context(asyncio=True, role=head_keys.role() if head_keys else None)
         self.requests = self.ctx.socket(zmq.ROUTER)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown engine raises, not drops
-        self.requests.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its identity
         self.requests.setsockopt(zmq.SNDHWM, 0)
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
@@ -72,6 +76,7 @@ class EngineClient:
         # request id -> where its outputs and its failure go (called in the event loop)
         self.sinks: dict[str, Callable[[EngineCoreOutput | Exception], None]] = {}
         self.engine_of: dict[str, int] = {}
+        self.routes: dict[int, bytes] = {}  # rank -> its engine's identity on `requests`
         self.ready: dict[int, p.EngineReady] = {}
         self.dead: dict[int, str] = {}
         self.stats: dict[int, SchedulerStats] = {}
@@ -86,7 +91,7 @@ class EngineClient:
         self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
         self.router = Router(routing or RoutingConfig(), num_engines)
         self.block_size = 16  # the engines' (every EngineReady says it)
@@ -185,10 +190,7 @@ class EngineClient:
                     sink: Callable[[EngineCoreOutput | Exception], None]) -> None:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
-        try:
-            self._send.send_multipart([str(rank).encode(), p.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
+        self._send_to(rank, msg)
         self.sinks[request_id] = sink
         self.engine_of[request_id] = rank
         self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
@@ -203,10 +205,18 @@ class EngineClient:
             if rank in self.dead:
                 continue
             try:
-                self._send.send_multipart([str(rank).encode(), p.encode(p.AbortRequests(ids))],
-                                          flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+                self._send_to(rank, p.AbortRequests(ids))
+            except EngineUnavailableError:
                 logger.warning("could not send an abort to engine dp%d", rank)
+
+    def _send_to(self, rank: int, msg: p.ToEngine) -> None:
+        route = self.routes.get(rank)
+        try:
+            if route is None:
+                raise zmq.ZMQError(zmq.EHOSTUNREACH)
+            self._send.send_multipart([route, p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
 
     def _forget(self, request_id: str) -> int | None:
         self.sinks.pop(request_id, None)
@@ -218,35 +228,42 @@ class EngineClient:
     async def utility(self, method: str, rank: int, arg: int = 0) -> Any:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
+        self._calls[call_id] = (rank, future)
         try:
-            self._send.send_multipart([str(rank).encode(), p.encode(
-                p.UtilityCall(call_id, method, self.client_index, arg))], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
+            self._send_to(rank, p.UtilityCall(call_id, method, self.client_index, arg))
+        except EngineUnavailableError:
             self._calls.pop(call_id)
-            raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
+            raise
         return await future
 
     # --- receiving ---------------------------------------------------------------------------
     async def _recv_outputs(self) -> None:
         while True:
-            msg = p.decode_or_drop(await self.outputs.recv(), p.Outputs, "outputs")
+            frame = await self.outputs.recv(copy=False)
+            msg = p.decode_or_drop(frame.buffer, p.Outputs, "outputs")
+            if msg is None or not speaks_for(frame, rank_principal(msg.rank), "outputs"):
+                continue
             if isinstance(msg, p.EngineOutputs):
                 self.stats[msg.rank] = msg.stats
                 for out in msg.outputs:
-                    self._deliver(out)
+                    if self.engine_of.get(out.request_id) == msg.rank:  # its own requests only
+                        self._deliver(out)
                 if self.on_outputs is not None:
                     self.on_outputs(msg)
             elif isinstance(msg, p.UtilityResult):
-                future = self._calls.pop(msg.call_id, None)
-                if future is not None and not future.done():
-                    if msg.error:
-                        future.set_exception(RuntimeError(msg.error))
-                    else:
-                        future.set_result(msg.result)
+                rank, future = self._calls.get(msg.call_id, (None, None))
+                if rank != msg.rank:  # no call of ours to that rank
+                    continue
+                del self._calls[msg.call_id]
+                if future.done():
+                    pass
+                elif msg.error:
+                    future.set_exception(RuntimeError(msg.error))
+                else:
+                    future.set_result(msg.result)
             elif isinstance(msg, p.RequestFailed):
                 sink = self.sinks.get(msg.request_id)
-                if sink is not None:
+                if sink is not None and self.engine_of.get(msg.request_id) == msg.rank:
                     sink(RequestFailedError(msg.error, msg.status))
                     self._forget(msg.request_id)
             elif isinstance(msg, p.EngineDead):
@@ -262,21 +279,27 @@ class EngineClient:
 
     async def _recv_control(self) -> None:
         while True:
-            frames = await self.requests.recv_multipart()
-            msg = (p.decode_or_drop(frames[1], p.Control, "control") if len(frames) == 2
-                   else None)
+            frames = await self.requests.recv_multipart(copy=False)
+            msg = (p.decode_or_drop(frames[1].buffer, p.Control, "control")
+                   if len(frames) == 2 else None)
             if isinstance(msg, p.EngineReady):
-                self.on_ready(msg)
-                if len(self.ready) == self.num_engines:
-                    self.all_ready.set()
+                if speaks_for(frames[1], rank_principal(msg.rank), "control"):
+                    self.on_ready(msg, frames[0].bytes)
+                    if len(self.ready) == self.num_engines:
+                        self.all_ready.set()
+            elif msg is None or not speaks_for(frames[1], HEAD, "control"):
+                continue  # the rest is the launcher's to say
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
             elif isinstance(msg, p.Shutdown):
                 self.shutdown_timeout = msg.timeout_s
                 self.shutdown_requested.set()
 
-    def on_ready(self, msg: p.EngineReady) -> None:
-        """An engine (first start or restarted incarnation) can take requests."""
+    def on_ready(self, msg: p.EngineReady, route: bytes | None = None) -> None:
+        """An engine (first start or restarted incarnation) can take requests, sent to
+        `route`, its identity."""
+        if route is not None:
+            self.routes[msg.rank] = route
         self.ready[msg.rank] = msg
         self.block_size = msg.block_size
         self.router.add_rank(msg.rank, msg.num_blocks)
@@ -287,7 +310,7 @@ class EngineClient:
 
     async def tell_launcher_ready(self) -> None:
         # The launcher's connection may still be completing its handshake: retry briefly.
-        msg = [b"launcher", p.encode(p.ApiServerReady(self.client_index))]
+        msg = [self.launcher, p.encode(p.ApiServerReady(self.client_index))]
         for _ in range(200):
             try:
                 self._send.send_multipart(msg, flags=zmq.NOBLOCK)
@@ -323,9 +346,11 @@ class EngineClient:
                 if sink is not None:
                     sink(error)
                 self._forget(req_id)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(error)
+        for call_id, (r, future) in list(self._calls.items()):
+            if r == rank:
+                del self._calls[call_id]
+                if not future.done():
+                    future.set_exception(error)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -1,11 +1,19 @@
 """Authenticated cluster links: ZMQ CURVE on every tcp:// socket, keyed by the cluster secret.
 
-Both key pairs (the binding side's and the connecting side's) are derived from the secret
-(HMAC-SHA256 with a label, as Curve25519 secret keys). A connecting socket must know the
-binding side's public key to open its CURVE handshake, and that key is never sent: a peer
-without the secret cannot complete the handshake, so it reads nothing (no address, no
-config) and writes nothing. Every frame after the handshake is encrypted and authenticated.
-ipc:// sockets (one node, in a 0700 folder) stay plain.
+The binding side's key pair is derived from the secret (HMAC-SHA256 with a label, as a
+Curve25519 secret key). A connecting socket must know the binding side's public key to open
+its CURVE handshake, and that key is never sent: a peer without the secret cannot complete the
+handshake, so it reads nothing (no address, no config) and writes nothing. Every frame after
+the handshake is encrypted and authenticated. ipc:// sockets (one node, in a 0700 folder) stay
+plain.
+
+Holding the secret proves membership of the cluster, not which rank a process is. So the head
+mints a key pair per rank for each launch (`HeadKeys`) and hands rank r's to the one engine
+whose Hello it answered for r, inside the encrypted handshake. The head's processes accept on
+their tcp sockets only the keys they know (ZAP, `_serve_zap`), and name each link's key: a
+message that speaks for rank r is taken only from a link authenticated with rank r's key
+(`principal`). Another node holding the secret can thus neither take a running rank's route nor
+speak for it.
 
 The secret reaches each process through its environment (PARASHIFT_CLUSTER_SECRET: children
 inherit it; Ray actors get it as an argument): every ZMQ context a process makes
@@ -15,14 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
 MIN_SECRET_CHARS = 16
+logger = logging.getLogger(__name__)
 
 
 def read_secret_file(path: str) -> str:
@@ -45,22 +57,75 @@ def read_secret_file(path: str) -> str:
     return secret
 
 
+CLUSTER = "cluster"  # a holder of the secret, no more: a headless node, an engine before its Hello
+HEAD = "head"  # the head's launcher, API servers and coordinator
+
+
+def rank_principal(rank: int) -> str:
+    return f"dp{rank}"
+
+
 @dataclass(frozen=True)
-class ClusterKeys:
-    server_public: bytes  # z85, 40 bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
+class CurvePair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes
 
     @classmethod
-    def from_secret(cls, secret: str) -> ClusterKeys:
-        def pair(label: bytes) -> tuple[bytes, bytes]:
-            private = z85.encode(hmac.new(secret.encode(), label, hashlib.sha256).digest())
-            return zmq.curve_public(private), private
+    def fresh(cls) -> CurvePair:
+        return cls(*zmq.curve_keypair())
 
-        server_public, server_secret = pair(b"parashift-curve-server")
-        client_public, client_secret = pair(b"parashift-curve-client")
-        return cls(server_public, server_secret, client_public, client_secret)
+    @classmethod
+    def derived(cls, secret: str, label: bytes) -> CurvePair:
+        private = z85.encode(hmac.new(secret.encode(), label, hashlib.sha256).digest())
+        return cls(zmq.curve_public(private), private)
+
+
+@dataclass(frozen=True)
+class Role:
+    """Who a process is on the cluster's links where it is more than a holder of the secret:
+    the key it connects with and, for the sockets it binds, the only keys it accepts (public
+    key, z85 -> principal)."""
+
+    key: CurvePair
+    peers: Mapping[bytes, str] | None = None
+    cluster: bool = False  # also accept the secret's own client key (as CLUSTER)
+
+
+@dataclass(frozen=True)
+class HeadKeys:
+    """Minted by the head launcher once per launch and given to its own processes only."""
+
+    head: CurvePair
+    ranks: tuple[CurvePair, ...]
+
+    @classmethod
+    def mint(cls, num_engines: int) -> HeadKeys:
+        return cls(CurvePair.fresh(), tuple(CurvePair.fresh() for _ in range(num_engines)))
+
+    def role(self, cluster: bool = False) -> Role:
+        """The head's processes' role. `cluster`: where headless nodes, and engines before
+        their rank's key, connect (the handshake, the coordinator)."""
+        peers = {self.head.public: HEAD}
+        peers.update((pair.public, rank_principal(r)) for r, pair in enumerate(self.ranks))
+        return Role(self.head, peers, cluster)
+
+
+@dataclass(frozen=True)
+class ClusterKeys:
+    server: CurvePair  # of every binding socket
+    client: CurvePair  # this process's, when it connects
+    peers: Mapping[bytes, str] | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_secret(cls, secret: str, role: Role | None = None) -> ClusterKeys:
+        keys = cls(CurvePair.derived(secret, b"parashift-curve-server"),
+                   CurvePair.derived(secret, b"parashift-curve-client"))
+        if role is None:
+            return keys
+        peers = role.peers
+        if peers is not None and role.cluster:
+            peers = {**peers, keys.client.public: CLUSTER}
+        return replace(keys, client=role.key, peers=peers)
 
 
 class _Curve:
@@ -73,23 +138,78 @@ class _Curve:
     def bind(self, addr: str):
         if addr.startswith("tcp://"):
             self.curve_server = True
-            self.curve_secretkey = self.cluster_keys.server_secret
+            self.curve_secretkey = self.cluster_keys.server.secret
         return super().bind(addr)
 
     def connect(self, addr: str):
         if addr.startswith("tcp://"):
-            self.curve_serverkey = self.cluster_keys.server_public
-            self.curve_publickey = self.cluster_keys.client_public
-            self.curve_secretkey = self.cluster_keys.client_secret
+            self.curve_serverkey = self.cluster_keys.server.public
+            self.curve_publickey = self.cluster_keys.client.public
+            self.curve_secretkey = self.cluster_keys.client.secret
         return super().connect(addr)
 
 
 def secured_context(keys: ClusterKeys, asyncio: bool = False) -> zmq.Context:
-    """A context whose sockets run CURVE with `keys` on every tcp:// bind and connect."""
+    """A context whose sockets run CURVE with `keys` on every tcp:// bind and connect and,
+    where `keys.peers` is given, accept only those keys."""
     socket_base = zmq.asyncio.Socket if asyncio else zmq.Socket
     context_base = zmq.asyncio.Context if asyncio else zmq.Context
     socket_class = type("CurveSocket", (_Curve, socket_base), {"cluster_keys": keys})
-    return type("CurveContext", (context_base,), {"_socket_class": socket_class})()
+    ctx = type("CurveContext", (context_base,), {"_socket_class": socket_class})()
+    if keys.peers is not None:
+        names = {z85.decode(public): name.encode() for public, name in keys.peers.items()}
+        zap = zmq.Context.shadow(ctx.underlying).socket(zmq.REP)  # the same context, in sync
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind("inproc://zeromq.zap.01")  # before any socket of the context handshakes
+        threading.Thread(target=_serve_zap, args=(zap, names), name="parashift-zap",
+                         daemon=True).start()
+    return ctx
+
+
+def _serve_zap(sock: zmq.Socket, names: dict[bytes, bytes]) -> None:
+    """ZMQ's authentication handler (RFC 27) for one context: a CURVE client key is let in
+    under its principal's name, or refused; it ends when the context is terminated."""
+    while True:
+        try:
+            request = sock.recv_multipart()
+        except zmq.ContextTerminated:
+            break
+        # version, request id, domain, address, identity, mechanism, credentials...
+        request_id = request[1] if len(request) > 1 else b""
+        mechanism = request[5] if len(request) > 5 else b""
+        name = names.get(request[6]) if mechanism == b"CURVE" and len(request) == 7 else None
+        if mechanism == b"NULL":  # a plain link (ipc in the 0700 folder): no principal
+            name = b""
+        status = (b"200", b"OK") if name is not None else (b"400", b"unknown key")
+        sock.send_multipart([b"1.0", request_id, *status, name or b"", b""])
+    sock.close()
+
+
+def principal(frame: zmq.Frame) -> str | None:
+    """The principal of the link `frame` came in on (HEAD, CLUSTER, a rank's); None on a plain
+    link (ipc in the launch's 0700 folder, or --insecure-cluster), where every local process
+    is this user's."""
+    try:
+        return frame.get("User-Id") or None
+    except zmq.ZMQError:
+        return None
+
+
+def speaks_for(frame: zmq.Frame, name: str, link: str) -> bool:
+    """Whether a message in `frame` may speak as `name`: it came on a plain link, or on one
+    authenticated as `name`. A refusal is logged (the first on each link, then every
+    1,000th)."""
+    who = principal(frame)
+    if who is None or who == name:
+        return True
+    count = _num_refused[link] = _num_refused.get(link, 0) + 1
+    if count % 1000 == 1:
+        logger.warning("dropped a message as %s from a link of %s on the %s link (%d so far)",
+                       name, who, link, count)
+    return False
+
+
+_num_refused: dict[str, int] = {}
 
 
 def handshake_failed(monitor: zmq.Socket) -> bool:

@@ -1,10 +1,11 @@
 """Every message that crosses a process boundary, as msgspec structs (msgpack on the wire,
 never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
 
-  handshake   launcher ROUTER  <- engine DEALER (identity = rank): Hello -> EngineInit -> Ready
-  requests    API server ROUTER <- engine DEALER (identity = rank): AddRequest, AbortRequests,
-              UtilityCall down; EngineReady up. The launcher's DEALER (identity b"launcher")
-              sends EngineDead / Shutdown on the same socket and gets ApiServerReady back.
+  handshake   launcher ROUTER  <- engine DEALER: Hello -> EngineInit -> Ready
+  requests    API server ROUTER <- engine DEALER: AddRequest, AbortRequests, UtilityCall down;
+              EngineReady up (the API server routes to the identity it came from). The
+              launcher's DEALER sends EngineDead / Shutdown on the same socket and gets
+              ApiServerReady back.
   outputs     API server PULL   <- engine PUSH: EngineOutputs, RequestFailed, UtilityResult,
               EngineDead
   load        coordinator PULL  <- engine PUSH: EngineLoad on change, Heartbeat every second,
@@ -17,8 +18,11 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               (last pp stage, tp rank 0) answers ExecuteModel (StepResult), every rank
               answers a WorkerCall.
   nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
-              (identity b"node-<start rank>"): NodeHello -> NodeInit; EngineDead up;
-              Shutdown down.
+              NodeHello -> NodeInit; EngineDead up; Shutdown down.
+
+Every identity on a ROUTER is unguessable and new in each process (`sockets.routing_id`), and
+no ROUTER hands one over. Over CURVE, what speaks for a rank counts only from the link of that
+rank's key (`cluster_auth.py`).
 
 An engine's `incarnation` (its pid) tells a restarted rank from the one that died: a late
 EngineDead about an earlier incarnation never takes a revived rank down again.
@@ -68,6 +72,9 @@ class EngineInit(_Msg):
     coordinator_address: str | None = None  # where to push load and heartbeats (dp > 1)
     # Lockstep (expert parallel over engines): the coordinator's PUB, for its start-wave calls.
     coordinator_publish_address: str | None = None
+    # Over CURVE links: this rank's key pair (z85 public, secret) for every link but the
+    # handshake; the head's processes take what speaks for the rank only from that key.
+    rank_key: tuple[bytes, bytes] | None = None
 
 
 class Ready(_Msg):

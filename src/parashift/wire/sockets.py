@@ -4,25 +4,27 @@ them."""
 
 from __future__ import annotations
 
+import secrets
 import socket
 
 import zmq
 import zmq.asyncio
 
 from parashift import env
-from parashift.wire.cluster_auth import ClusterKeys, secured_context
+from parashift.wire.cluster_auth import ClusterKeys, Role, secured_context
 
 # A frame larger than this is refused by ZMQ itself on every socket (no message of ours comes
 # near it): a peer cannot make a process allocate without bound.
 MAX_FRAME_BYTES = 256 << 20
 
 
-def zmq_context(asyncio: bool = False) -> zmq.Context:
+def zmq_context(asyncio: bool = False, role: Role | None = None) -> zmq.Context:
     """A ZMQ context whose sockets all refuse frames over MAX_FRAME_BYTES and, where this
-    process holds the cluster secret, bind and connect over tcp:// only with CURVE."""
+    process holds the cluster secret, bind and connect over tcp:// only with CURVE (as `role`
+    says, where the process is more than a holder of the secret)."""
     secret = env.cluster_secret()
     if secret is not None:
-        ctx = secured_context(ClusterKeys.from_secret(secret), asyncio)
+        ctx = secured_context(ClusterKeys.from_secret(secret, role), asyncio)
     else:
         ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
     ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the default of every socket it makes
@@ -36,6 +38,13 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
+
+
+def routing_id(name: str) -> bytes:
+    """A connecting socket's identity on a ROUTER: its name and 64 random bits, new in every
+    process. No ROUTER takes over an identity in use (no ROUTER_HANDOVER), and no other peer
+    can guess this one, so no peer can take another's route."""
+    return f"{name}-{secrets.token_hex(8)}".encode()
 
 
 def tcp_url(host: str, port: int) -> str:

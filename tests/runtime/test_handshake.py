@@ -1,0 +1,94 @@
+"""The head's handshake: the first engine to say Hello as a rank speaks for it (its Ready
+counts, and over CURVE it gets the rank's key) until its death is known; headless nodes hold
+their ranks; what another peer says for them is dropped. Real ZMQ sockets (ipc)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from parashift.runtime.handshake import Handshake
+from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import HeadKeys
+from parashift.wire.sockets import routing_id
+
+
+@pytest.fixture
+def desk(tmp_path):
+    ctx = zmq.Context()
+    keys = HeadKeys.mint(3)
+    handshake = Handshake(ctx, 3, keys, lambda rank: p.EngineInit(
+        None, [f"requests-of-dp{rank}"], []), p.NodeInit("publish"))  # type: ignore[arg-type]
+    address = handshake.bind(f"ipc://{tmp_path}/handshake")
+    peers: list[zmq.Socket] = []
+
+    def peer(name: str) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, routing_id(name))
+        sock.connect(address)
+        peers.append(sock)
+        return sock
+
+    yield handshake, keys, peer
+    for sock in peers:
+        sock.close()
+    handshake.socket.close()
+    ctx.term()
+
+
+def init_fields(sock: zmq.Socket) -> list:
+    """An EngineInit's fields (the test's config is a placeholder no decoder would take)."""
+    tag, *fields = msgspec.msgpack.decode(sock.recv())
+    assert tag == "EngineInit"
+    return fields
+
+
+def said(handshake: Handshake, sock: zmq.Socket, msg: p._Msg):
+    """What the head makes of `msg` from `sock` (it reads one frame)."""
+    sock.send(p.encode(msg))
+    assert handshake.socket.poll(10_000)
+    return handshake.receive(0)
+
+
+def test_a_rank_is_its_first_engines_until_that_engine_dies(desk):
+    handshake, keys, peer = desk
+    engine, other = peer("dp1"), peer("dp1")
+    assert said(handshake, engine, p.Hello(1, 100)) is None
+    init = init_fields(engine)
+    assert init[1] == ["requests-of-dp1"]
+    assert init[-1] == [keys.ranks[1].public, keys.ranks[1].secret]
+    assert said(handshake, other, p.Hello(1, 200)) is None
+    assert not other.poll(0) and handshake.claims[1][1] == 100  # not answered
+    ready = p.Ready(1, 10, 16, 256, [0])
+    assert said(handshake, other, ready) is None  # only the claimant's Ready counts
+    assert said(handshake, other, p.StartupFailed(1, "forged")) is None
+    assert said(handshake, engine, ready) == ready
+    assert said(handshake, other, p.Hello(7, 200)) is None  # no such rank
+    assert not other.poll(0)
+
+    handshake.release(1)  # the launcher saw it die: the next engine may claim the rank
+    assert said(handshake, other, p.Hello(1, 200)) is None
+    assert init_fields(other)[-1][0] == keys.ranks[1].public
+
+
+def test_a_node_reports_only_its_own_ranks_deaths(desk):
+    handshake, _, peer = desk
+    node, rogue = peer("node-1"), peer("node-1")
+    assert said(handshake, node, p.NodeHello(1, 2)) is None
+    assert p.decode(node.recv(), p.ToNode) == p.NodeInit("publish")
+    death = p.EngineDead(2, "killed", 5)
+    assert said(handshake, rogue, death) is None  # not its node
+    assert said(handshake, node, p.EngineDead(0, "killed", 5)) is None  # not its rank
+    assert said(handshake, node, death) == death
+    # While rank 2's engine runs, another node cannot take the ranks over; once no engine
+    # of the old node's holds one, a restarted node can.
+    engine = peer("dp2")
+    said(handshake, engine, p.Hello(2, 300))
+    assert said(handshake, rogue, p.NodeHello(2, 1)) is None and not rogue.poll(0)
+    assert said(handshake, rogue, p.NodeHello(-1, 2)) is None and not rogue.poll(0)
+    handshake.release(2)
+    assert said(handshake, rogue, p.NodeHello(1, 2)) is None
+    assert p.decode(rogue.recv(), p.ToNode) == p.NodeInit("publish")
+    assert list(handshake.nodes.values()) == [range(1, 3)]
