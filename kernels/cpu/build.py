@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Every translation unit and every header of this folder: the headers are read into the
@@ -55,22 +56,37 @@ def library_path(build_dir: str, compiler: str, march: str | None = None) -> str
     return os.path.join(build_dir, f"cpu-ops-{key.hexdigest()[:16]}.so")
 
 
-def _sha256(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def _sha256(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    digest = hashlib.sha256()
+    while chunk := os.read(fd, 1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
-def is_intact(path: str) -> bool:
-    """Whether the library at `path` is the one this build wrote: a sha256 of its bytes was
-    written beside it (`path`.sha256). A file planted under the predictable name, or cut short,
-    is not, and is built again before anything loads it."""
+def open_intact(path: str) -> int | None:
+    """A read-only descriptor of the library at `path` if it is the one this build wrote (a
+    sha256 of its bytes was written beside it, `path`.sha256), else None. A file planted under
+    the predictable name, or cut short, is not, and is built again before anything loads it.
+    Loading through the descriptor (/proc/self/fd) loads the very bytes that were checked."""
     try:
         fd = os.open(f"{path}.sha256", os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd) as f:
-            return f.read().strip() == _sha256(path)
+            expected = f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return False
+        return None
+    if _sha256(fd) == expected:
+        return fd
+    os.close(fd)
+    return None
+
+
+def is_intact(path: str) -> bool:
+    fd = open_intact(path)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
 
 
 def build(build_dir: str, march: str | None = None) -> str:
@@ -89,15 +105,20 @@ def build(build_dir: str, march: str | None = None) -> str:
     with os.fdopen(lock_fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not is_intact(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [compiler, *_FLAGS, *_target_flags(march), *SOURCES, "-o", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True)  # nosec B603
-            if done.returncode != 0:
-                raise RuntimeError(f"building the CPU kernels failed: {done.stderr[-2000:]}")
-            digest_fd = os.open(f"{path}.sha256.{os.getpid()}.tmp",
-                                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(digest_fd, "w") as f:
-                f.write(_sha256(tmp))
-            os.replace(tmp, path)
-            os.replace(f"{path}.sha256.{os.getpid()}.tmp", f"{path}.sha256")
+            with tempfile.TemporaryDirectory(dir=build_dir) as scratch:  # 0700, fresh name
+                tmp = os.path.join(scratch, "cpu-ops.so")
+                cmd = [compiler, *_FLAGS, *_target_flags(march), *SOURCES, "-o", tmp]
+                done = subprocess.run(cmd, capture_output=True, text=True)  # nosec B603
+                if done.returncode != 0:
+                    raise RuntimeError(f"building the CPU kernels failed: "
+                                       f"{done.stderr[-2000:]}")
+                fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    digest = _sha256(fd)
+                finally:
+                    os.close(fd)
+                with open(os.path.join(scratch, "digest"), "w") as f:
+                    f.write(digest)
+                os.replace(tmp, path)
+                os.replace(os.path.join(scratch, "digest"), f"{path}.sha256")
     return path

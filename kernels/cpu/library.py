@@ -12,7 +12,7 @@ from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
 import torch
 
 from . import huge_pages
-from .build import build
+from .build import build, open_intact
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -88,8 +88,9 @@ def _check_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, weight_dtype: tor
 class CpuOps:
     """Tensor-level entry points of the compiled kernels (float32 and bfloat16 CPU tensors)."""
 
-    def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
+    def __init__(self, path: str, load_from: str | None = None):
+        """`load_from`: where to dlopen the library at `path` from (its checked descriptor)."""
+        lib = ctypes.CDLL(load_from or path)
         i64, ptr = c_int64, c_void_p
         signatures = {
             "parashift_rms_norm": [c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, c_float,
@@ -328,7 +329,17 @@ def load(build_dir: str, march: str | None = None) -> CpuOps:
     again."""
     path = build(build_dir, march)
     try:
-        return CpuOps(path)
+        return _load_intact(path)
     except OSError:
         os.remove(f"{path}.sha256")
-        return CpuOps(build(build_dir, march))
+        return _load_intact(build(build_dir, march))
+
+
+def _load_intact(path: str) -> CpuOps:
+    """The library at `path` loaded through the descriptor its check read (no file swapped
+    in between the check and the load). The descriptor stays open: dlopen knows a library by
+    the name it was given, and a closed descriptor's number, reused, would name another."""
+    fd = open_intact(path)
+    if fd is None:
+        raise OSError(f"{path} is not the library this build wrote")
+    return CpuOps(path, f"/proc/self/fd/{fd}")

@@ -15,7 +15,12 @@ from typing import Annotated, Any, Literal
 import typer
 
 from parashift import env
-from parashift.defaults import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS
+from parashift.defaults import (
+    ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
+    QUANTIZATIONS,
+    SERVED_WAITING_PER_SEQ,
+)
 from parashift.engine.args import EngineArgs
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -67,7 +72,9 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "max_num_seqs": Annotated[int, typer.Option("--max-num-seqs")],
     "max_num_batched_tokens": Annotated[int | None, typer.Option("--max-num-batched-tokens")],
     "max_waiting_requests": Annotated[int | None, typer.Option(
-        "--max-waiting-requests", help="per engine: past it, new requests get HTTP 429")],
+        "--max-waiting-requests", help="per engine, requests held while asleep included: "
+        f"past it, new requests get HTTP 429 [default for `run`: {SERVED_WAITING_PER_SEQ} x "
+        "--max-num-seqs; offline: no limit]")],
     "block_size": Annotated[int, typer.Option("--block-size")],
     "kv_cache_memory": Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],

@@ -40,6 +40,9 @@ LONG_ARGS = ["--dtype", "float32", "--max-model-len", str(LONG_MAX_MODEL_LEN),
 
 
 def free_port() -> int:
+    """A port free now, for the tests that must name one before a launch (clients calling from
+    the launch on; `ray start`). Servers themselves never pick a port this way: tests start
+    them with --port 0 and read the banner."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -156,9 +159,9 @@ class Server:
 
 def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | None = None,
            port: int | None = None) -> Server:
-    port = port or free_port()
+    """`port` None: one the kernel picks (--port 0), read from the banner."""
     cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1",
-           "--port", str(port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
+           "--port", str(port or 0), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -169,7 +172,9 @@ def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | N
     def drain() -> None:  # keeps reading so that the child never blocks on a full pipe
         for line in proc.stdout:
             server.lines.append(line)
-            if "is serving" in line:
+            banner = re.search(r"is serving .* at (http://\S+)/v1", line)
+            if banner:
+                server.url = banner.group(1)
                 serving.set()
 
     threading.Thread(target=drain, daemon=True).start()

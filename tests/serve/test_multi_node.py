@@ -1,12 +1,15 @@
 """Multi-node data parallel on one machine: a head (`-dp 4 -dpl 2`: API server, coordinator,
 ranks 0-1) and a `--headless --data-parallel-start-rank 2` launcher (ranks 2-3), two separate
-process trees that meet only over TCP on 127.0.0.1, as two nodes would."""
+process trees that meet only over TCP on 127.0.0.1, as two nodes would. The head binds its
+handshake on a port the kernel picks (`--data-parallel-rpc-port 0`) and names it in its log;
+the node is started with that port."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, free_port, live, running_server, wait_gone
+from .conftest import TINY_ARGS, Server, live, wait_gone
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 
 pytestmark = pytest.mark.slow
@@ -64,9 +67,33 @@ def headless_node(model: str, rpc_port: int, secret: str = SECRET):
                          "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)], secret)
 
 
-def head_args(rpc_port: int) -> list[str]:
-    return [*TINY_ARGS, "-dp", "4", "--data-parallel-size-local", "2",
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
+def head_cmd(model: str) -> list[str]:
+    return [sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS, "--host",
+            "127.0.0.1", "--port", "0", "-dp", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "0"]
+
+
+def _wait_line(proc: subprocess.Popen, lines: list[str], pattern: str) -> re.Match:
+    deadline = time.monotonic() + 120
+    while True:
+        for line in list(lines):
+            if found := re.search(pattern, line):
+                return found
+        assert proc.poll() is None, "".join(lines)
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n" + "".join(lines)[-3000:]
+        time.sleep(0.05)
+
+
+def handshake_port(head: tuple[subprocess.Popen, list[str]]) -> int:
+    """The head's handshake port, once it listens (its log names it)."""
+    return int(_wait_line(*head, r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1))
+
+
+def serving(head: tuple[subprocess.Popen, list[str]], model: str) -> Server:
+    """The head as a Server, once every rank of both nodes is ready (its banner)."""
+    proc, lines = head
+    url = _wait_line(proc, lines, r"is serving .* at (http://\S+)/v1").group(1)
+    return Server(url, proc, os.path.basename(model.rstrip("/")), lines)
 
 
 def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -75,9 +102,9 @@ def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expected):
-    rpc_port = free_port()
-    with headless_node(tiny_llama, rpc_port) as (node, node_lines), \
-            running_server(tiny_llama, *head_args(rpc_port), env=SECRET_ENV) as head:
+    with node_process(head_cmd(tiny_llama), SECRET) as head_proc, \
+            headless_node(tiny_llama, handshake_port(head_proc)) as (node, node_lines):
+        head = serving(head_proc, tiny_llama)
         # The head's own tree holds ranks 0 and 1 only; 2 and 3 live in the other tree.
         assert {head.engine_process(r).pid for r in (0, 1)}
         with pytest.raises(AssertionError):
@@ -112,10 +139,11 @@ def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expect
         assert after[2:] == before[2:] and sum(after) - sum(before) == 8
 
 
-def rogue_frames(address: str, secret: str | None) -> None:
+def rogue_frames(address: str, secret: str | None, hellos: bool = False) -> None:
     """What a peer can send the head's handshake port: garbage, multi-part junk, msgpack of
-    the wrong shape, a forged Hello, an oversized frame; as a stranger (`secret` None: plain
-    ZMQ) or with the cluster secret (a broken or compromised node)."""
+    the wrong shape, an oversized frame and (`hellos`) a Hello as ranks that run; as a
+    stranger (`secret` None: plain ZMQ) or with the cluster secret (a broken or compromised
+    node)."""
     import zmq
 
     from parashift.wire.cluster_auth import ClusterKeys, secured_context
@@ -136,36 +164,42 @@ def rogue_frames(address: str, secret: str | None) -> None:
         offer(b"\x93\x01\x02\x03")  # a msgpack array that is no message of ours
         offer(b"\x92\xa5Hello\xc0")
         offer(b"x" * (300 << 20))  # past every socket's frame limit
-        if secret is None:  # a stranger's Hello gets nothing back: no address, no config
-            from parashift.wire import protocol as p
+        # A Hello as a running rank gets nothing back (no address, no config, no rank key):
+        # from a stranger, whose frames never get through, and from a holder of the secret,
+        # since the rank's engine holds it.
+        from parashift.wire import protocol as p
 
+        if hellos:
             offer(p.encode(p.Hello(0, 1)))
-            assert not rogue.poll(2000), "a peer without the secret got an answer"
+            offer(p.encode(p.Hello(3, 1)))
+        assert not rogue.poll(2000), "a rogue peer got an answer"
         rogue.close()
     finally:
         ctx.destroy(linger=1000)
 
 
-def test_head_shutdown_stops_the_headless_node(tiny_llama):
-    """And before that: rogue frames on the handshake port, from a stranger and from a peer
-    with the secret, leave the head serving both nodes' ranks."""
-    rpc_port = free_port()
-    with headless_node(tiny_llama, rpc_port) as (node, lines):
-        with running_server(tiny_llama, *head_args(rpc_port), env=SECRET_ENV) as head:
-            assert head.get_json("/health")[0] == 200
-            rogue_frames(f"tcp://127.0.0.1:{rpc_port}", None)
-            assert "dropped a malformed frame" not in head.output()  # it never got through
-            rogue_frames(f"tcp://127.0.0.1:{rpc_port}", SECRET)
-            deadline = time.monotonic() + 15  # the head has read them: it says so, once
-            while "dropped a malformed frame on the handshake link" not in head.output():
-                assert time.monotonic() < deadline, head.output()[-3000:]
-                time.sleep(0.1)
-            for rank in (0, 3):  # each node's ranks still answer
+def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
+    """Rogue frames on the handshake port, from a stranger and from a peer with the secret,
+    while the head waits for the other node: the head survives and answers nothing. Then the
+    node joins, every rank answers (pinned requests), a Hello as a running rank is answered
+    by nothing, and the head's shutdown stops the node."""
+    with node_process(head_cmd(tiny_llama), SECRET) as head_proc:
+        port = handshake_port(head_proc)
+        rogue_frames(f"tcp://127.0.0.1:{port}", None, hellos=True)
+        assert not any("dropped" in line for line in head_proc[1])  # none got through
+        rogue_frames(f"tcp://127.0.0.1:{port}", SECRET)
+        _wait_line(*head_proc, "dropped a malformed frame on the handshake link")
+        with headless_node(tiny_llama, port) as (node, lines):
+            head = serving(head_proc, tiny_llama)
+            for rank in range(4):  # each node's ranks answer
                 assert complete(head, PROMPTS[0], rank=rank)["choices"][0]["text"]
+            rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=True)
+            _wait_line(*head_proc, "a Hello as dp3, whose engine runs: not answered")
             assert head.get_json("/health")[0] == 200 and head.proc.poll() is None
-        # running_server's exit sent SIGTERM to the head; the head told the node to stop.
-        assert node.wait(30) == 0, "".join(lines)
-        assert "the head node is shutting down" in "".join(lines)
+            head.proc.send_signal(signal.SIGTERM)  # the head tells the node to stop
+            assert head.proc.wait(60) == 0, head.output()[-3000:]
+            assert node.wait(30) == 0, "".join(lines)
+            assert "the head node is shutting down" in "".join(lines)
 
 
 def test_headless_flags_are_checked(tiny_llama):
@@ -180,19 +214,17 @@ def test_headless_flags_are_checked(tiny_llama):
 
 
 def test_a_headless_node_with_the_wrong_secret_exits_saying_so(tiny_llama):
-    rpc_port = free_port()
-    head_cmd = [sys.executable, "-m", "parashift.cli", "run", tiny_llama, *head_args(rpc_port)]
-    with node_process(head_cmd, SECRET) as (head, _), \
-            headless_node(tiny_llama, rpc_port, "another-secret-0123456789") as (node, lines):
+    with node_process(head_cmd(tiny_llama), SECRET) as head, \
+            headless_node(tiny_llama, handshake_port(head), "another-secret-0123456789") as (
+                node, lines):
         assert node.wait(120) != 0, "".join(lines)
         assert "cluster secret differs" in "".join(lines)
-        assert head.poll() is None  # the head waits on, untouched
+        assert head[0].poll() is None  # the head waits on, untouched
 
 
 def test_multi_node_without_a_secret_is_refused_with_how_to_make_one(tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "PARASHIFT_CLUSTER_SECRET"}
-    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", tiny_llama,
-                           *head_args(free_port())], capture_output=True, text=True, env=env,
+    done = subprocess.run(head_cmd(tiny_llama), capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 2 and "needs a cluster secret" in done.stderr, done.stderr
     assert "PARASHIFT_CLUSTER_SECRET" in done.stderr and "--insecure-cluster" in done.stderr

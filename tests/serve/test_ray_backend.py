@@ -131,7 +131,7 @@ def test_an_existing_cluster_too_small_planned_and_left_clean(tiny_llama):
     try:
         began = time.monotonic()
         done = subprocess.run(
-            [*cli, "run", tiny_llama, *TINY_ARGS, "--port", str(free_port()), "--backend",
+            [*cli, "run", tiny_llama, *TINY_ARGS, "--port", "0", "--backend",
              "ray", "--ray-address", "auto", "--strategy", "dp2xtp2"],
             capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 2, done.stderr[-3000:]

@@ -100,3 +100,26 @@ def test_the_secret_file_must_be_private(tmp_path):
         read_secret_file(str(tmp_path / "link"))
     with pytest.raises(ValueError, match="No such file"):
         read_secret_file(str(tmp_path / "missing"))
+
+
+def test_a_short_secret_in_the_environment_is_refused(monkeypatch):
+    from parashift.engine.args import EngineArgs
+    from parashift.runtime.node import ServeArgs
+
+    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", "short")
+    with pytest.raises(ValueError, match="at least 16.*token_hex"):
+        ServeArgs(EngineArgs()).check_cluster_secret(tcp=True)
+    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", SECRET)
+    ServeArgs(EngineArgs()).check_cluster_secret(tcp=True)
+
+
+def test_keys_and_secrets_stay_out_of_reprs():
+    from parashift.engine.args import EngineArgs
+    from parashift.runtime.node import ServeArgs
+    from parashift.serve.api_server import ApiServerArgs
+    from parashift.wire.cluster_auth import HeadKeys
+
+    keys = HeadKeys.mint(1)
+    shown = repr(ServeArgs(EngineArgs(), api_key="sk-test-key")) + repr(ApiServerArgs(
+        0, "r", "o", 1, "t", "m", 8, None, 8, api_key="sk-test-key", head_keys=keys))
+    assert "sk-test-key" not in shown and keys.ranks[0].secret.decode() not in shown

@@ -169,7 +169,8 @@ class EngineProcess:
             self.client_of[msg.request_id] = msg.client_index
             if self.sleep.closed:  # --while-asleep wait: held requests count against the cap
                 limit = self.core.config.scheduler.max_waiting_requests
-                if limit is not None and len(self.sleep.held) >= limit:
+                waiting = len(self.sleep.held) + len(self.core.scheduler.waiting)
+                if limit is not None and waiting >= limit:
                     self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
                         self.rank, msg.request_id, f"the engine is asleep and holds {limit} "
                         "requests already (--max-waiting-requests): try again later", 429)))

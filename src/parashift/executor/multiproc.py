@@ -191,7 +191,7 @@ class MultiprocExecutor:
         out = []
         while len(out) < count:
             if self.results.poll(POLL_MS):
-                msg = p.decode(self.results.recv(), p.FromWorker)
+                msg = p.decode_or_drop(self.results.recv(), p.FromWorker, "worker results")
                 if isinstance(msg, p.WorkerReply) and msg.error is not None:
                     raise WorkerDiedError(f"worker {self.names[msg.rank]} failed: {msg.error}")
                 if isinstance(msg, p.StepResult):  # kept in order, whoever is waiting

@@ -2,8 +2,8 @@
 Ray actor in bundle 1 + its index of the engine's placement group. The mesh names and orders
 the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
 commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous
-is a TCP store that worker 0 hosts on its node's address alone, so workers may sit on
-different nodes."""
+is a TCP store that worker 0 hosts on its node's address alone (loopback when the engine's
+placement group is strictly packed on one node), so workers may sit on different nodes."""
 
 from __future__ import annotations
 
@@ -26,13 +26,10 @@ logger = logging.getLogger(__name__)
 class _WorkerActor:
     """One worker of the engine (made a Ray actor class in RayExecutor)."""
 
-    def open_store(self) -> str:
-        """Worker 0 only: bind its rendezvous store's socket, on this node's address at a port
-        the kernel picks, and keep it for `run` (torch's TCPStore alone would listen on every
-        interface, and a port picked then released can be taken in between)."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
+    def open_store(self, host: str) -> str:
+        """Worker 0 only: bind its rendezvous store's socket on `host` at a port the kernel
+        picks, and keep it for `run` (torch's TCPStore alone would listen on every interface,
+        and a port picked then released can be taken in between)."""
         self.store_listener = listen_tcp(host, 0, 256)
         return tcp_url(host, self.store_listener.getsockname()[1])
 
@@ -65,8 +62,11 @@ class RayWorkers:
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                                     pg, placement_group_bundle_index=1 + w.local_rank)).remote()
                        for w in workers]
-        store = ray.get(self.actors[0].open_store.remote())
-        my_ip = ray.util.get_node_ip_address()
+        # A strictly packed group (--ray-placement pack) is one node's: its links, the store
+        # and gloo's pairs stay on loopback. Spread over nodes, they use this node's address.
+        one_node = ray.util.placement_group_table(pg).get("strategy") == "STRICT_PACK"
+        my_ip = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+        store = ray.get(self.actors[0].open_store.remote(my_ip))
         self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)
         result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")

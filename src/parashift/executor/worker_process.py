@@ -23,6 +23,7 @@ import zmq
 from parashift.config import EngineConfig
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.expert_group import cross_engine_groups
+from parashift.distributed.network_interface import interface_of
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
 from parashift.processes import die_with_parent, set_process_name, setup_child_logging
@@ -99,9 +100,14 @@ def _init(args: WorkerArgs):
             os.sched_setaffinity(0, placement.cpu_ids)
     spec = config.parallel.strategy
     world_size = spec.processes().workers_per_engine
-    if args.init_method.startswith("tcp://"):  # worker 0 hosts the store on its bound socket
-        host, port = args.init_method.removeprefix("tcp://").rsplit(":", 1)
-        store = dist.TCPStore(host.strip("[]"), int(port), world_size, args.rank == 0,
+    tcp = args.init_method.startswith("tcp://")
+    host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]") if tcp else "127.0.0.1"
+    if backend == "gloo":  # its pairs on the store's interface (one node: loopback), not on
+        # whichever the host name resolves to
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(host)
+    if tcp:  # worker 0 hosts the store on its bound socket
+        store = dist.TCPStore(host, int(port), world_size, args.rank == 0,
                               timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False,
                               master_listen_fd=args.store_listen_fd)
         dist.init_process_group(backend, store=store, rank=args.rank, world_size=world_size,
@@ -139,7 +145,9 @@ def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | 
 def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None:
     answers = worker.is_output_rank
     while True:
-        msg = p.decode(commands.recv(), p.ToWorker)
+        msg = p.decode_or_drop(commands.recv(), p.ToWorker, "worker commands")
+        if msg is None:
+            continue
         if isinstance(msg, p.ExecuteModel):
             output = worker.execute_model(msg.scheduler_output)
             if answers and output is not None:  # None: it samples at SampleTokens

@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import re
+import tempfile
 import time
 
 import torch
@@ -199,8 +200,8 @@ class GemmPaths:
             return
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:  # O_EXCL under a fresh name: no planted link
                 json.dump({"cpu": cpu_signature(), "rows": ROWS, "choices": self.choices}, f,
                           indent=1)
             os.replace(tmp, self.path)

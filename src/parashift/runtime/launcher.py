@@ -109,8 +109,9 @@ class Launcher:
         self.listener = bind_listener(self.args.host, self.args.port)
         try:
             self.endpoints.handshake = self.handshake.bind(self.endpoints.handshake)
-            if self.args.backend == "ray":
-                self.engines.handshake_address = self.endpoints.handshake
+            self.engines.handshake_address = self.endpoints.handshake  # port 0: the bound one
+            if self.endpoints.handshake.startswith("tcp://"):  # headless nodes join there
+                logger.info("the handshake listens at %s", self.endpoints.handshake)
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind the handshake at {self.endpoints.handshake} "
                                f"(--data-parallel-address/--data-parallel-rpc-port): {e}") from e

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from parashift import env
 from parashift.engine.args import EngineArgs
 from parashift.serve.prefix_router import RoutingConfig
+from parashift.wire.cluster_auth import MIN_SECRET_CHARS
 
 
 class StartupError(RuntimeError):
@@ -24,7 +25,7 @@ class ServeArgs:
     port: int = 8000
     api_server_count: int = 1
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     shutdown_timeout: float = 10.0
     startup_timeout: float = 600.0
     request_timeout: float | None = None  # seconds one HTTP generation may take
@@ -49,7 +50,12 @@ class ServeArgs:
         """Links over tcp (several nodes, Ray) admit only peers holding the cluster secret
         (wire/cluster_auth.py). Ray: a fresh one per launch, unless one is given. Several mp
         nodes: the user's (the same on every node), or a refusal that says how to make one."""
-        if not tcp or env.cluster_secret() is not None:
+        secret = env.cluster_secret()
+        if secret is not None and len(secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"PARASHIFT_CLUSTER_SECRET has {len(secret)} characters; a cluster "
+                             f"secret needs at least {MIN_SECRET_CHARS}: python -c 'import "
+                             "secrets; print(secrets.token_hex(32))' makes one")
+        if not tcp or secret is not None:
             return
         if self.backend == "ray":
             env.set_cluster_secret(secrets.token_hex(32))

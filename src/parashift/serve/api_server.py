@@ -22,7 +22,12 @@ from parashift.serve import responses, sse
 from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_routes import EngineRoutes
 from parashift.serve.generation import Generation
-from parashift.serve.http_guards import errors_to_openai, refuse_cross_site, require_key
+from parashift.serve.http_guards import (
+    REQUEST_ID,
+    errors_to_openai,
+    refuse_cross_site,
+    require_key,
+)
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
     MAX_CHOICES,
@@ -256,7 +261,7 @@ class ApiServer:
         if field is not None:
             await self._check_constraint(params[0].structured_outputs, field)
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
+        request_id = request[REQUEST_ID] = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
         gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,
                          self.args.eos_token_id, self._rank(request), req.stream,
                          lambda outcome: self.metrics.failovers.labels(outcome).inc())

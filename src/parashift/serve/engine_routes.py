@@ -42,8 +42,10 @@ class EngineRoutes:
         for rank, result in answers.items():
             if isinstance(result, EngineDeadError | EngineUnavailableError):
                 raise OpenAIError(503, f"engine dp{rank}: {result}", "service_unavailable_error")
-            if isinstance(result, BaseException):
+            if isinstance(result, RuntimeError):  # the engine's own words (a bad level)
                 raise OpenAIError(400, f"engine dp{rank}: {result}")
+            if isinstance(result, BaseException):  # a bug here: a 500 naming no text
+                raise result
         for rank, result in answers.items():
             # At once in this API server; the others hear it through the coordinator.
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])

@@ -45,11 +45,19 @@ async def errors_to_openai(request: web.Request, handler):
             return _error(OpenAIError(e.status, e.reason, "invalid_request_error"))
         raise
     except Exception:  # a bug must fail its request only, never the server
-        error_id = uuid.uuid4().hex
-        logger.exception("internal error %s on %s", error_id, request.path)
-        # The body names the log entry, never the exception (it may hold request content).
-        return _error(OpenAIError(500, f"internal error (logged as {error_id})",
-                                  "internal_error"))
+        return _error(internal_error(request))
+
+
+REQUEST_ID = "parashift.request_id"  # request key: the id of the generation it started
+
+
+def internal_error(request: web.Request) -> OpenAIError:
+    """A bug's 500, to make inside its `except` block: the log gets the traceback under the
+    request's id; the body names that id, never the exception (it may hold request content)."""
+    request_id = request.get(REQUEST_ID) or f"http-{uuid.uuid4().hex}"
+    logger.exception("internal error in request %s on %s", request_id, request.path)
+    return OpenAIError(500, f"internal error in request {request_id} (see the server's log)",
+                       "internal_error")
 
 
 @web.middleware

@@ -5,16 +5,15 @@ first, so every end after them (done, timed out, engine dead, a bug) is an event
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from aiohttp import web
 
 from parashift.serve import responses
 from parashift.serve.engine_client import EngineDeadError
 from parashift.serve.generation import Generation
+from parashift.serve.http_guards import internal_error
 from parashift.serve.openai_protocol import OpenAIError
 
-logger = logging.getLogger(__name__)
 CLIENT_LEFT = "parashift.client_left"  # request key: the client went away mid-stream
 
 
@@ -62,8 +61,6 @@ async def _events(request: web.Request, response: web.StreamResponse, gen: Gener
     except (EngineDeadError, OpenAIError) as e:
         err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
         await response.write(responses.sse(err.body()))
-    except Exception as e:  # the headers are out: a bug ends this stream with an event
-        logger.exception("internal error while streaming %s", request.path)
-        err = OpenAIError(500, f"internal error: {e}", "internal_error")
-        await response.write(responses.sse(err.body()))
+    except Exception:  # the headers are out: a bug ends this stream with an event
+        await response.write(responses.sse(internal_error(request).body()))
     return status
