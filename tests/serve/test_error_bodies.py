@@ -15,19 +15,25 @@ from parashift.serve import sse
 from parashift.serve.http_guards import REQUEST_ID, errors_to_openai
 
 
+def _post(handler) -> tuple[int, str]:
+    """A POST to `handler` served behind the error middleware, over a real socket."""
+    async def call() -> tuple[int, str]:
+        app = web.Application(middlewares=[errors_to_openai])
+        app.router.add_post("/v1/completions", handler)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/completions", json={})
+            return resp.status, await resp.text()
+
+    return asyncio.run(call())
+
+
 def test_a_500_body_holds_no_exception_text(caplog):
     async def broken(request: web.Request) -> web.Response:
         raise RuntimeError("secret prompt text")
 
-    async def call() -> tuple[int, dict]:
-        app = web.Application(middlewares=[errors_to_openai])
-        app.router.add_post("/v1/completions", broken)
-        async with TestClient(TestServer(app)) as client:
-            resp = await client.post("/v1/completions", json={})
-            return resp.status, await resp.json()
-
     with caplog.at_level(logging.ERROR):
-        status, body = asyncio.run(call())
+        status, text = _post(broken)
+    body = json.loads(text)
     assert status == 500 and body["error"]["type"] == "internal_error"
     assert "secret" not in json.dumps(body)
     request_id = body["error"]["message"].split()[4]
@@ -49,15 +55,8 @@ def test_a_streamed_500_holds_no_exception_text(caplog):
         assert status == "error"
         return response
 
-    async def call() -> tuple[int, str]:
-        app = web.Application(middlewares=[errors_to_openai])
-        app.router.add_post("/v1/completions", streaming)
-        async with TestClient(TestServer(app)) as client:
-            resp = await client.post("/v1/completions", json={})
-            return resp.status, await resp.text()
-
     with caplog.at_level(logging.ERROR):
-        status, text = asyncio.run(call())
+        status, text = _post(streaming)
     events = [json.loads(line[6:]) for line in text.splitlines()
               if line.startswith("data: {")]
     assert status == 200 and text.endswith("data: [DONE]\n\n")  # the headers were out

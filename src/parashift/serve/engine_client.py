@@ -255,9 +255,9 @@ class EngineClient:
                 if rank != msg.rank:  # no call of ours to that rank
                     continue
                 del self._calls[msg.call_id]
-                if future.done():
-                    pass
-                elif msg.error:
+                if future.done():  # its caller gave up
+                    continue
+                if msg.error:
                     future.set_exception(RuntimeError(msg.error))
                 else:
                     future.set_result(msg.result)

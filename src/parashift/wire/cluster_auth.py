@@ -169,20 +169,22 @@ def secured_context(keys: ClusterKeys, asyncio: bool = False) -> zmq.Context:
 def _serve_zap(sock: zmq.Socket, names: dict[bytes, bytes]) -> None:
     """ZMQ's authentication handler (RFC 27) for one context: a CURVE client key is let in
     under its principal's name, or refused; it ends when the context is terminated."""
-    while True:
-        try:
+    try:
+        while True:
             request = sock.recv_multipart()
-        except zmq.ContextTerminated:
-            break
-        # version, request id, domain, address, identity, mechanism, credentials...
-        request_id = request[1] if len(request) > 1 else b""
-        mechanism = request[5] if len(request) > 5 else b""
-        name = names.get(request[6]) if mechanism == b"CURVE" and len(request) == 7 else None
-        if mechanism == b"NULL":  # a plain link (ipc in the 0700 folder): no principal
-            name = b""
-        status = (b"200", b"OK") if name is not None else (b"400", b"unknown key")
-        sock.send_multipart([b"1.0", request_id, *status, name or b"", b""])
-    sock.close()
+            # version, request id, domain, address, identity, mechanism, credentials...
+            request_id = request[1] if len(request) > 1 else b""
+            mechanism = request[5] if len(request) > 5 else b""
+            name = (names.get(request[6]) if mechanism == b"CURVE" and len(request) == 7
+                    else None)
+            if mechanism == b"NULL":  # a plain link (ipc in the 0700 folder): no principal
+                name = b""
+            status = (b"200", b"OK") if name is not None else (b"400", b"unknown key")
+            sock.send_multipart([b"1.0", request_id, *status, name or b"", b""])
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        sock.close()
 
 
 def principal(frame: zmq.Frame) -> str | None:
