@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,15 +36,6 @@ TINY_ARGS = ["--dtype", "float32", "--max-model-len", str(TINY_MAX_MODEL_LEN),
 LONG_MAX_MODEL_LEN = 8192
 LONG_ARGS = ["--dtype", "float32", "--max-model-len", str(LONG_MAX_MODEL_LEN),
              "--kv-cache-memory", "32MiB"]
-
-
-def free_port() -> int:
-    """A port free now, for the tests that must name one before a launch (clients calling from
-    the launch on; `ray start`). Servers themselves never pick a port this way: tests start
-    them with --port 0 and read the banner."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_request(method: str, url: str, body: Any = None,
@@ -90,9 +80,26 @@ class Server:
     lines: list[str] = field(default_factory=list)  # stdout + stderr so far
     tree: list[psutil.Process] = field(default_factory=list)  # launcher + children at start
     health_at_start: tuple[int, bytes] = (0, b"")  # GET /health right after "is serving"
+    cmd: list[str] = field(default_factory=list)
 
     def output(self) -> str:
         return "".join(self.lines)
+
+    def wait_line(self, pattern: str, timeout: float = 120.0) -> re.Match:
+        """The first line of its output that matches `pattern`, once there; AssertionError
+        (with the output) if the process exits or `timeout` passes first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.lines):
+                if found := re.search(pattern, line):
+                    return found
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited with code {self.proc.returncode} before a line "
+                                     f"matching {pattern!r}; output:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f} s; "
+                                     f"output:\n{self.output()}")
+            time.sleep(0.05)
 
     def client(self, api_key: str = "unused", **kwargs: Any):
         import openai
@@ -157,35 +164,38 @@ class Server:
         return None if m is None else float(m.group(1))
 
 
-def _start(model: str, args: list[str], model_name: str, env: dict[str, str] | None = None,
-           port: int | None = None) -> Server:
-    """`port` None: one the kernel picks (--port 0), read from the banner."""
+def launch(model: str, args: list[str], model_name: str | None = None,
+           env: dict[str, str] | None = None) -> Server:
+    """`parashift run` started (its output collected as it comes), not yet waited for. Its
+    HTTP port is one the kernel picks (--port 0): its log names it, and `wait_serving` sets
+    `url` from the banner. No test picks a port and releases it for a server to bind."""
     cmd = [sys.executable, "-m", "parashift.cli", "run", model, "--host", "127.0.0.1",
-           "--port", str(port or 0), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
+           "--port", "0", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, model_name)
-    serving = threading.Event()
+    server = Server("", proc, model_name or os.path.basename(model.rstrip("/")))
+    server.cmd = cmd
 
     def drain() -> None:  # keeps reading so that the child never blocks on a full pipe
         for line in proc.stdout:
             server.lines.append(line)
-            banner = re.search(r"is serving .* at (http://\S+)/v1", line)
-            if banner:
-                server.url = banner.group(1)
-                serving.set()
 
     threading.Thread(target=drain, daemon=True).start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while not serving.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            why = (f"exited with code {proc.returncode}" if proc.poll() is not None
-                   else f"did not print 'is serving' within {STARTUP_TIMEOUT:.0f} s")
-            stop(server)
-            pytest.fail(f"`{' '.join(cmd)}` {why}; output:\n{server.output()}")
-    server.tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    return server
+
+
+def wait_serving(server: Server) -> Server:
+    """Until the banner ("is serving ... at URL"); the URL and process tree are then set."""
+    try:
+        server.url = server.wait_line(r"is serving .* at (http://\S+)/v1",
+                                      STARTUP_TIMEOUT).group(1)
+    except AssertionError as e:
+        stop(server)
+        pytest.fail(f"`{' '.join(server.cmd)}`: {e}")
+    server.tree = [psutil.Process(server.proc.pid),
+                   *psutil.Process(server.proc.pid).children(recursive=True)]
     # The API servers accept only once every engine is ready, and the URL is printed after
     # that: /health answers 200 at once (test_lifecycle.py checks this first answer).
     try:
@@ -220,10 +230,8 @@ def stop(server: Server) -> int | None:
 
 @contextlib.contextmanager
 def running_server(model: str, *args: str, model_name: str | None = None,
-                   env: dict[str, str] | None = None, port: int | None = None
-                   ) -> Iterator[Server]:
-    name = model_name or os.path.basename(model.rstrip("/"))
-    server = _start(model, list(args), name, env, port)
+                   env: dict[str, str] | None = None) -> Iterator[Server]:
+    server = wait_serving(launch(model, list(args), model_name, env))
     try:
         yield server
     finally:

@@ -22,11 +22,13 @@ from .conftest import (
     LONG_ARGS,
     SHUTDOWN_TIMEOUT,
     TINY_ARGS,
-    free_port,
     http_request,
+    launch,
     live,
     running_server,
+    stop,
     wait_gone,
+    wait_serving,
 )
 
 # tiny_llama with a tokenizer that takes seconds to load: only the API server loads it, so the
@@ -71,28 +73,25 @@ def test_requests_sent_during_start_up_wait_for_the_engines(tiny_llama):
     """The API servers accept only once every engine is ready (vLLM's behaviour): a client
     that calls from the launch on waits in the listener's backlog and is answered 200, never
     503 "not ready yet"."""
-    port = free_port()
     answers: dict[str, tuple[int, bytes]] = {}
     name = os.path.basename(tiny_llama.rstrip("/"))
     body = json.dumps({"model": name, "prompt": "hi", "max_tokens": 2}).encode()
+    server = launch(tiny_llama, TINY_ARGS)
+    try:  # the port is bound (and named) first, the engines start after
+        url = server.wait_line(r"HTTP listens at (http://\S+);").group(1)
 
-    def call(method: str, path: str, data: bytes | None) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                answers[path] = http_request(method, f"http://127.0.0.1:{port}{path}", data,
-                                             timeout=120)
-                return
-            except OSError:  # the launcher has not bound the port yet
-                time.sleep(0.01)
+        def call(method: str, path: str, data: bytes | None) -> None:
+            answers[path] = http_request(method, url + path, data, timeout=120)
 
-    callers = [threading.Thread(target=call, args=("GET", "/health", None)),
-               threading.Thread(target=call, args=("POST", "/v1/completions", body))]
-    for t in callers:
-        t.start()
-    with running_server(tiny_llama, *TINY_ARGS, port=port):
+        callers = [threading.Thread(target=call, args=("GET", "/health", None)),
+                   threading.Thread(target=call, args=("POST", "/v1/completions", body))]
+        for t in callers:
+            t.start()
+        wait_serving(server)
         for t in callers:
             t.join(120)
+    finally:
+        stop(server)
     assert answers["/health"][0] == 200, answers
     assert answers["/v1/completions"][0] == 200, answers
 

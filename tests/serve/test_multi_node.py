@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, Server, live, wait_gone
+from .conftest import TINY_ARGS, Server, launch, live, stop, wait_gone, wait_serving
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 
 pytestmark = pytest.mark.slow
@@ -67,33 +66,20 @@ def headless_node(model: str, rpc_port: int, secret: str = SECRET):
                          "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)], secret)
 
 
-def head_cmd(model: str) -> list[str]:
-    return [sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS, "--host",
-            "127.0.0.1", "--port", "0", "-dp", "4", "--data-parallel-size-local", "2",
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "0"]
+HEAD_ARGS = [*TINY_ARGS, "-dp", "4", "--data-parallel-size-local", "2",
+             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "0"]
 
 
-def _wait_line(proc: subprocess.Popen, lines: list[str], pattern: str) -> re.Match:
-    deadline = time.monotonic() + 120
-    while True:
-        for line in list(lines):
-            if found := re.search(pattern, line):
-                return found
-        assert proc.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, f"no {pattern!r} in:\n" + "".join(lines)[-3000:]
-        time.sleep(0.05)
-
-
-def handshake_port(head: tuple[subprocess.Popen, list[str]]) -> int:
-    """The head's handshake port, once it listens (its log names it)."""
-    return int(_wait_line(*head, r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1))
-
-
-def serving(head: tuple[subprocess.Popen, list[str]], model: str) -> Server:
-    """The head as a Server, once every rank of both nodes is ready (its banner)."""
-    proc, lines = head
-    url = _wait_line(proc, lines, r"is serving .* at (http://\S+)/v1").group(1)
-    return Server(url, proc, os.path.basename(model.rstrip("/")), lines)
+@contextlib.contextmanager
+def head_node(model: str) -> Iterator[tuple[Server, int]]:
+    """The head, and its handshake's port once it listens (the kernel picks it, the log names
+    it); `wait_serving` waits for the other node's ranks too."""
+    head = launch(model, HEAD_ARGS, env=SECRET_ENV)
+    try:
+        yield head, int(head.wait_line(r"handshake listens at tcp://127\.0\.0\.1:(\d+)")
+                        .group(1))
+    finally:
+        stop(head)
 
 
 def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -102,9 +88,9 @@ def engine_children(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expected):
-    with node_process(head_cmd(tiny_llama), SECRET) as head_proc, \
-            headless_node(tiny_llama, handshake_port(head_proc)) as (node, node_lines):
-        head = serving(head_proc, tiny_llama)
+    with head_node(tiny_llama) as (head, port), \
+            headless_node(tiny_llama, port) as (node, node_lines):
+        wait_serving(head)
         # The head's own tree holds ranks 0 and 1 only; 2 and 3 live in the other tree.
         assert {head.engine_process(r).pid for r in (0, 1)}
         with pytest.raises(AssertionError):
@@ -183,18 +169,17 @@ def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
     while the head waits for the other node: the head survives and answers nothing. Then the
     node joins, every rank answers (pinned requests), a Hello as a running rank is answered
     by nothing, and the head's shutdown stops the node."""
-    with node_process(head_cmd(tiny_llama), SECRET) as head_proc:
-        port = handshake_port(head_proc)
+    with head_node(tiny_llama) as (head, port):
         rogue_frames(f"tcp://127.0.0.1:{port}", None, hellos=True)
-        assert not any("dropped" in line for line in head_proc[1])  # none got through
+        assert "dropped" not in head.output()  # none got through
         rogue_frames(f"tcp://127.0.0.1:{port}", SECRET)
-        _wait_line(*head_proc, "dropped a malformed frame on the handshake link")
+        head.wait_line("dropped a malformed frame on the handshake link")
         with headless_node(tiny_llama, port) as (node, lines):
-            head = serving(head_proc, tiny_llama)
+            wait_serving(head)
             for rank in range(4):  # each node's ranks answer
                 assert complete(head, PROMPTS[0], rank=rank)["choices"][0]["text"]
             rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=True)
-            _wait_line(*head_proc, "a Hello as dp3, whose engine runs: not answered")
+            head.wait_line("a Hello as dp3, whose engine runs: not answered")
             assert head.get_json("/health")[0] == 200 and head.proc.poll() is None
             head.proc.send_signal(signal.SIGTERM)  # the head tells the node to stop
             assert head.proc.wait(60) == 0, head.output()[-3000:]
@@ -214,17 +199,16 @@ def test_headless_flags_are_checked(tiny_llama):
 
 
 def test_a_headless_node_with_the_wrong_secret_exits_saying_so(tiny_llama):
-    with node_process(head_cmd(tiny_llama), SECRET) as head, \
-            headless_node(tiny_llama, handshake_port(head), "another-secret-0123456789") as (
-                node, lines):
+    with head_node(tiny_llama) as (head, port), \
+            headless_node(tiny_llama, port, "another-secret-0123456789") as (node, lines):
         assert node.wait(120) != 0, "".join(lines)
         assert "cluster secret differs" in "".join(lines)
-        assert head[0].poll() is None  # the head waits on, untouched
+        assert head.proc.poll() is None  # the head waits on, untouched
 
 
 def test_multi_node_without_a_secret_is_refused_with_how_to_make_one(tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "PARASHIFT_CLUSTER_SECRET"}
-    done = subprocess.run(head_cmd(tiny_llama), capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", tiny_llama,
+                           *HEAD_ARGS], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "needs a cluster secret" in done.stderr, done.stderr
     assert "PARASHIFT_CLUSTER_SECRET" in done.stderr and "--insecure-cluster" in done.stderr

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, free_port, live, running_server
+from .conftest import TINY_ARGS, live, running_server
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 
 ray = pytest.importorskip("ray")
@@ -123,8 +123,8 @@ def test_an_existing_cluster_too_small_planned_and_left_clean(tiny_llama):
     a dp2 server leaves no actor or placement group behind."""
     env = {**os.environ, **RAY_ENV}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    start = subprocess.run([ray_cli, "start", "--head", "--num-cpus", "3", "--port",
-                            str(free_port()), "--include-dashboard", "false"],
+    start = subprocess.run([ray_cli, "start", "--head", "--num-cpus", "3", "--port", "0",
+                            "--include-dashboard", "false"],
                            capture_output=True, text=True, timeout=120, env=env)
     assert start.returncode == 0, start.stderr
     cli = [sys.executable, "-m", "parashift.cli"]

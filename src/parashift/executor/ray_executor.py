@@ -66,6 +66,10 @@ class RayWorkers:
         # and gloo's pairs stay on loopback. Spread over nodes, they use this node's address.
         one_node = ray.util.placement_group_table(pg).get("strategy") == "STRICT_PACK"
         my_ip = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+        if not one_node and len(workers) > 1:
+            logger.warning("this engine's workers may sit on several nodes (--ray-placement "
+                           "spread): their torch.distributed store and gloo/NCCL links are "
+                           "not authenticated; keep the nodes on a private network")
         store = ray.get(self.actors[0].open_store.remote(my_ip))
         self.ctx = zmq_context()
         self.results = self.ctx.socket(zmq.PULL)

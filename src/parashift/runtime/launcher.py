@@ -94,10 +94,13 @@ class Launcher:
             return DEFAULT_MODEL_NAME
         return os.path.basename(self.args.engine.model.rstrip("/")).removesuffix(".gguf")
 
-    def banner(self) -> str:
+    def url(self) -> str:
         host = f"[{self.args.host}]" if ":" in self.args.host else self.args.host
         port = self.listener.getsockname()[1] if self.listener else self.args.port  # --port 0
-        return f"parashift is serving {self.model_name!r} at http://{host}:{port}/v1"
+        return f"http://{host}:{port}"
+
+    def banner(self) -> str:
+        return f"parashift is serving {self.model_name!r} at {self.url()}/v1"
 
     def start(self) -> None:
         if self.mesh is not None:
@@ -107,6 +110,7 @@ class Launcher:
                         self.spec, self.engines.bundles)
         mp = child_processes.context()
         self.listener = bind_listener(self.args.host, self.args.port)
+        logger.info("HTTP listens at %s; it answers once every engine is ready", self.url())
         try:
             self.endpoints.handshake = self.handshake.bind(self.endpoints.handshake)
             self.engines.handshake_address = self.endpoints.handshake  # port 0: the bound one

@@ -48,7 +48,12 @@ async def errors_to_openai(request: web.Request, handler):
         return _error(internal_error(request))
 
 
-REQUEST_ID = "parashift.request_id"  # request key: the id of the generation it started
+def request_key(name: str, kind: type):
+    """A key of a request's storage: typed where aiohttp has them (3.14), else its name."""
+    return web.RequestKey(name, kind) if hasattr(web, "RequestKey") else name
+
+
+REQUEST_ID = request_key("parashift.request_id", str)  # the id of the generation it started
 
 
 def internal_error(request: web.Request) -> OpenAIError:

@@ -11,10 +11,10 @@ from aiohttp import web
 from parashift.serve import responses
 from parashift.serve.engine_client import EngineDeadError
 from parashift.serve.generation import Generation
-from parashift.serve.http_guards import internal_error
+from parashift.serve.http_guards import internal_error, request_key
 from parashift.serve.openai_protocol import OpenAIError
 
-CLIENT_LEFT = "parashift.client_left"  # request key: the client went away mid-stream
+CLIENT_LEFT = request_key("parashift.client_left", bool)  # the client went away mid-stream
 
 
 def timed_out(timeout: float | None) -> OpenAIError:
