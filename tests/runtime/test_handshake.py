@@ -1,4 +1,5 @@
-"""The head's handshake: the first engine to say Hello as a rank speaks for it (its Ready
+"""The head's handshake: the engine to say Hello as a rank (with the launcher's token, for a
+rank the launcher starts itself; first, for a headless node's) speaks for it (its Ready
 counts, and over CURVE it gets the rank's key) until its death is known; headless nodes hold
 their ranks; what another peer says for them is dropped. Real ZMQ sockets (ipc)."""
 
@@ -18,8 +19,8 @@ from parashift.wire.sockets import routing_id
 def desk(tmp_path):
     ctx = zmq.Context()
     keys = HeadKeys.mint(3)
-    handshake = Handshake(ctx, 3, keys, lambda rank: p.EngineInit(
-        None, [f"requests-of-dp{rank}"], []), p.NodeInit("publish"))  # type: ignore[arg-type]
+    handshake = Handshake(ctx, 3, keys, lambda rank: p.EngineInit(  # type: ignore[arg-type]
+        None, [f"requests-of-dp{rank}"], []), p.NodeInit("publish"), {0: TOKEN})
     address = handshake.bind(f"ipc://{tmp_path}/handshake")
     peers: list[zmq.Socket] = []
 
@@ -36,6 +37,9 @@ def desk(tmp_path):
         sock.close()
     handshake.socket.close()
     ctx.term()
+
+
+TOKEN = b"dp0's token, from the launcher"
 
 
 def init_fields(sock: zmq.Socket) -> list:
@@ -92,3 +96,14 @@ def test_a_node_reports_only_its_own_ranks_deaths(desk):
     assert said(handshake, rogue, p.NodeHello(1, 2)) is None
     assert p.decode(rogue.recv(), p.ToNode) == p.NodeInit("publish")
     assert list(handshake.nodes.values()) == [range(1, 3)]
+
+
+def test_a_rank_the_launcher_starts_is_claimed_only_with_its_token(desk):
+    handshake, keys, peer = desk
+    rogue, engine = peer("dp0"), peer("dp0")
+    assert said(handshake, rogue, p.Hello(0, 100)) is None  # no token
+    assert said(handshake, rogue, p.Hello(0, 100, b"a guess")) is None
+    assert not rogue.poll(0) and 0 not in handshake.claims
+    assert said(handshake, engine, p.Hello(0, 200, TOKEN)) is None
+    assert init_fields(engine)[-1][0] == keys.ranks[0].public
+    assert handshake.claims[0][1] == 200

@@ -125,11 +125,10 @@ def test_four_ranks_on_two_nodes_and_a_killed_node_is_skipped(tiny_llama, expect
         assert after[2:] == before[2:] and sum(after) - sum(before) == 8
 
 
-def rogue_frames(address: str, secret: str | None, hellos: bool = False) -> None:
+def rogue_frames(address: str, secret: str | None, hellos: tuple[int, ...] = ()) -> None:
     """What a peer can send the head's handshake port: garbage, multi-part junk, msgpack of
-    the wrong shape, an oversized frame and (`hellos`) a Hello as ranks that run; as a
-    stranger (`secret` None: plain ZMQ) or with the cluster secret (a broken or compromised
-    node)."""
+    the wrong shape, an oversized frame and a Hello as each rank of `hellos`; as a stranger
+    (`secret` None: plain ZMQ) or with the cluster secret (a broken or compromised node)."""
     import zmq
 
     from parashift.wire.cluster_auth import ClusterKeys, secured_context
@@ -155,9 +154,8 @@ def rogue_frames(address: str, secret: str | None, hellos: bool = False) -> None
         # since the rank's engine holds it.
         from parashift.wire import protocol as p
 
-        if hellos:
-            offer(p.encode(p.Hello(0, 1)))
-            offer(p.encode(p.Hello(3, 1)))
+        for rank in hellos:
+            offer(p.encode(p.Hello(rank, 1)))
         assert not rogue.poll(2000), "a rogue peer got an answer"
         rogue.close()
     finally:
@@ -165,20 +163,24 @@ def rogue_frames(address: str, secret: str | None, hellos: bool = False) -> None
 
 
 def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
-    """Rogue frames on the handshake port, from a stranger and from a peer with the secret,
-    while the head waits for the other node: the head survives and answers nothing. Then the
-    node joins, every rank answers (pinned requests), a Hello as a running rank is answered
-    by nothing, and the head's shutdown stops the node."""
+    """Rogue frames on the handshake port, from a stranger and from a peer with the secret
+    (a Hello as the head's dp0 among them), while the head waits for the other node: the head
+    survives and answers nothing. Then the node joins, every rank answers (pinned requests), a
+    Hello as the node's running dp3 is answered by nothing, and the head's shutdown stops the
+    node."""
     with head_node(tiny_llama) as (head, port):
-        rogue_frames(f"tcp://127.0.0.1:{port}", None, hellos=True)
+        rogue_frames(f"tcp://127.0.0.1:{port}", None, hellos=(0, 3))
         assert "dropped" not in head.output()  # none got through
-        rogue_frames(f"tcp://127.0.0.1:{port}", SECRET)
+        # The head's own ranks are claimed only with the token it gave their engines: a
+        # holder of the secret cannot say Hello as one, even before that engine has.
+        rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=(0,))
         head.wait_line("dropped a malformed frame on the handshake link")
+        head.wait_line("a Hello as dp0 without the token its engine was given: not answered")
         with headless_node(tiny_llama, port) as (node, lines):
             wait_serving(head)
             for rank in range(4):  # each node's ranks answer
                 assert complete(head, PROMPTS[0], rank=rank)["choices"][0]["text"]
-            rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=True)
+            rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=(3,))
             head.wait_line("a Hello as dp3, whose engine runs: not answered")
             assert head.get_json("/health")[0] == 200 and head.proc.poll() is None
             head.proc.send_signal(signal.SIGTERM)  # the head tells the node to stop

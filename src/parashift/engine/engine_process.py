@@ -40,10 +40,13 @@ IDLE_POLL_MS = 100  # blocking poll; wakes only to notice a shutdown signal (soo
 
 class EngineProcess:
     def __init__(self, rank: int, handshake_address: str,
-                 placement: EnginePlacement | None = None, handshake_timeout: float = 600.0):
+                 placement: EnginePlacement | None = None, handshake_timeout: float = 600.0,
+                 token: bytes = b""):
         """`placement`: this rank's part of the launcher's mesh (None: this engine alone on
-        the devices its process sees, as a Ray actor does)."""
+        the devices its process sees, as a Ray actor does); `token`: the launcher's for this
+        rank, for its Hello."""
         self.rank = rank
+        self.token = token
         self.handshake_timeout = handshake_timeout
         self.incarnation = os.getpid()
         self.placement = placement
@@ -69,7 +72,7 @@ class EngineProcess:
         self.handshake.send(p.encode(msg))
 
     def start(self) -> None:
-        self._send_handshake(p.Hello(self.rank, os.getpid()))
+        self._send_handshake(p.Hello(self.rank, os.getpid(), self.token))
         if not self.handshake.poll(int(self.handshake_timeout * 1000)):
             raise TimeoutError(f"no launcher answered the handshake within "
                                f"{self.handshake_timeout:.0f} s")
@@ -266,14 +269,14 @@ class EngineProcess:
 
 
 def run_engine(rank: int, handshake_address: str, log_level: str,
-               placement: EnginePlacement | None = None, handshake_timeout: float = 600.0
-               ) -> None:
+               placement: EnginePlacement | None = None, handshake_timeout: float = 600.0,
+               token: bytes = b"") -> None:
     """Process entry point (multiprocessing target)."""
     set_process_name(engine_process_name(rank))
     die_with_parent()
     setup_child_logging(log_level)
     keep_temp_files_in_launch_folder(handshake_address)
-    engine = EngineProcess(rank, handshake_address, placement, handshake_timeout)
+    engine = EngineProcess(rank, handshake_address, placement, handshake_timeout, token)
 
     def on_term(*_: Any) -> None:
         engine.stopping = True

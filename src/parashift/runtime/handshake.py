@@ -1,16 +1,19 @@
 """The head's handshake socket and what it has agreed to: which engine speaks for each rank
 and which headless node runs which ranks.
 
-A rank is claimed by the first engine whose Hello the head answers for it, and stays claimed
-until that engine's death is known (the launcher reaped it, its node reported it, or the
-coordinator declared it silent). Meanwhile a Hello for the rank is not answered, and only the
-claiming engine's Ready or StartupFailed counts. Over CURVE the answer carries the rank's key
-(`wire/cluster_auth.py` HeadKeys), with which the engine then speaks for the rank everywhere
-else. Every peer's identity on this ROUTER is unguessable (`wire/sockets.py` routing_id) and
-none is handed over, so no peer can take another's replies."""
+A rank the launcher starts itself (on its own node, or as a Ray actor) is claimed only with
+the token it gave that engine; a headless node's rank, by the first engine whose Hello the
+head answers for it. Either stays claimed until that engine's death is known (the launcher
+reaped it, its node reported it, or the coordinator declared it silent). Meanwhile a Hello
+for the rank is not answered, and only the claiming engine's Ready or StartupFailed counts.
+Over CURVE the answer carries the rank's key (`wire/cluster_auth.py` HeadKeys), with which
+the engine then speaks for the rank everywhere else. Every peer's identity on this ROUTER is
+unguessable (`wire/sockets.py` routing_id) and none is handed over, so no peer can take
+another's replies."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable
 
@@ -25,10 +28,13 @@ logger = logging.getLogger(__name__)
 
 class Handshake:
     def __init__(self, ctx: zmq.Context, num_engines: int, head_keys: HeadKeys | None,
-                 engine_init: Callable[[int], p.EngineInit], node_init: p.NodeInit):
+                 engine_init: Callable[[int], p.EngineInit], node_init: p.NodeInit,
+                 tokens: dict[int, bytes]):
         """`engine_init(rank)`: the launcher's answer to rank's Hello, without the key;
-        `node_init`: its answer to a node's."""
+        `node_init`: its answer to a node's; `tokens`: those of the ranks the launcher starts
+        itself, which their Hellos must carry."""
         self.num_engines = num_engines
+        self.tokens = tokens
         self.head_keys = head_keys
         self.engine_init = engine_init
         self.node_init = node_init
@@ -97,6 +103,11 @@ class Handshake:
                 pass
 
     def _answer_hello(self, identity: bytes, hello: p.Hello) -> None:
+        token = self.tokens.get(hello.rank)
+        if token is not None and not hmac.compare_digest(token, hello.token):
+            logger.warning("a Hello as dp%d without the token its engine was given: not "
+                           "answered", hello.rank)
+            return
         holder = self.claims.get(hello.rank)
         if holder is not None and holder[0] != identity:
             logger.warning("a Hello as dp%d, whose engine runs: not answered", hello.rank)

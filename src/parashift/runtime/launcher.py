@@ -77,7 +77,8 @@ class Launcher:
                                else None)
         self.handshake = Handshake(self.ctx, self.num_engines, self.head_keys,
                                    self._engine_init,
-                                   p.NodeInit(self.endpoints.coordinator_publish))
+                                   p.NodeInit(self.endpoints.coordinator_publish),
+                                   self.engines.tokens)
         self.coordinator: multiprocessing.Process | None = None
         self.api_procs: list[multiprocessing.Process] = []
         self.controls: list[zmq.Socket] = []

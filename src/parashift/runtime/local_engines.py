@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import secrets
 
 from parashift.engine.engine_process import run_engine
 from parashift.processes import exit_after, join_within
@@ -29,6 +30,9 @@ class LocalEngines:
         self.handshake_timeout = handshake_timeout
         self.procs: dict[int, multiprocessing.Process] = {}
         self._mp = child_processes.context()
+        # Each rank's Hello carries its token (handed over in the process's arguments, never
+        # a command line): no other peer can say Hello as one of this node's ranks.
+        self.tokens = {rank: secrets.token_bytes(16) for rank in self.ranks}
 
     def start(self) -> None:
         for rank in self.ranks:
@@ -42,7 +46,7 @@ class LocalEngines:
         placement = self.placements[rank]
         proc = self._mp.Process(target=exit_after, name=placement.process_name, args=(
             run_engine, rank, self.handshake_address, self.log_level, placement,
-            self.handshake_timeout))
+            self.handshake_timeout, self.tokens[rank]))
         proc.start()
         self.procs[rank] = proc
         self.restarts.started(rank)

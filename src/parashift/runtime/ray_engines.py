@@ -8,6 +8,7 @@ A cluster too small for the strategy is refused at once, naming what is missing.
 from __future__ import annotations
 
 import logging
+import secrets
 
 from parashift import env
 from parashift.config import EngineConfig
@@ -30,12 +31,12 @@ class _EngineActor:
     """An engine core (made a Ray actor class in RayEngines)."""
 
     def run(self, rank: int, handshake_address: str, log_level: str, timeout: float,
-            cluster_secret: str) -> None:
+            cluster_secret: str, token: bytes) -> None:
         from parashift import env
         from parashift.engine.engine_process import run_engine
 
         env.set_cluster_secret(cluster_secret)  # before any socket: its links are CURVE
-        run_engine(rank, handshake_address, log_level, None, timeout)
+        run_engine(rank, handshake_address, log_level, None, timeout, token)
 
 
 class RayEngines:
@@ -44,6 +45,7 @@ class RayEngines:
                  restart: bool = False):
         self.restarts = RestartPolicy(restart)
         self.ranks = ranks
+        self.tokens = {rank: secrets.token_bytes(16) for rank in ranks}  # for each Hello
         self.handshake_address = ""  # the launcher's, once it knows this node's address
         self.log_level = log_level
         self.handshake_timeout = handshake_timeout
@@ -103,7 +105,8 @@ class RayEngines:
                 placement_group_capture_child_tasks=True)).remote()
         self.actors[rank] = actor
         self.refs[rank] = actor.run.remote(rank, self.handshake_address, self.log_level,
-                                           self.handshake_timeout, env.cluster_secret())
+                                           self.handshake_timeout, env.cluster_secret(),
+                                           self.tokens[rank])
         self.restarts.started(rank)
 
     def reap(self) -> list[EngineDeath]:

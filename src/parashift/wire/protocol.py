@@ -58,6 +58,9 @@ class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=Tr
 class Hello(_Msg):
     rank: int
     pid: int
+    # What the head gave the engines it starts itself (its own node's, or Ray's): a Hello as
+    # one of those ranks counts only with it.
+    token: bytes = b""
 
 
 class EngineInit(_Msg):
