@@ -92,6 +92,7 @@ def test_a_node_reports_only_its_own_ranks_deaths(desk):
     said(handshake, engine, p.Hello(2, 300))
     assert said(handshake, rogue, p.NodeHello(2, 1)) is None and not rogue.poll(0)
     assert said(handshake, rogue, p.NodeHello(-1, 2)) is None and not rogue.poll(0)
+    assert said(handshake, rogue, p.NodeHello(1, 2**62)) is None and not rogue.poll(0)
     handshake.release(2)
     assert said(handshake, rogue, p.NodeHello(1, 2)) is None
     assert p.decode(rogue.recv(), p.ToNode) == p.NodeInit("publish")

@@ -122,12 +122,15 @@ class Handshake:
     def _answer_node(self, identity: bytes, hello: p.NodeHello) -> None:
         """A node takes ranks no other node holds, or whose engines all died (it restarted)."""
         ranks = range(hello.start_rank, hello.start_rank + hello.size)
+        if not (0 <= ranks.start < ranks.stop <= self.num_engines):
+            logger.warning("a headless node with ranks dp%d-dp%d, of %d engines: not answered",
+                           ranks.start, ranks.stop - 1, self.num_engines)
+            return
         others = [node for node, held in self.nodes.items()
                   if node != identity and set(held) & set(ranks)]
-        if (hello.start_rank < 0 or hello.size < 1 or ranks.stop > self.num_engines
-                or any(r in self.claims for node in others for r in self.nodes[node])):
-            logger.warning("a headless node with ranks dp%d-dp%d, which do not exist or whose "
-                           "engines run: not answered", ranks.start, ranks.stop - 1)
+        if any(r in self.claims for node in others for r in self.nodes[node]):
+            logger.warning("a headless node with ranks dp%d-dp%d, whose engines run: not "
+                           "answered", ranks.start, ranks.stop - 1)
             return
         for node in others:
             del self.nodes[node]
