@@ -8,7 +8,8 @@ import time
 import pytest
 import zmq
 
-from parashift.serve.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_client import EngineClient
+from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.wire import protocol as p
 
 

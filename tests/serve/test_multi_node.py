@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, Server, launch, live, stop, wait_gone, wait_serving
+from .conftest import TINY_ARGS, Server, launch, stop, wait_gone, wait_serving
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 
 pytestmark = pytest.mark.slow
@@ -35,35 +34,18 @@ SECRET_ENV = {"PARASHIFT_CLUSTER_SECRET": SECRET}
 
 
 @contextlib.contextmanager
-def node_process(cmd: list[str], secret: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    """A `parashift run` process tree (its output collected), stopped and reaped at the end."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PARASHIFT_CLUSTER_SECRET": secret}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", env=env)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    tree = [psutil.Process(proc.pid)]
+def headless_node(model: str, rpc_port: int, secret: str = SECRET
+                  ) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """The other node's `parashift run --headless` (its output collected), stopped and reaped
+    at the end."""
+    node = launch(model, [*TINY_ARGS, "--headless", "-dp", "4", "--data-parallel-size-local",
+                          "2", "--data-parallel-start-rank", "2", "--data-parallel-address",
+                          "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)],
+                  env={"PARASHIFT_CLUSTER_SECRET": secret})
     try:
-        yield proc, lines
+        yield node.proc, node.lines
     finally:
-        with contextlib.suppress(psutil.Error):
-            tree += psutil.Process(proc.pid).children(recursive=True)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
-        for p in live(tree):
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        assert not wait_gone(tree, 10), f"processes of {cmd[4:6]} survived"
-
-
-def headless_node(model: str, rpc_port: int, secret: str = SECRET):
-    return node_process([sys.executable, "-m", "parashift.cli", "run", model, *TINY_ARGS,
-                         "--headless", "-dp", "4", "--data-parallel-size-local", "2",
-                         "--data-parallel-start-rank", "2", "--data-parallel-address",
-                         "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)], secret)
+        stop(node)
 
 
 HEAD_ARGS = [*TINY_ARGS, "-dp", "4", "--data-parallel-size-local", "2",

@@ -35,6 +35,7 @@ from parashift.types.outputs import (
     WaveStepOutput,
 )
 from parashift.wire import protocol as p
+from parashift.wire import worker_protocol as wp
 from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class MultiprocExecutor:
         # However this executor ends (even unreferenced, or at exit), no worker outlives it.
         self._cleanup = weakref.finalize(self, *self.workers.cleanup_call())
         try:
-            self._collect(p.WorkerReady, count, startup_timeout)
+            self._collect(wp.WorkerReady, count, startup_timeout)
         except Exception:
             self.shutdown()
             raise
@@ -142,21 +143,21 @@ class MultiprocExecutor:
     def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
                           ) -> WaveStepOutput:
         """Lockstep: one step of the wave on every worker (never in flight with others)."""
-        self._broadcast(p.ExecuteWaveStep(scheduler_output, has_work))
-        return self._collect(p.WaveStepResult, 1)[0].result
+        self._broadcast(wp.ExecuteWaveStep(scheduler_output, has_work))
+        return self._collect(wp.WaveStepResult, 1)[0].result
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step; its output comes from `wait`, in submission order."""
-        self._broadcast(p.ExecuteModel(scheduler_output))
+        self._broadcast(wp.ExecuteModel(scheduler_output))
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
         """The mask of the deferred step submitted last: its output comes from `wait`."""
-        self._broadcast(p.SampleTokens(grammar))
+        self._broadcast(wp.SampleTokens(grammar))
 
     def wait(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet waited for."""
         if not self._results:
-            self._collect(p.StepResult, 1)
+            self._collect(wp.StepResult, 1)
         return self._results.popleft()
 
     def check_health(self) -> None:
@@ -181,8 +182,8 @@ class MultiprocExecutor:
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Calls `Worker.method(*args)` on every worker; their results in worker order."""
-        self._broadcast(p.WorkerCall(method, list(args)))
-        replies = self._collect(p.WorkerReply, len(self.commands), timeout)
+        self._broadcast(wp.WorkerCall(method, list(args)))
+        replies = self._collect(wp.WorkerReply, len(self.commands), timeout)
         return [r.result for r in sorted(replies, key=lambda r: r.rank)]
 
     def _collect(self, kind: type, count: int, timeout: float | None = None) -> list[Any]:
@@ -191,12 +192,12 @@ class MultiprocExecutor:
         out = []
         while len(out) < count:
             if self.results.poll(POLL_MS):
-                msg = p.decode_or_drop(self.results.recv(), p.FromWorker, "worker results")
-                if isinstance(msg, p.WorkerReply) and msg.error is not None:
+                msg = p.decode_or_drop(self.results.recv(), wp.FromWorker, "worker results")
+                if isinstance(msg, wp.WorkerReply) and msg.error is not None:
                     raise WorkerDiedError(f"worker {self.names[msg.rank]} failed: {msg.error}")
-                if isinstance(msg, p.StepResult):  # kept in order, whoever is waiting
+                if isinstance(msg, wp.StepResult):  # kept in order, whoever is waiting
                     self._results.append(msg.output)
-                    if kind is p.StepResult:
+                    if kind is wp.StepResult:
                         out.append(msg)
                 elif isinstance(msg, kind):
                     out.append(msg)
@@ -211,7 +212,7 @@ def _kill_workers(procs: list[multiprocessing.Process], commands: list[zmq.Socke
                   ctx: zmq.Context, folder: str, shm_file: str | None) -> None:
     # Unreferenced without shutdown(), the workers still wait for a command: tell them to
     # stop (after a "stop" call they are on their way out already, and never read this).
-    stop = p.encode(p.WorkerCall("stop", []))
+    stop = p.encode(wp.WorkerCall("stop", []))
     for sock in commands:
         with contextlib.suppress(zmq.ZMQError):
             sock.send(stop, zmq.NOBLOCK)

@@ -30,6 +30,7 @@ from parashift.processes import die_with_parent, set_process_name, setup_child_l
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
+from parashift.wire import worker_protocol as wp
 from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,12 @@ def run_worker(args: WorkerArgs) -> None:
     results.connect(args.result_address)
     try:
         worker = _init(args)
-        results.send(p.encode(p.WorkerReady(args.rank)))
+        results.send(p.encode(wp.WorkerReady(args.rank)))
         _serve(worker, args.rank, commands, results)
     except Exception:
         error = traceback.format_exc()
         logger.error("%s failed:\n%s", args.name, error)
-        results.send(p.encode(p.WorkerReply(args.rank, None, error.strip().splitlines()[-1])))
+        results.send(p.encode(wp.WorkerReply(args.rank, None, error.strip().splitlines()[-1])))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -145,25 +146,25 @@ def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | 
 def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None:
     answers = worker.is_output_rank
     while True:
-        msg = p.decode_or_drop(commands.recv(), p.ToWorker, "worker commands")
+        msg = p.decode_or_drop(commands.recv(), wp.ToWorker, "worker commands")
         if msg is None:
             continue
-        if isinstance(msg, p.ExecuteModel):
+        if isinstance(msg, wp.ExecuteModel):
             output = worker.execute_model(msg.scheduler_output)
             if answers and output is not None:  # None: it samples at SampleTokens
-                results.send(p.encode(p.StepResult(output)))
-        elif isinstance(msg, p.SampleTokens):
+                results.send(p.encode(wp.StepResult(output)))
+        elif isinstance(msg, wp.SampleTokens):
             output = worker.sample_tokens(msg.grammar)
             if answers:
-                results.send(p.encode(p.StepResult(output)))
-        elif isinstance(msg, p.ExecuteWaveStep):
+                results.send(p.encode(wp.StepResult(output)))
+        elif isinstance(msg, wp.ExecuteWaveStep):
             result = worker.execute_wave_step(msg.scheduler_output, msg.has_work)
             if answers:
-                results.send(p.encode(p.WaveStepResult(result)))
+                results.send(p.encode(wp.WaveStepResult(result)))
         elif msg.method == "stop":
             worker.stop()
-            results.send(p.encode(p.WorkerReply(rank)))
+            results.send(p.encode(wp.WorkerReply(rank)))
             return
         else:
             result = getattr(worker, msg.method)(*msg.args)
-            results.send(p.encode(p.WorkerReply(rank, result)))
+            results.send(p.encode(wp.WorkerReply(rank, result)))

@@ -1,8 +1,7 @@
 """Each API server's client of the engines: it owns the ZMQ sockets to every engine (no
 process between them: one hop less, no single point of failure), picks the engine for a
 request, and fans each engine's outputs back to each request's sink. What can go wrong with a
-request on the way (the engine died, the engine refused it alone, no engine can take it now)
-are its errors below; the HTTP side turns each into its status."""
+request on the way is one of serve/engine_errors.py's errors."""
 
 from __future__ import annotations
 
@@ -18,6 +17,12 @@ import zmq
 import zmq.asyncio
 
 from parashift.engine.block_hash import block_hashes
+from parashift.serve.engine_errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
+from parashift.serve.engine_loads import EngineLoads
 from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
@@ -26,25 +31,6 @@ from parashift.wire.cluster_auth import HEAD, HeadKeys, rank_principal, speaks_f
 from parashift.wire.sockets import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine serving a request died; the request cannot finish."""
-
-
-class RequestFailedError(ValueError):
-    """The engine refused one request (400: bad; 429: its waiting queue is full), apart from
-    any engine death."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-        self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
-            status, "invalid_request_error")
-
-
-class EngineUnavailableError(RuntimeError):
-    """No engine can take a request right now (still starting, or all dead)."""
 
 
 class EngineClient:
@@ -80,9 +66,7 @@ class EngineClient:
         self.ready: dict[int, p.EngineReady] = {}
         self.dead: dict[int, str] = {}
         self.stats: dict[int, SchedulerStats] = {}
-        self.in_flight: dict[int, int] = {}
-        self.load: dict[int, p.EngineLoad] = {}  # every rank's load, from the coordinator
-        self.sent_since_update: dict[int, int] = {}
+        self.loads = EngineLoads()
         self.on_load = None  # optional hook(LoadVector) for metrics
         self.load_in = None
         if coordinator_address is not None:
@@ -141,21 +125,11 @@ class EngineClient:
         elif not alive:
             raise EngineUnavailableError(self.health()[1])
         else:
-            rank = self.router.choose(alive, hashes[0] if hashes else [], self._score)
+            rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score)
         for prompt_hashes in hashes:
             self.router.record(rank, prompt_hashes)
-        self.sent_since_update[rank] = self.sent_since_update.get(rank, 0) + 1
+        self.loads.sent_since_update[rank] += 1
         return rank
-
-    def _score(self, rank: int) -> int:
-        """Waiting requests weigh more than running ones (they have not even started), plus
-        what this server sent since the coordinator's last update. Without a coordinator
-        (dp1, or before its first update): this server's requests in flight."""
-        load = self.load.get(rank)
-        if load is None:
-            return self.in_flight.get(rank, 0)
-        return (4 * load.stats.num_waiting + load.stats.num_running
-                + self.sent_since_update.get(rank, 0))
 
     async def _recv_load(self) -> None:
         while True:
@@ -172,15 +146,9 @@ class EngineClient:
 
     def take_load(self, vector: p.LoadVector) -> None:
         """Every rank's load, from the coordinator. A rank whose prefix cache was emptied
-        since the last vector (reset or sleep, called through any API server) loses its
-        blocks in this server's router too."""
-        for load in vector.loads:
-            last = self.load.get(load.rank)
-            if last is not None and (last.stats.num_prefix_cache_resets
-                                     != load.stats.num_prefix_cache_resets):
-                self.router.forget(load.rank)
-        self.load = {load.rank: load for load in vector.loads}
-        self.sent_since_update.clear()
+        since the last vector loses its blocks in this server's router too."""
+        for rank in self.loads.take(vector):
+            self.router.forget(rank)
         if self.on_load is not None:
             self.on_load(vector)
 
@@ -193,7 +161,7 @@ class EngineClient:
         self._send_to(rank, msg)
         self.sinks[request_id] = sink
         self.engine_of[request_id] = rank
-        self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
+        self.loads.in_flight[rank] += 1
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -222,7 +190,7 @@ class EngineClient:
         self.sinks.pop(request_id, None)
         rank = self.engine_of.pop(request_id, None)
         if rank is not None:
-            self.in_flight[rank] -= 1
+            self.loads.in_flight[rank] -= 1
         return rank
 
     async def utility(self, method: str, rank: int, arg: int = 0) -> Any:

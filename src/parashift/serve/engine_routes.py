@@ -11,7 +11,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from parashift.serve.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_client import EngineClient
+from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
 

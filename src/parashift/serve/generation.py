@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.request_tracker import RequestTracker, SampleDelta
-from parashift.serve.engine_client import (
-    EngineClient,
+from parashift.serve.engine_client import EngineClient
+from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
     RequestFailedError,

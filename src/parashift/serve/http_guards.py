@@ -12,7 +12,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from parashift.serve.engine_client import EngineDeadError, EngineUnavailableError
+from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.serve.openai_protocol import OpenAIError
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 from parashift.serve import responses
-from parashift.serve.engine_client import EngineDeadError
+from parashift.serve.engine_errors import EngineDeadError
 from parashift.serve.generation import Generation
 from parashift.serve.http_guards import internal_error, request_key
 from parashift.serve.openai_protocol import OpenAIError

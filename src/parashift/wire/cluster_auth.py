@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -33,8 +32,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
+from parashift.wire.protocol import log_dropped
+
 MIN_SECRET_CHARS = 16
-logger = logging.getLogger(__name__)
 
 
 def read_secret_file(path: str) -> str:
@@ -199,19 +199,12 @@ def principal(frame: zmq.Frame) -> str | None:
 
 def speaks_for(frame: zmq.Frame, name: str, link: str) -> bool:
     """Whether a message in `frame` may speak as `name`: it came on a plain link, or on one
-    authenticated as `name`. A refusal is logged (the first on each link, then every
-    1,000th)."""
+    authenticated as `name`. A refusal is logged (`log_dropped`)."""
     who = principal(frame)
     if who is None or who == name:
         return True
-    count = _num_refused[link] = _num_refused.get(link, 0) + 1
-    if count % 1000 == 1:
-        logger.warning("dropped a message as %s from a link of %s on the %s link (%d so far)",
-                       name, who, link, count)
+    log_dropped(link, f"a message as {name} from a link of {who}")
     return False
-
-
-_num_refused: dict[str, int] = {}
 
 
 def handshake_failed(monitor: zmq.Socket) -> bool:

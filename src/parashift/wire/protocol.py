@@ -1,5 +1,6 @@
-"""Every message that crosses a process boundary, as msgspec structs (msgpack on the wire,
-never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
+"""Every message between the launch's processes, as msgspec structs (msgpack on the wire,
+never pickle; an engine's to its own workers: worker_protocol.py). Sockets (see DESIGN.md,
+"Processes and sockets"):
 
   handshake   launcher ROUTER  <- engine DEALER: Hello -> EngineInit -> Ready
   requests    API server ROUTER <- engine DEALER: AddRequest, AbortRequests, UtilityCall down;
@@ -12,11 +13,7 @@ never pickle). Sockets (see DESIGN.md, "Processes and sockets"):
               StartWave (lockstep);
               coordinator PUB   -> API server SUB: LoadVector, EngineDead (a silent rank);
               -> engine SUB (lockstep only): StartWave
-  workers     engine PUSH (one per worker) -> worker PULL: ExecuteModel (ExecuteWaveStep in
-              lockstep), WorkerCall;
-              worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank
-              (last pp stage, tp rank 0) answers ExecuteModel (StepResult), every rank
-              answers a WorkerCall.
+  workers     an engine and its workers: wire/worker_protocol.py
   nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
               NodeHello -> NodeInit; EngineDead up; Shutdown down.
 
@@ -35,15 +32,7 @@ from typing import Any
 
 import msgspec
 
-from parashift.types.outputs import (
-    EngineCoreOutput,
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-    WaveStats,
-    WaveStepOutput,
-)
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats, WaveStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire.engine_config import EngineConfigWire
 
@@ -221,53 +210,6 @@ class NodeInit(_Msg):
     coordinator_publish_address: str
 
 
-# --- engine core <-> its tensor-parallel workers -------------------------------------------
-class ExecuteModel(_Msg):
-    """One step: only what changed since the last one (the runner keeps the rest)."""
-
-    scheduler_output: SchedulerOutput
-
-
-class SampleTokens(_Msg):
-    """The mask of the last step submitted with a deferred one (async scheduling with
-    structured outputs): its sampling goes on."""
-
-    grammar: GrammarBitmask | None
-
-
-class ExecuteWaveStep(_Msg):
-    """One lockstep step (expert parallel over engines): the step, and whether this engine
-    still has requests."""
-
-    scheduler_output: SchedulerOutput
-    has_work: bool
-
-
-class WorkerCall(_Msg):
-    method: str  # "determine_num_blocks" | "kv_block_bytes" | "initialize_cache" | "stop"
-    args: list[Any] = []
-
-
-class WorkerReady(_Msg):
-    rank: int
-
-
-class StepResult(_Msg):
-    output: ModelRunnerOutput
-
-
-class WaveStepResult(_Msg):
-    result: WaveStepOutput
-
-
-class WorkerReply(_Msg):
-    rank: int
-    result: Any = None
-    error: str | None = None
-
-
-ToWorker = ExecuteModel | SampleTokens | ExecuteWaveStep | WorkerCall
-FromWorker = WorkerReady | StepResult | WaveStepResult | WorkerReply
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
@@ -292,7 +234,7 @@ def decode(data: bytes, kind: Any) -> Any:
     return decoder.decode(data)
 
 
-_num_dropped: dict[str, int] = {}
+_num_dropped: dict[tuple[str, str], int] = {}
 _logger = logging.getLogger(__name__)
 
 
@@ -303,8 +245,14 @@ def decode_or_drop(data: bytes, kind: Any, link: str) -> Any:
     try:
         return decode(data, kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        count = _num_dropped[link] = _num_dropped.get(link, 0) + 1
-        if count % 1000 == 1:
-            _logger.warning("dropped a malformed frame on the %s link (%d so far): %s", link,
-                            count, e)
+        log_dropped(link, "a malformed frame", str(e))
         return None
+
+
+def log_dropped(link: str, what: str, detail: str = "") -> None:
+    """A frame read and dropped on `link`: logged the first time, then every 1,000th (a peer
+    sending junk in a loop cannot flood the log)."""
+    count = _num_dropped[link, what] = _num_dropped.get((link, what), 0) + 1
+    if count % 1000 == 1:
+        _logger.warning("dropped %s on the %s link (%d so far)%s", what, link, count,
+                        f": {detail}" if detail else "")

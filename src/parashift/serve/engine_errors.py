@@ -1,0 +1,24 @@
+"""What can go wrong with a request on its way through the engines (the engine died, the
+engine refused it alone, no engine can take it now); the HTTP side turns each into its
+status."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine serving a request died; the request cannot finish."""
+
+
+class RequestFailedError(ValueError):
+    """The engine refused one request (400: bad; 429: its waiting queue is full), apart from
+    any engine death."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+        self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
+            status, "invalid_request_error")
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine can take a request right now (still starting, or all dead)."""

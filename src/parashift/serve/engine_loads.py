@@ -1,0 +1,34 @@
+"""Each engine's load as one API server sees it, and the score its router picks the least
+loaded rank by: the coordinator's last vector plus what this server sent since, or, without a
+coordinator (dp1, or before its first vector), this server's own requests in flight."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from parashift.wire import protocol as p
+
+
+class EngineLoads:
+    def __init__(self) -> None:
+        self.vector: dict[int, p.EngineLoad] = {}  # every rank's, from the coordinator
+        self.sent_since_update: Counter[int] = Counter()
+        self.in_flight: Counter[int] = Counter()  # this server's requests, by rank
+
+    def score(self, rank: int) -> int:
+        """Waiting requests weigh more than running ones (they have not even started)."""
+        load = self.vector.get(rank)
+        if load is None:
+            return self.in_flight[rank]
+        return (4 * load.stats.num_waiting + load.stats.num_running
+                + self.sent_since_update[rank])
+
+    def take(self, vector: p.LoadVector) -> list[int]:
+        """A new vector; the ranks whose prefix cache was emptied since the last one (a reset
+        or a sleep, called through any API server)."""
+        emptied = [load.rank for load in vector.loads
+                   if (last := self.vector.get(load.rank)) is not None
+                   and last.stats.num_prefix_cache_resets != load.stats.num_prefix_cache_resets]
+        self.vector = {load.rank: load for load in vector.loads}
+        self.sent_since_update.clear()
+        return emptied
