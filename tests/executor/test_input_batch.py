@@ -1,11 +1,13 @@
 """The model runner's persistent input batch (executor/input_batch.py) against a batch rebuilt
 from scratch after every change: requests added, finished, preempted (re-added whole), given
-new tokens (by the scheduler, or sampled by the runner and sent back later) and new blocks,
-and scheduled in an order that is not the rows' order. The rows, the sampling columns, the
-penalty counts and the step's gathered inputs agree."""
+new tokens (by the scheduler, or sampled by the runner and sent back later, or sampled and left
+on the "device" as async scheduling's pending tokens) and new blocks, and scheduled in an
+order that is not the rows' order. The rows, the sampling columns, the penalty counts and the
+step's gathered inputs (pending tokens copied from the sampled ids) agree."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from parashift.executor.input_batch import InputBatch
 from parashift.executor.model_runner import ModelRunner
+from parashift.executor.sampled_tokens import SampledTokens
 from parashift.types.outputs import NewRequestData
 from parashift.types.sampling_params import SamplingParams
 
@@ -28,7 +31,10 @@ _ops = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 20), st.integers(0, len(PARAMS) - 1)),
     st.tuples(st.just("finish"), st.integers(0, 9)),
     st.tuples(st.just("preempt"), st.integers(0, 9)),
-    st.tuples(st.just("decode"), st.booleans()),  # True: the runner samples, the scheduler echoes
+    # 0: the scheduler's token; 1: the runner samples, the scheduler echoes; 2: the runner's
+    # sampled ids stay pending (the last step's are resolved first, as the runner does)
+    st.tuples(st.just("decode"), st.integers(0, 2)),
+    st.tuples(st.just("echo")),  # the scheduler's copy of the pending tokens
     st.tuples(st.just("chunk"), st.integers(1, 8)),
 )
 
@@ -45,7 +51,13 @@ def new_data(req_id: str, r: dict) -> NewRequestData:
                           r["computed"])
 
 
-def assert_same(batch: InputBatch, fresh: InputBatch, requests: dict[str, dict]) -> None:
+def assert_same(batch: InputBatch, fresh: InputBatch, requests: dict[str, dict],
+                sampled: list[int] | None) -> None:
+    """`sampled`: the ids the pending rows index (on the "device")."""
+    on_device = batch
+    if sampled is not None:  # the host's view once they arrive
+        batch = copy.deepcopy(batch)
+        batch.resolve_pending(sampled)
     assert sorted(batch.rows.values()) == list(range(len(requests)))
     assert {batch.req_ids[row]: row for row in range(batch.num_reqs)} == batch.rows
     for req_id, r in requests.items():
@@ -66,17 +78,26 @@ def assert_same(batch: InputBatch, fresh: InputBatch, requests: dict[str, dict])
     if order:
         q_lens = np.array([len(requests[r]["tokens"]) - requests[r]["computed"] for r in order],
                           dtype=np.int64)
-        for x, y in zip(gathered(batch, order, q_lens), gathered(fresh, order, q_lens),
-                        strict=True):
+        for x, y in zip(gathered(on_device, order, q_lens, sampled),
+                        gathered(fresh, order, q_lens, None), strict=True):
             assert np.array_equal(x, y)
 
 
-def gathered(batch: InputBatch, order: list[str], q_lens: np.ndarray):
+def gathered(batch: InputBatch, order: list[str], q_lens: np.ndarray,
+             sampled: list[int] | None):
     runner = SimpleNamespace(batch=batch, block_size=BLOCK, device=torch.device("cpu"),
-                             model=SimpleNamespace())
+                             model=SimpleNamespace(),
+                             _sampled=None if sampled is None else SampledTokens(
+                                 torch.tensor(sampled, dtype=torch.long)))
     ids, positions, step = ModelRunner._prepare_inputs(runner, batch.rows_of(order), q_lens)
     return (ids.numpy(), positions.numpy(), step.block_table, step.slot_mapping.numpy(),
             step.seq_lens)
+
+
+def echo(batch: InputBatch, pending: dict[str, tuple[int, int]]) -> None:
+    for req_id, (offset, token) in pending.items():
+        batch.write_tokens(batch.rows[req_id], offset, [token])
+    pending.clear()
 
 
 @settings(max_examples=150, deadline=None)
@@ -86,6 +107,8 @@ def test_row_updates_match_a_batch_rebuilt_each_step(ops, seed):
     batch = InputBatch(MAX_MODEL_LEN, BLOCK, max_num_reqs=1)  # grows
     requests: dict[str, dict] = {}
     next_id, next_block = 0, 0
+    sampled: list[int] | None = None  # the pending rows' ids
+    pending: dict[str, tuple[int, int]] = {}  # request -> (position, token) the scheduler lacks
 
     def blocks_for(num_tokens: int, have: list[int]) -> list[int]:
         nonlocal next_block
@@ -106,6 +129,7 @@ def test_row_updates_match_a_batch_rebuilt_each_step(ops, seed):
         elif kind in ("finish", "preempt") and requests:
             req_id = sorted(requests)[op[1] % len(requests)]
             batch.remove(req_id)
+            pending.pop(req_id, None)
             if kind == "finish":
                 del requests[req_id]
             else:
@@ -113,23 +137,38 @@ def test_row_updates_match_a_batch_rebuilt_each_step(ops, seed):
                 r["computed"], r["blocks"] = 0, blocks_for(len(r["tokens"]), [])
                 batch.add(new_data(req_id, r))
         elif kind == "decode":
+            if op[1] == 2 and sampled is not None:
+                batch.resolve_pending(sampled)
+                sampled = None
+            elif op[1] != 2:  # the scheduler has a pending token before any later one
+                echo(batch, pending)
+            step: list[tuple[str, int]] = []
             for req_id, r in requests.items():
                 if len(r["tokens"]) >= MAX_MODEL_LEN:
                     continue
                 token = int(rng.integers(0, 100))
                 offset = len(r["tokens"])
-                if op[1]:
-                    batch.append_sampled(batch.rows_of([req_id]), [token])
                 r["tokens"].append(token)
                 new_blocks = blocks_for(len(r["tokens"]), r["blocks"])
                 r["blocks"] += new_blocks
                 r["computed"] = len(r["tokens"]) - 1
                 row = batch.rows[req_id]
-                batch.write_tokens(row, offset, [token])  # the scheduler's copy
+                if op[1] == 1:
+                    batch.append_sampled(batch.rows_of([req_id]), [token])
+                if op[1] == 2:
+                    step.append((req_id, token))
+                    pending[req_id] = (offset, token)
+                else:
+                    batch.write_tokens(row, offset, [token])  # the scheduler's copy
                 batch.append_blocks(row, new_blocks)
                 batch.num_computed_tokens[row] = r["computed"]
+            if step:
+                batch.append_pending(batch.rows_of([req_id for req_id, _ in step]))
+                sampled = [token for _, token in step]
+        elif kind == "echo":
+            echo(batch, pending)
         elif kind == "chunk":
             for req_id, r in requests.items():
                 r["computed"] = min(len(r["tokens"]) - 1, r["computed"] + op[1])
                 batch.num_computed_tokens[batch.rows[req_id]] = r["computed"]
-        assert_same(batch, rebuilt(requests), requests)
+        assert_same(batch, rebuilt(requests), requests, sampled)

@@ -7,7 +7,11 @@ row is filled by the last one, so the rows stay dense.
 
 Token ids are written at their positions, so a token the runner sampled itself (async
 scheduling's placeholder, filled before the scheduler knows it) and the same token sent back
-by the scheduler later are one write, never two. Torch-free: the scheduler tests drive it."""
+by the scheduler later are one write, never two. Under async scheduling a sampled token may
+not be on the host yet when the next step is prepared: its row is then `pending`, the index of
+its token among the last step's sampled ids, which the runner copies into that step's inputs on
+the device; the host learns the value at `resolve_pending`. Torch-free: the scheduler tests
+drive it."""
 
 from __future__ import annotations
 
@@ -25,7 +29,11 @@ _COLUMNS = (
     ("temperature", np.float32, 0.0), ("top_k", np.int64, 0), ("top_p", np.float32, 1.0),
     ("min_p", np.float32, 0.0), ("seeded", np.bool_, False), ("has_logprobs", np.bool_, False),
     ("penalized", np.bool_, False),
+    # The newest token (at num_tokens - 1) as an index into the last sampled ids, not yet on
+    # the host; -1 when its value is here.
+    ("pending", np.int64, -1),
 )
+_UNKNOWN = -1  # a pending token's host value: an input built from it would fail, not mislead
 
 
 class InputBatch:
@@ -86,6 +94,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = prompt
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.pending[row] = -1
         self.append_blocks(row, new.block_ids)
         params = new.params
         greedy = params.is_greedy
@@ -135,13 +144,16 @@ class InputBatch:
         if not token_ids:
             return
         end = offset + len(token_ids)
-        known = int(self.num_tokens[row])
+        known = first_new = int(self.num_tokens[row])
         self.token_ids[row, offset:end] = token_ids
+        if self.pending[row] >= 0 and offset < known <= end:  # the pending value came too
+            self.pending[row] = -1
+            first_new = known - 1
         if end > known:
             self.num_tokens[row] = end
-            counts = self.counts[row]
-            if counts is not None:
-                counts.add(token_ids[known - offset:])
+        counts = self.counts[row]
+        if counts is not None and end > first_new:
+            counts.add(token_ids[first_new - offset:])
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:
@@ -170,6 +182,35 @@ class InputBatch:
         if self.num_penalized:
             for i in np.flatnonzero(self.penalized[rows]).tolist():
                 self.counts[rows[i]].add([token_ids[i]])
+
+    def append_pending(self, rows: np.ndarray) -> None:
+        """The runner's sampled tokens, still on the device (async scheduling): each row's
+        next position holds the token at the same index among the sampled ids."""
+        positions = self.num_tokens[rows]
+        self.token_ids[rows, positions] = _UNKNOWN
+        self.num_tokens[rows] = positions + 1
+        self.pending[rows] = np.arange(len(rows))
+
+    def pending_tokens(self, token_rows: np.ndarray, positions: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Of a step's input tokens (row, position), those still pending: their indices in the
+        step's inputs, and their indices among the last sampled ids."""
+        pending = self.pending[token_rows]
+        at = np.flatnonzero((pending >= 0) & (positions == self.num_tokens[token_rows] - 1))
+        return at, pending[at]
+
+    def resolve_pending(self, token_ids: list[int]) -> None:
+        """The last sampled ids, now on the host: the pending rows' values."""
+        pending = self.pending[: self.num_reqs]
+        rows = np.flatnonzero(pending >= 0)
+        if not len(rows):
+            return
+        values = np.asarray(token_ids, dtype=np.int64)[pending[rows]]
+        self.token_ids[rows, self.num_tokens[rows] - 1] = values
+        self.pending[rows] = -1
+        if self.num_penalized:
+            for i in np.flatnonzero(self.penalized[rows]).tolist():
+                self.counts[rows[i]].add([int(values[i])])
 
     def token_row(self, req_id: str) -> list[int]:
         row = self.rows[req_id]

@@ -19,6 +19,7 @@ import torch
 from parashift.config import EngineConfig
 from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
+from parashift.executor.sampled_tokens import AsyncModelRunnerOutput, resolved
 from parashift.executor.worker import threads_for, worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
@@ -72,7 +73,7 @@ class LocalExecutor:
         self._call(self.worker.initialize_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self._call(self.worker.execute_model, scheduler_output)
+        output = resolved(self._call(self.worker.execute_model, scheduler_output))
         assert output is not None, "a deferred mask needs submit / sample_tokens / wait"
         return output
 
@@ -80,7 +81,8 @@ class LocalExecutor:
         assert self._thread is not None, "submit is for async scheduling"
         self._futures.append(self._thread.submit(self._execute, scheduler_output))
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput
+                 ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         output = self.worker.execute_model(scheduler_output)
         if output is None:  # its mask comes once the steps before it have returned
             output = self.worker.sample_tokens(self._masks.get())
@@ -90,7 +92,8 @@ class LocalExecutor:
         self._masks.put(grammar)
 
     def wait(self) -> ModelRunnerOutput:
-        return self._futures.popleft().result()
+        """The ids come to the host here, in the engine's thread: the runner goes on."""
+        return resolved(self._futures.popleft().result())
 
     def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
                           ) -> WaveStepOutput:

@@ -3,7 +3,11 @@ the running requests, kept from the scheduler's deltas: executor/input_batch.py.
 
 A step whose structured-output mask waits for tokens still in flight (async scheduling) runs
 its forward and logits in `execute_model`, which returns None, and samples in
-`sample_tokens(mask)` once the engine has made the mask."""
+`sample_tokens(mask)` once the engine has made the mask.
+
+With placeholders (async scheduling) the sampled ids stay on the device: the next step's
+inputs copy its placeholders from them there, and the output's ids come to the host without a
+wait (executor/sampled_tokens.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.executor.input_batch import InputBatch
+from parashift.executor.sampled_tokens import AsyncModelRunnerOutput, SampledTokens
 from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.profiling import profiler_label
@@ -43,17 +48,21 @@ class _Unsampled:
 
 class ModelRunner:
     """`pp`: the pipeline group. A stage after the first receives the previous stage's hidden
-    states and residual; a stage before the last sends its own on and samples nothing."""
+    states and residual; a stage before the last sends its own on and samples nothing.
+    `placeholders`: async scheduling's steps read tokens not yet sampled when they were
+    scheduled."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
                  device: torch.device, max_model_len: int,
                  pp: GroupCommunicator | None = None,
-                 share_sampled: GroupCommunicator | None = None):
+                 share_sampled: GroupCommunicator | None = None, placeholders: bool = False):
         self.model = model
         self.pp = pp or GroupCommunicator()
         # Async scheduling under tensor parallel: the tp ranks that do not sample need the
         # sampled ids for the placeholders of the step after (rank 0 broadcasts them).
         self.share_sampled = share_sampled
+        self.placeholders = placeholders
+        self._sampled: SampledTokens | None = None  # what the batch's pending rows index
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -91,7 +100,8 @@ class ModelRunner:
         self.batch.remove("profile")
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, out: SchedulerOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """None: the step's logits wait for `sample_tokens` (a deferred mask)."""
         if self.dispatcher is not None:  # its collectives need the step's count exchange
             return self.execute_wave_step(out, has_work=False).output
@@ -99,7 +109,8 @@ class ModelRunner:
         return self._run(out) if not out.is_empty else ModelRunnerOutput({})
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """The deferred step's sampling, with its mask."""
         pending, self._unsampled = self._unsampled, None
         if pending is None:  # not the output rank, or nothing sampled
@@ -132,7 +143,7 @@ class ModelRunner:
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.model(no_tokens, no_tokens, self.backend.build_metadata(step))
 
-    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         batch = self.batch
         scheduled = out.num_scheduled_tokens
         req_ids = list(scheduled)
@@ -166,26 +177,41 @@ class ModelRunner:
         return self._sample(logits, rows, req_ids, out.grammar)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str],
-                grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+                grammar: GrammarBitmask | None
+                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         if grammar is not None:  # structured outputs: their rows' allowed tokens
             where = {r: i for i, r in enumerate(req_ids)}
             with profiler_label("parashift::grammar"):
                 apply_token_bitmask(logits, [where.get(r) for r in grammar.req_ids],
                                     grammar.bits, grammar.words)
         with profiler_label("parashift::sample"):
+            self._resolve_pending()  # the penalty counts need the last step's tokens
             md = self._sampling_metadata(rows)
-            tokens, logprobs = self.sampler(logits, md)
-        # The placeholders of a step scheduled before these tokens reach the scheduler.
-        self.batch.append_sampled(rows, tokens)
-        if self.share_sampled is not None:
-            self.share_sampled.broadcast(torch.tensor(tokens, dtype=torch.long,
-                                                      device=self.device))
+            tokens, logprobs = self.sampler.sample(logits, md)
+        if self.share_sampled is not None:  # (created on the device: NCCL takes no CPU tensor)
+            self.share_sampled.broadcast(tokens)
+        if self.placeholders:
+            sampled = SampledTokens(tokens)
+            self._set_pending(rows, sampled)
+            return AsyncModelRunnerOutput(req_ids, sampled, logprobs)
+        token_list = tokens.tolist()
+        self.batch.append_sampled(rows, token_list)
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
-            dict(zip(req_ids, tokens, strict=True)),
+            dict(zip(req_ids, token_list, strict=True)),
             {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
             if has_logprobs else None,
         )
+
+    def _set_pending(self, rows: np.ndarray, sampled: SampledTokens) -> None:
+        """The placeholders of a step scheduled before these tokens reach the scheduler."""
+        self.batch.append_pending(rows)
+        self._sampled = sampled
+
+    def _resolve_pending(self) -> None:
+        if self._sampled is not None:
+            self.batch.resolve_pending(self._sampled.tolist())
+            self._sampled = None
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The columns of the same rows as last step (no request came or went) are reused."""
@@ -197,9 +223,11 @@ class ModelRunner:
         return md
 
     def _receive_sampled(self, rows: np.ndarray) -> None:
+        """A tp rank that does not sample: rank 0's ids, for the placeholders after."""
         tokens = self.share_sampled.broadcast(torch.empty(len(rows), dtype=torch.long,
                                                           device=self.device))
-        self.batch.append_sampled(rows, tokens.tolist())
+        self._resolve_pending()
+        self._set_pending(rows, SampledTokens(tokens))
 
     def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        metadata) -> torch.Tensor | None:
@@ -246,5 +274,10 @@ class ModelRunner:
             sliding_window=getattr(self.model, "sliding_window", None),
             device=self.device,
         )
-        return (torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device), step)
+        input_ids = torch.from_numpy(input_ids).to(self.device)
+        if self._sampled is not None:  # async: placeholders, from the last sampled ids
+            at, index = batch.pending_tokens(token_rows, positions)
+            if len(at):
+                input_ids[torch.from_numpy(at).to(self.device)] = self._sampled.ids[
+                    torch.from_numpy(index).to(self.device)]
+        return input_ids, torch.from_numpy(positions).to(self.device), step

@@ -14,6 +14,7 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
+from parashift.executor.sampled_tokens import AsyncModelRunnerOutput
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
@@ -79,7 +80,8 @@ class Worker:
         shares = self.config.scheduler.async_scheduling and tp.world_size > 1
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
                                   self.device, mc.max_model_len, self.parallel.group("pp"),
-                                  tp if shares else None)
+                                  tp if shares else None,
+                                  placeholders=self.config.scheduler.async_scheduling)
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights too (level 2); the engine has no request
@@ -189,10 +191,12 @@ class Worker:
                 and not device.enforce_eager and shard.tp_size == 1
                 and self.runner.pp.world_size == 1 and self.runner.dispatcher is None)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self.runner.sample_tokens(grammar)
 
     def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool

@@ -26,6 +26,7 @@ from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.network_interface import interface_of
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
+from parashift.executor.sampled_tokens import resolved
 from parashift.processes import die_with_parent, set_process_name, setup_child_logging
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
@@ -152,11 +153,11 @@ def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None
         if isinstance(msg, wp.ExecuteModel):
             output = worker.execute_model(msg.scheduler_output)
             if answers and output is not None:  # None: it samples at SampleTokens
-                results.send(p.encode(wp.StepResult(output)))
+                results.send(p.encode(wp.StepResult(resolved(output))))
         elif isinstance(msg, wp.SampleTokens):
             output = worker.sample_tokens(msg.grammar)
             if answers:
-                results.send(p.encode(wp.StepResult(output)))
+                results.send(p.encode(wp.StepResult(resolved(output))))
         elif isinstance(msg, wp.ExecuteWaveStep):
             result = worker.execute_wave_step(msg.scheduler_output, msg.has_work)
             if answers:

@@ -65,6 +65,13 @@ class Sampler:
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """[num_rows, vocab] logits -> one token id per row (+ logprobs where asked). The
         logits are left as they are."""
+        tokens, logprobs = self.sample(logits, md)
+        return tokens.tolist(), logprobs
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata
+               ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """As `__call__`, the ids left where the logits are (no wait for the device unless
+        logprobs are asked)."""
         raw_logprobs = None
         if any(n is not None for n in md.num_logprobs):
             raw_logprobs = logits.float().log_softmax(dim=-1)
@@ -77,7 +84,7 @@ class Sampler:
                              (p.row_starts, p.token_ids, penalized_values(logits, p)))
                 tokens = cpu_ops().sample(logits, md.temperature, md.top_k, md.top_p,
                                           md.min_p, md.uniforms, overrides)
-            return tokens.tolist(), self._logprobs(raw_logprobs, tokens, md)
+            return tokens, self._logprobs(raw_logprobs, tokens, md)
         if p is not None:
             logits = logits.to(torch.float32, copy=True)
             apply_penalties(logits, p)
@@ -86,7 +93,7 @@ class Sampler:
         else:
             tokens = sample_rows(logits, md.temperature, md.top_k, md.top_p, md.min_p,
                                  md.uniforms)
-        return tokens.tolist(), self._logprobs(raw_logprobs, tokens, md)
+        return tokens, self._logprobs(raw_logprobs, tokens, md)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, md: SamplingMetadata
