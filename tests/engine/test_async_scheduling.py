@@ -10,6 +10,7 @@ serve/test_async_serving.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_engine import assert_no_leaks
 
 from parashift import LLM, SamplingParams, StructuredOutputsParams
@@ -110,3 +111,14 @@ def test_tensor_and_pipeline_parallel_match(tiny_model_factory, strategy):
     sync, async_ = both(folder, [greedy, SAMPLED, CONSTRAINED], strategy=strategy)
     assert sync == async_
     assert all(c[2] == "stop" for o in sync[2] for c in o)  # every constrained output ended
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_on_cuda_placeholders_come_from_the_device(tiny_llama, enforce_eager):
+    """The sampled ids stay on the GPU for the next step's placeholders and reach the host
+    through pinned memory: the same tokens as one step at a time, eager and in CUDA graphs."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    sync, async_ = both(tiny_llama, [greedy, SAMPLED, CONSTRAINED], device="cuda",
+                        attention_backend="triton", enforce_eager=enforce_eager)
+    assert sync == async_
