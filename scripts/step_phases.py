@@ -56,7 +56,7 @@ def instrument(core) -> None:
         (model.embed_tokens, "forward", "embedding"), (model.rotary_emb, "cos_sin", "rotary"),
         (model.norm, "forward", "final norm"), (model, "compute_logits", "LM head"),
         (runner, "_sample", "runner"), (runner, "_sampling_metadata", "sampling metadata"),
-        (runner, "sampler", "sampler"), (runner.batch, "append_sampled", "append sampled"),
+        (runner.sampler, "sample", "sampler"), (runner.batch, "resolve_pending", "resolve pending"),
     ]
     for owner, attr, name in phases:
         setattr(owner, attr, timed(name, getattr(owner, attr)))

@@ -27,6 +27,7 @@ class FakeRunner:
 
     def __init__(self) -> None:
         self.batch: InputBatch | None = None
+        self.pending: list[int] | None = None  # the ids the batch's pending rows index
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.batch is None:  # few rows: the tests grow it
@@ -48,8 +49,11 @@ class FakeRunner:
             assert batch.num_blocks[row] * sched.kv_cache.block_size >= req.num_computed_tokens
         q_lens = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)
         sampling = batch.advance(rows, batch.num_computed_tokens[rows] + q_lens)
+        if self.pending is not None:  # as the runner: the last step's ids before sampling
+            batch.resolve_pending(self.pending)
         sampled = {order[i]: self.sample(order[i]) for i in sampling.tolist()}
-        batch.append_sampled(rows[sampling], list(sampled.values()))
+        batch.append_pending(rows[sampling])
+        self.pending = list(sampled.values())
         return ModelRunnerOutput(sampled)
 
     def sample(self, req_id: str) -> int:

@@ -153,8 +153,9 @@ def test_row_updates_match_a_batch_rebuilt_each_step(ops, seed):
                 r["blocks"] += new_blocks
                 r["computed"] = len(r["tokens"]) - 1
                 row = batch.rows[req_id]
-                if op[1] == 1:
-                    batch.append_sampled(batch.rows_of([req_id]), [token])
+                if op[1] == 1:  # its value on the host before the scheduler's copy
+                    batch.append_pending(batch.rows_of([req_id]))
+                    batch.resolve_pending([token])
                 if op[1] == 2:
                     step.append((req_id, token))
                     pending[req_id] = (offset, token)

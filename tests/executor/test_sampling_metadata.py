@@ -69,7 +69,8 @@ def test_penalty_counts_follow_the_request():
     batch = InputBatch(max_model_len=32, block_size=16)
     batch.add(NewRequestData("r", [10, 11, 12, 13], 2, params, [0], 4))  # outputs 12, 13
     rows = batch.rows_of(["r"])
-    batch.append_sampled(rows, [13])  # sampled by the runner, then sent back by the scheduler
+    batch.append_pending(rows)  # sampled by the runner, then sent back by the scheduler
+    batch.resolve_pending([13])
     batch.write_tokens(0, 4, [13, 13])
     # After a preemption the runner rebuilds the request from all its tokens.
     rebuilt = InputBatch(max_model_len=32, block_size=16)
@@ -93,7 +94,8 @@ def test_the_runner_reuses_the_columns_until_a_request_comes_or_goes():
     batch.add(seeded)
     rows = batch.rows_of(batch.req_ids)
     first = ModelRunner._sampling_metadata(runner, rows)
-    batch.append_sampled(rows, [3, 3])  # one step later: new positions, new counts
+    batch.append_pending(rows)  # one step later: new positions, new counts
+    batch.resolve_pending([3, 3])
     second = ModelRunner._sampling_metadata(runner, rows)
     assert second.temperature is first.temperature  # the cached column
     assert second.uniforms[1].item() == seeded_uniform(position_seed(9, 2))

@@ -76,7 +76,8 @@ def _device_timer(runner) -> Iterator[list[float]]:
                 spent[0] += time.perf_counter() - start
         return call
 
-    targets = [(runner, "_forward_stage"), (runner, "sampler"), (runner.model, "compute_logits")]
+    targets = [(runner, "_forward_stage"), (runner.sampler, "sample"),
+               (runner.model, "compute_logits")]
     if runner.graphs is not None:
         targets.append((runner.graphs, "run"))
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]

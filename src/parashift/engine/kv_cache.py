@@ -147,6 +147,8 @@ class KVCacheManager:
         """Reserve blocks so that `num_new_tokens` more tokens fit after the request's computed
         ones (plus `computed_blocks`, a prefix hit being admitted). Returns the ids of the newly
         allocated blocks, or None (and changes nothing) when the pool is too small."""
+        if not computed_blocks and self._fits(request, num_new_tokens):
+            return []  # a decode step's usual case: nothing to allocate or register
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -174,6 +176,17 @@ class KVCacheManager:
                 self.pool.cache(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return [b.block_id for b in new_blocks]
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks hold `num_new_tokens` more tokens and, with prefix
+        caching, no block of its known tokens fills up (its hash would be registered now)."""
+        blocks = self.req_blocks.get(request.request_id)
+        total = request.num_computed_tokens + num_new_tokens
+        if blocks is None or total > len(blocks) * self.block_size:
+            return False
+        return (not self.enable_prefix_caching
+                or min(total, request.num_tokens) // self.block_size
+                <= self.num_cached_blocks.get(request.request_id, 0))
 
     def free(self, request: Request) -> None:
         # Tail blocks go to the free queue first, so they are evicted before the shared prefix.

@@ -49,7 +49,8 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_batches_in_flight = max_batches_in_flight
         self.placeholders = placeholders  # async scheduling: schedule in-flight requests again
-        # Requests of batches submitted and not yet returned: in how many.
+        # Requests of batches submitted and not yet returned: in how many. (One step at a
+        # time none is in flight when the scheduler runs: it keeps no count.)
         self.in_flight: Counter[str] = Counter()
         self.num_preemptions = 0
         self.requests: dict[str, Request] = {}
@@ -176,7 +177,8 @@ class Scheduler:
                 req.num_output_placeholders += 1  # it samples this step
                 if req.grammar is not None:
                     constrained.append(req_id)
-        self.in_flight.update(num_scheduled.keys())
+        if self.max_batches_in_flight > 1:
+            self.in_flight.update(num_scheduled.keys())
         freed, self._freed_req_ids = self._freed_req_ids, set()
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                               freed)
@@ -238,11 +240,14 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.take_unscheduled_outputs()
-        self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
+        if self.max_batches_in_flight > 1:
+            self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
+        requests, running = self.requests, RequestStatus.RUNNING
+        logprobs = runner_output.logprobs
         for req_id, token_id in runner_output.sampled_token_ids.items():
-            req = self.requests.get(req_id)
+            req = requests.get(req_id)
             # Gone, or preempted while in flight: the token belongs to a discarded run.
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status != running:
                 continue
             req.num_output_placeholders -= 1
             req.append_output_token(token_id)
@@ -252,11 +257,8 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             outputs.append(EngineCoreOutput(
-                req_id, [token_id],
-                runner_output.logprobs.get(req_id) if runner_output.logprobs else None,
-                status.value if status else None, req.stop_reason,
-                num_cached_tokens=req.num_cached_tokens,
-            ))
+                req_id, [token_id], logprobs.get(req_id) if logprobs else None,
+                status.value if status else None, req.stop_reason, req.num_cached_tokens))
         return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

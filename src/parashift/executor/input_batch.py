@@ -74,8 +74,9 @@ class InputBatch:
             self.remove(req_id)
         for new in out.new_reqs:
             self.add(new)
+        rows = self.rows
         for cached in out.cached_reqs:
-            row = self.rows[cached.req_id]
+            row = rows[cached.req_id]
             self.write_tokens(row, cached.token_offset, cached.new_token_ids)
             self.append_blocks(row, cached.new_block_ids)
             self.num_computed_tokens[row] = cached.num_computed_tokens
@@ -145,7 +146,10 @@ class InputBatch:
             return
         end = offset + len(token_ids)
         known = first_new = int(self.num_tokens[row])
-        self.token_ids[row, offset:end] = token_ids
+        if end == offset + 1:  # a decode step's one token: a scalar write is cheaper
+            self.token_ids[row, offset] = token_ids[0]
+        else:
+            self.token_ids[row, offset:end] = token_ids
         if self.pending[row] >= 0 and offset < known <= end:  # the pending value came too
             self.pending[row] = -1
             first_new = known - 1
@@ -172,16 +176,6 @@ class InputBatch:
         only fills the cache)."""
         self.num_computed_tokens[rows] = seq_lens
         return np.flatnonzero(seq_lens >= self.num_tokens[rows])
-
-    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """The runner's own sampled tokens, at each row's next position: a step scheduled
-        before the scheduler has them (a placeholder) reads them from here."""
-        positions = self.num_tokens[rows]
-        self.token_ids[rows, positions] = token_ids
-        self.num_tokens[rows] = positions + 1
-        if self.num_penalized:
-            for i in np.flatnonzero(self.penalized[rows]).tolist():
-                self.counts[rows[i]].add([token_ids[i]])
 
     def append_pending(self, rows: np.ndarray) -> None:
         """The runner's sampled tokens, still on the device (async scheduling): each row's

@@ -147,9 +147,11 @@ class ModelRunner:
         batch = self.batch
         scheduled = out.num_scheduled_tokens
         req_ids = list(scheduled)
-        q_lens = np.fromiter(scheduled.values(), dtype=np.int64, count=len(req_ids))
         rows = batch.rows_of(req_ids)
-        if q_lens.max() > 1:  # decodes (one query token) first: the attention backend
+        if out.total_num_scheduled_tokens == len(req_ids):  # decodes only
+            q_lens = np.ones(len(req_ids), dtype=np.int64)
+        else:  # decodes (one query token) first: the attention backend
+            q_lens = np.fromiter(scheduled.values(), dtype=np.int64, count=len(req_ids))
             order = np.argsort(q_lens > 1, kind="stable")  # batches them together
             q_lens, rows = q_lens[order], rows[order]
             req_ids = [req_ids[i] for i in order.tolist()]
@@ -194,8 +196,9 @@ class ModelRunner:
             sampled = SampledTokens(tokens)
             self._set_pending(rows, sampled)
             return AsyncModelRunnerOutput(req_ids, sampled, logprobs)
+        # One step at a time the scheduler sends these tokens with the next step: the rows
+        # take them from there (InputBatch.write_tokens).
         token_list = tokens.tolist()
-        self.batch.append_sampled(rows, token_list)
         has_logprobs = any(lp is not None for lp in logprobs)
         return ModelRunnerOutput(
             dict(zip(req_ids, token_list, strict=True)),
