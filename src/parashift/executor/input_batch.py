@@ -5,13 +5,13 @@ as columns. Each step applies only what changed (requests added, freed or preemp
 tokens; new blocks), and the step's inputs are gathered from the rows with array ops. A freed
 row is filled by the last one, so the rows stay dense.
 
-Token ids are written at their positions, so a token the runner sampled itself (async
-scheduling's placeholder, filled before the scheduler knows it) and the same token sent back
-by the scheduler later are one write, never two. Under async scheduling a sampled token may
-not be on the host yet when the next step is prepared: its row is then `pending`, the index of
-its token among the last step's sampled ids, which the runner copies into that step's inputs on
-the device; the host learns the value at `resolve_pending`. Torch-free: the scheduler tests
-drive it."""
+Token ids are written at their positions, so the runner's own copy of a token it sampled
+(async scheduling: the next step runs before the scheduler has it) and the scheduler's later
+copy land in one place, never appended twice. A token the runner sampled is `pending` until
+its value is on the host: its row holds the token's index among the last step's sampled ids,
+which the runner copies into the next step's inputs on the device; the value comes with
+`resolve_pending` or the scheduler's copy. One step at a time the runner keeps no copy: the
+scheduler sends every token. Torch-free: the scheduler tests drive it."""
 
 from __future__ import annotations
 

@@ -21,7 +21,11 @@ from parashift.distributed.communicator import GroupCommunicator
 from parashift.executor.cuda_graphs import DecodeGraphs
 from parashift.executor.fused_cpu_layers import FusedCpuLayers
 from parashift.executor.input_batch import InputBatch
-from parashift.executor.sampled_tokens import AsyncModelRunnerOutput, SampledTokens
+from parashift.executor.sampled_tokens import (
+    AsyncModelRunnerOutput,
+    SampledTokens,
+    runner_output,
+)
 from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.profiling import profiler_label
@@ -198,13 +202,7 @@ class ModelRunner:
             return AsyncModelRunnerOutput(req_ids, sampled, logprobs)
         # One step at a time the scheduler sends these tokens with the next step: the rows
         # take them from there (InputBatch.write_tokens).
-        token_list = tokens.tolist()
-        has_logprobs = any(lp is not None for lp in logprobs)
-        return ModelRunnerOutput(
-            dict(zip(req_ids, token_list, strict=True)),
-            {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
-            if has_logprobs else None,
-        )
+        return runner_output(req_ids, tokens.tolist(), logprobs)
 
     def _set_pending(self, rows: np.ndarray, sampled: SampledTokens) -> None:
         """The placeholders of a step scheduled before these tokens reach the scheduler."""

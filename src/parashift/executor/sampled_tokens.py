@@ -46,12 +46,15 @@ class AsyncModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
 
     def get_output(self) -> ModelRunnerOutput:
-        tokens = self.sampled.tolist()
-        logprobs = self.logprobs
-        return ModelRunnerOutput(
-            dict(zip(self.req_ids, tokens, strict=True)),
-            {r: lp for r, lp in zip(self.req_ids, logprobs, strict=True) if lp is not None}
-            if any(lp is not None for lp in logprobs) else None)
+        return runner_output(self.req_ids, self.sampled.tolist(), self.logprobs)
+
+
+def runner_output(req_ids: list[str], token_ids: list[int],
+                  logprobs: list[TokenLogprobs | None]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        dict(zip(req_ids, token_ids, strict=True)),
+        {r: lp for r, lp in zip(req_ids, logprobs, strict=True) if lp is not None}
+        if any(lp is not None for lp in logprobs) else None)
 
 
 def resolved(output: ModelRunnerOutput | AsyncModelRunnerOutput | None
