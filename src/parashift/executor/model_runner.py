@@ -28,6 +28,7 @@ from parashift.executor.sampled_tokens import (
 )
 from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
+from parashift.layers.host_to_device import to_device
 from parashift.layers.profiling import profiler_label
 from parashift.layers.sampler import Sampler, SamplingMetadata
 from parashift.layers.token_mask import apply_token_bitmask
@@ -169,7 +170,7 @@ class ModelRunner:
             return None if out.grammar_deferred else ModelRunnerOutput({})
         if len(sampling) < hidden.shape[0]:  # the last token of each row that samples
             last_token = step.query_start_loc[1:][sampling] - 1
-            hidden = hidden.index_select(0, torch.from_numpy(last_token).to(self.device))
+            hidden = hidden.index_select(0, to_device(last_token, self.device))
         if len(sampling) < len(rows):
             rows, req_ids = rows[sampling], [req_ids[i] for i in sampling.tolist()]
         logits = self.model.compute_logits(hidden)
@@ -269,16 +270,16 @@ class ModelRunner:
             seq_lens=seq_lens,
             num_computed_tokens=starts,
             block_table=block_table,
-            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            slot_mapping=to_device(slot_mapping, self.device),
             num_decodes=num_decodes,
             block_size=bs,
             sliding_window=getattr(self.model, "sliding_window", None),
             device=self.device,
         )
-        input_ids = torch.from_numpy(input_ids).to(self.device)
+        input_ids = to_device(input_ids, self.device)
         if self._sampled is not None:  # async: placeholders, from the last sampled ids
             at, index = batch.pending_tokens(token_rows, positions)
             if len(at):
-                input_ids[torch.from_numpy(at).to(self.device)] = self._sampled.ids[
-                    torch.from_numpy(index).to(self.device)]
-        return input_ids, torch.from_numpy(positions).to(self.device), step
+                input_ids[to_device(at, self.device)] = self._sampled.ids[
+                    to_device(index, self.device)]
+        return input_ids, to_device(positions, self.device), step

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from parashift.executor.input_batch import InputBatch
+from parashift.layers.host_to_device import to_device
 from parashift.layers.penalties import PenaltyInputs
 from parashift.layers.sampler import SamplingMetadata, position_seed, row_uniforms
 
@@ -36,7 +37,7 @@ def _columns(batch: InputBatch, rows: np.ndarray, vocab_size: int,
 
     def column(values: np.ndarray, used: bool) -> torch.Tensor | None:
         # A filter's column exists only when a sampled row uses it: neutral values cost nothing.
-        return torch.from_numpy(values).to(device) if used else None
+        return to_device(values, device) if used else None
 
     top_k = batch.top_k[rows]
     top_p = batch.top_p[rows]
@@ -45,7 +46,7 @@ def _columns(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     if batch.has_logprobs[rows].any():
         num_logprobs = [batch.params[r].logprobs for r in rows.tolist()]
     return SamplingMetadata(
-        temperature=torch.from_numpy(temperature).to(device),
+        temperature=to_device(temperature, device),
         all_greedy=bool(all_greedy),
         top_k=column(top_k, bool(((top_k > 0) & (top_k < vocab_size)).any())),
         top_p=column(top_p, bool((top_p < 1.0).any())),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from parashift.layers.host_to_device import to_device
 from parashift.types.token_counts import TokenCounts
 
 
@@ -40,13 +41,12 @@ class PenaltyInputs:
         output_counts = (np.concatenate([c.output_counts for _, c in used]) if used
                          else np.zeros(0, np.float32))
 
-        def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def column(values: list[float]) -> torch.Tensor:
+            return to_device(np.array(values, dtype=np.float32), device)
 
-        return cls(torch.from_numpy(rows).to(device), torch.from_numpy(row_starts).to(device),
-                   torch.from_numpy(token_ids).to(device),
-                   torch.from_numpy(output_counts).to(device), column(repetition),
-                   column(frequency), column(presence))
+        return cls(to_device(rows, device), to_device(row_starts, device),
+                   to_device(token_ids, device), to_device(output_counts, device),
+                   column(repetition), column(frequency), column(presence))
 
 
 def penalized_values(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parashift.layers.host_to_device import to_device
 from parashift.layers.kernel_dispatch import cpu_ops, on_cpu_kernels
 from parashift.layers.penalties import PenaltyInputs, apply_penalties, penalized_values
 from parashift.types.outputs import TokenLogprobs
@@ -57,7 +58,7 @@ def row_uniforms(num_rows: int, seeds: dict[int, int], device: torch.device) -> 
     uniforms = torch.rand(num_rows, dtype=torch.float64)
     for row, seed in seeds.items():
         uniforms[row] = seeded_uniform(seed)
-    return uniforms.to(device)
+    return to_device(uniforms.numpy(), device)
 
 
 class Sampler:

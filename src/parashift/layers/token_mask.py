@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from parashift.layers.host_to_device import to_device
+
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int | None], bits: bytes,
                         words: int) -> None:
@@ -24,6 +26,6 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int | None], bits: byte
     if not kept:
         return
     masks, targets = zip(*kept, strict=True)
-    blocked = torch.from_numpy(~allowed[list(masks), :vocab]).to(logits.device)
-    index = torch.tensor(targets, device=logits.device)
+    blocked = to_device(~allowed[list(masks), :vocab], logits.device)
+    index = to_device(np.array(targets, dtype=np.int64), logits.device)
     logits[index] = logits[index].masked_fill(blocked, float("-inf"))  # one op for all rows

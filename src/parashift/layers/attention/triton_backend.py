@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
+from parashift.layers.host_to_device import to_device
 
 
 @dataclass
@@ -32,7 +33,7 @@ class TritonAttentionMetadata:
 
 
 def _int32(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device)
+    return to_device(np.ascontiguousarray(array, dtype=np.int32), device)
 
 
 class TritonAttentionBackend(AttentionBackend):
