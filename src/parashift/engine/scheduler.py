@@ -242,10 +242,10 @@ class Scheduler:
         outputs = self.take_unscheduled_outputs()
         if self.max_batches_in_flight > 1:
             self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
-        requests, running = self.requests, RequestStatus.RUNNING
+        live, running = self.requests, RequestStatus.RUNNING
         logprobs = runner_output.logprobs
         for req_id, token_id in runner_output.sampled_token_ids.items():
-            req = requests.get(req_id)
+            req = live.get(req_id)
             # Gone, or preempted while in flight: the token belongs to a discarded run.
             if req is None or req.status != running:
                 continue
