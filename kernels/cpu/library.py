@@ -7,12 +7,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
+from ctypes import POINTER, byref, c_float, c_int, c_int64, c_void_p
 
 import torch
 
 from . import huge_pages
 from .build import build, open_intact
+from .layer_structs import LayerStep, LayerWeights, ptr_or_null
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -30,41 +31,6 @@ def _profiled(fn):
             return fn(*args, **kwargs)
 
     return call
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-class LayerWeights(Structure):
-    """One Llama layer's packed weights and KV cache (layer.cpp's ParashiftLayerWeights)."""
-
-    _fields_ = [(name, c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down",
-        "key_cache", "value_cache", "next_qkv", "qkv_scale", "o_scale", "gate_up_scale",
-        "down_scale")]
-
-    @classmethod
-    def of(cls, *tensors: torch.Tensor | None) -> LayerWeights:
-        """The fields' tensors in order (None: a null pointer; the fields from next_qkv on, the
-        following layer's packed QKV weight and int8 weights' scales, may be left out)."""
-        return cls(*(_ptr(t) for t in tensors))
-
-
-class LayerStep(Structure):
-    """What every layer of a step shares (layer.cpp's ParashiftLayerStep)."""
-
-    _fields_ = [
-        *((name, c_int64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim",
-                                       "intermediate")),
-        ("eps", c_float), ("scale", c_float), ("cos", c_void_p), ("sin", c_void_p),
-        ("slot_mapping", c_void_p), ("block_tables", c_void_p), ("table_width", c_int64),
-        ("seq_lens", c_void_p), ("block_size", c_int64), ("window", c_int64),
-        *((name, c_void_p) for name in ("normed", "qkv", "attn", "o", "gate_up", "act")),
-        ("num_threads", c_int),
-        # prefill chunks for the tiled prefill kernel (prefills 0: every token a decode query)
-        ("decodes", c_int64), ("prefills", c_int64), ("chunk_tables", c_void_p),
-        ("chunk_table_width", c_int64), ("query_starts", c_void_p), ("chunk_seq_lens", c_void_p)]
 
 
 def _check_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, weight_dtype: torch.dtype,
@@ -146,7 +112,7 @@ class CpuOps:
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0),
-                                      packed.data_ptr(), _ptr(bias), rows, n, k,
+                                      packed.data_ptr(), ptr_or_null(bias), rows, n, k,
                                       torch.get_num_threads())
         return out
 
@@ -179,8 +145,8 @@ class CpuOps:
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_int8(out.data_ptr(), n, x.data_ptr(), x.stride(0),
-                                      packed.data_ptr(), scale.data_ptr(), _ptr(bias), rows, n, k,
-                                      None, 0, 0, torch.get_num_threads())
+                                      packed.data_ptr(), scale.data_ptr(), ptr_or_null(bias),
+                                      rows, n, k, None, 0, 0, torch.get_num_threads())
         return out
 
     def llama_layer_bf16(self, weights: LayerWeights, step: LayerStep, hidden: torch.Tensor,
@@ -198,8 +164,8 @@ class CpuOps:
         out = torch.empty((rows, hidden), dtype=x.dtype)
         residual_out = None if residual is None else torch.empty_like(out)
         self._lib.parashift_rms_norm(
-            _DTYPES[x.dtype], out.data_ptr(), _ptr(residual_out), x.data_ptr(), x.stride(0),
-            _ptr(residual), 0 if residual is None else residual.stride(0), weight.data_ptr(),
+            _DTYPES[x.dtype], out.data_ptr(), ptr_or_null(residual_out), x.data_ptr(), x.stride(0),
+            ptr_or_null(residual), 0 if residual is None else residual.stride(0), weight.data_ptr(),
             rows, hidden, eps, torch.get_num_threads())
         return out if residual is None else (out, residual_out)
 
@@ -266,11 +232,11 @@ class CpuOps:
                 raise ValueError("overrides must be contiguous (starts int64 [rows + 1] from 0 "
                                  "to their count, ids int64 below the vocabulary, values "
                                  "float32)")
-        pointers = (None, None, None) if overrides is None else (_ptr(t) for t in overrides)
+        pointers = (None, None, None) if overrides is None else (ptr_or_null(t) for t in overrides)
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.parashift_sample_rows(
             _DTYPES[logits.dtype], out.data_ptr(), logits.data_ptr(), logits.stride(0), rows,
-            vocab, *(_ptr(c) for c, _ in columns), *pointers, torch.get_num_threads())
+            vocab, *(ptr_or_null(c) for c, _ in columns), *pointers, torch.get_num_threads())
         return out
 
     @_profiled

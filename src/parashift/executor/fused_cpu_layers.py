@@ -75,7 +75,7 @@ class FusedCpuLayers:
     pointers, so made again whenever either is (ModelRunner.bind_kv_cache)."""
 
     def __init__(self, layers: list[DecoderLayerParts], ops):
-        from parashift.kernels.cpu.library import LayerWeights
+        from parashift.kernels.cpu.layer_structs import LayerWeights
 
         self.ops = ops
         attn = layers[0].attention
@@ -140,7 +140,7 @@ class FusedCpuLayers:
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  cos_sin: tuple[torch.Tensor, torch.Tensor], metadata: Any
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        from parashift.kernels.cpu.library import LayerStep
+        from parashift.kernels.cpu.layer_structs import LayerStep
 
         tokens, h = hidden.shape
         qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
