@@ -22,7 +22,13 @@ def test_dp4xtp2_on_two_gpu_nodes():
         (0, "cuda:0", 0, 0), (0, "cuda:1", 0, 1), (0, "cuda:2", 1, 0), (0, "cuda:3", 1, 1)]
     assert m.ranks[4].node == 1 and m.ranks[4].device == "cuda:0"
     assert m.group("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert m.group("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # dp replicas exchange no tensors: no process group spans them
+    assert [g.name for g in m.spec.groups()] == ["pp", "tp"]
+    with pytest.raises(KeyError, match="no 'dp' group; it has pp, tp"):
+        m.group("dp")
+    # a group over the axis that spans engines: ep's, one per tp coordinate
+    ep = mesh("dp4xtp2xep", num_nodes=2, devices_per_node=4, device_type="cuda")
+    assert ep.group("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert m.ranks[3].process_name == "parashift-worker-dp1-tp1"
     assert "cuda:3" in m.table()
 

@@ -64,7 +64,8 @@ class Strategy:
         raise NotImplementedError
 
     def groups(self) -> list[GroupSpec]:
-        """The process groups this axis needs, over mesh coordinates."""
+        """The process groups this axis needs, over mesh coordinates: only those a collective
+        runs on (dp's replicas share no tensors and declare none)."""
         raise NotImplementedError
 
     def shard(self, plan: ShardPlan, at: MeshPoint, hf_config: Any) -> ShardPlan:

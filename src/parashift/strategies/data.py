@@ -23,7 +23,9 @@ class DataParallel(Strategy):
         return MeshAxis("dp", self.size, spans_engines=True)
 
     def groups(self) -> list[GroupSpec]:
-        return [GroupSpec("dp", ("dp",))]  # across engines: stats, and ep waves later
+        # None: replicas share no tensors. What crosses engines goes over ZMQ (requests,
+        # the coordinator's stats and waves); ep declares its own group over the dp ranks.
+        return []
 
     def shard(self, plan: ShardPlan, at: MeshPoint, hf_config: Any) -> ShardPlan:
         return plan  # every replica holds the whole model
