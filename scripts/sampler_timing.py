@@ -16,10 +16,11 @@ import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
-from parashift.executor.model_runner import sampling_metadata
-from parashift.executor.request_states import RequestState
+from parashift.executor.input_batch import InputBatch
+from parashift.executor.sampling_inputs import sampling_metadata
 from parashift.layers.sampler import Sampler
 from parashift.types.outputs import NewRequestData
 from parashift.types.sampling_params import SamplingParams
@@ -48,26 +49,28 @@ def logits_for(kind: str, rows: int, vocab: int) -> torch.Tensor:
             ).bfloat16()
 
 
-def states_for(fields: dict, rows: int, vocab: int) -> list[RequestState]:
-    """Requests 16 prompt tokens + 256 outputs in, as late in serve_sampling's run."""
+def batch_for(fields: dict, rows: int, vocab: int) -> InputBatch:
+    """Requests 16 prompt tokens + 256 outputs in, as late in serve_sampling's run: the model
+    runner's input batch holding them."""
     g = torch.Generator().manual_seed(1)
-    out = []
+    batch = InputBatch(max_model_len=512, block_size=16, max_num_reqs=rows)
     for i in range(rows):
         params = SamplingParams(max_tokens=512, **fields)
         if params.seed is not None:
             params = SamplingParams(max_tokens=512, **{**fields, "seed": fields["seed"] + i})
         tokens = torch.randint(0, vocab, (272,), generator=g).tolist()
-        out.append(RequestState.of(NewRequestData(f"r{i}", tokens, 16, params, [], 272)))
-    return out
+        batch.add(NewRequestData(f"r{i}", tokens, 16, params, [], 272))
+    return batch
 
 
-def time_mode(logits: torch.Tensor, states: list[RequestState], repeat: int) -> list[float]:
+def time_mode(logits: torch.Tensor, batch: InputBatch, repeat: int) -> list[float]:
     sampler = Sampler()
     vocab, cpu = logits.shape[-1], torch.device("cpu")
+    rows = np.arange(batch.num_reqs)
     times = []
     for _ in range(repeat + 5):
         start = time.perf_counter()
-        sampler(logits, sampling_metadata(states, vocab, cpu))
+        sampler(logits, sampling_metadata(batch, rows, vocab, cpu))
         times.append(time.perf_counter() - start)
     return times[5:]
 
@@ -85,10 +88,10 @@ def main() -> None:
           f"{args.repeat})")
     print(f"{'mode':40s} {'flat':>15s} {'peaked':>15s}")
     for name, fields in MODES.items():
-        states = states_for(fields, args.rows, args.vocab)
+        batch = batch_for(fields, args.rows, args.vocab)
         cells = []
         for kind in ("flat", "peaked"):
-            times = time_mode(logits_for(kind, args.rows, args.vocab), states, args.repeat)
+            times = time_mode(logits_for(kind, args.rows, args.vocab), batch, args.repeat)
             cells.append(f"{min(times) * 1e3:6.3f} / {statistics.median(times) * 1e3:6.3f}")
         print(f"{name:40s} {cells[0]:>15s} {cells[1]:>15s}", flush=True)
 
