@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 from parashift.engine.request import RequestStatus
+from parashift.engine.run_ahead import Pipeline, Placeholders, run_ahead_policy
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -28,8 +29,7 @@ def run(w: dict, depth: int, aborts: bool, placeholders: bool = False) -> dict[s
     scheduling's, with two); each request's outputs."""
     sched = make_scheduler(w["num_blocks"], w["block_size"], w["budget"], w["max_num_seqs"],
                            w["max_model_len"], w["prefix_caching"])
-    sched.max_batches_in_flight = depth
-    sched.placeholders = placeholders
+    sched.run_ahead = run_ahead_policy(depth, placeholders, w["max_model_len"])
     runner = HistoryRunner()
     reqs = [make_request(str(i), plen, max_tokens, first=variant)
             for i, (plen, max_tokens, variant) in enumerate(w["requests"])]
@@ -65,6 +65,10 @@ def run(w: dict, depth: int, aborts: bool, placeholders: bool = False) -> dict[s
                 break
         # Progress: with unfinished requests, something is in flight.
         assert queue or not sched.has_unfinished_requests
+        for req in sched.requests.values() if depth > 1 else ():
+            # each live request counts its batches in flight (one at a time: none is)
+            assert req.num_in_flight == sum(req.request_id in o.num_scheduled_tokens
+                                            for o, _ in queue)
         if not queue:
             continue
         out, result = queue.popleft()
@@ -75,7 +79,6 @@ def run(w: dict, depth: int, aborts: bool, placeholders: bool = False) -> dict[s
                 done.add(o.request_id)
     else:
         raise AssertionError(f"unfinished after {max_steps} steps")
-    assert not sched.in_flight
     assert_no_leaks(sched)
     runner.execute(sched, sched.schedule())
     assert runner.batch.rows == {}  # the workers hold nothing of finished requests
@@ -121,7 +124,7 @@ def test_placeholders_lose_no_token_and_never_outlive_their_request(w):
 
 def test_batches_split_the_tokens_evenly_over_the_pipeline():
     sched = make_scheduler(64, max_num_seqs=8)
-    sched.max_batches_in_flight = 2
+    sched.run_ahead = Pipeline(2, sched.config.max_model_len)
     for i in range(4):
         sched.add_request(make_request(str(i), 3, 5))
     first, second = sched.schedule(), sched.schedule()
@@ -131,7 +134,7 @@ def test_batches_split_the_tokens_evenly_over_the_pipeline():
 
 def test_a_small_batch_in_flight_gets_a_big_partner():
     sched = make_scheduler(256, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
-    sched.max_batches_in_flight = 2
+    sched.run_ahead = Pipeline(2, sched.config.max_model_len)
     for i in range(4):
         sched.add_request(make_request(str(i), 30, 5, first=i))
     first = sched.schedule()  # 120 tokens ready over 2 batches: 60 each, not 64 + 56
@@ -144,8 +147,9 @@ def test_a_small_batch_in_flight_gets_a_big_partner():
 
 def test_a_request_in_flight_runs_ahead_on_a_placeholder_up_to_max_tokens():
     sched = make_scheduler(64)
-    sched.max_batches_in_flight, sched.placeholders = 2, True
-    sched.add_request(make_request("a", 3, 3))
+    sched.run_ahead = Placeholders(2, sched.config.max_model_len)
+    a = make_request("a", 3, 3)
+    sched.add_request(a)
     first, second = sched.schedule(), sched.schedule()
     assert first.num_scheduled_tokens == {"a": 3} and second.num_scheduled_tokens == {"a": 1}
     assert second.cached_reqs[0].new_token_ids == []  # the runner fills the placeholder
@@ -158,5 +162,5 @@ def test_a_request_in_flight_runs_ahead_on_a_placeholder_up_to_max_tokens():
     assert sched.schedule().is_empty  # three tokens in flight or out: max_tokens is reached
     sched.update_from_output(second, ModelRunnerOutput({"a": 6}))
     (last,) = sched.update_from_output(third, ModelRunnerOutput({"a": 7}))
-    assert last.finish_reason == "length" and not sched.in_flight
+    assert last.finish_reason == "length" and a.num_in_flight == 0
     assert_no_leaks(sched)

@@ -23,7 +23,7 @@ def test_sleep_waits_for_the_drain_and_a_wave_wakes_a_sleeping_rank(tiny_llama):
     assert state.level == 2 and worker.model is None
     assert answers[-1][0] == "sleep" and answers[-1][1]["released_bytes"] > 0
 
-    state.wake_for_wave()  # a peer started a wave
+    state.wake_for_peer()  # a peer started a wave
     assert state.level == 0 and state.closed and worker.model is not None
     state.settle(busy=True)  # the wave runs
     assert state.level == 0

@@ -20,31 +20,45 @@ from parashift.engine.placement import engine_placement, ray_engine_placement
 from parashift.engine.request import Request, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
 from parashift.engine.structured_output import Grammars, GrammarState
-from parashift.executor.local import LocalExecutor
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-def make_executor(config: EngineConfig, placement: EnginePlacement | None = None):
+def make_executor(config: EngineConfig, placement: EnginePlacement | None = None,
+                  lockstep: bool = False):
     """The engine's own process runs the model when the strategy gives it one worker; worker
     processes (or Ray actors) otherwise. `placement`: from the launcher's mesh; by default
-    this engine alone on the devices this process sees."""
+    this engine alone on the devices this process sees. `lockstep`: the executors with the
+    wave step (executor/lockstep.py)."""
     par = config.parallel
     if placement is None:
         place = (ray_engine_placement if par.distributed_executor_backend == "ray"
                  else engine_placement)
         placement = place(par.strategy, config.device.device, par.data_parallel_rank)
+    local, multiproc = _executor_classes(lockstep)
     if len(placement.workers) == 1:
-        return LocalExecutor(config, placement)
-    from parashift.executor.multiproc import MultiprocExecutor, WorkerProcesses
+        return local(config, placement)
+    from parashift.executor.multiproc import WorkerProcesses
 
     workers: type = WorkerProcesses
     if par.distributed_executor_backend == "ray":
         from parashift.executor.ray_executor import RayWorkers as workers
-    return MultiprocExecutor(config, placement, logging.getLevelName(
+    return multiproc(config, placement, logging.getLevelName(
         logging.getLogger().getEffectiveLevel()), workers=workers)
+
+
+def _executor_classes(lockstep: bool) -> tuple[type, type]:
+    """(for one worker, for worker processes); imported only when used."""
+    if lockstep:
+        from parashift.executor import lockstep as kinds
+
+        return kinds.LockstepLocalExecutor, kinds.LockstepMultiprocExecutor
+    from parashift.executor.local import LocalExecutor
+    from parashift.executor.multiproc import MultiprocExecutor
+
+    return LocalExecutor, MultiprocExecutor
 
 
 class EngineCore:

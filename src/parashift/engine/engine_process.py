@@ -154,14 +154,13 @@ class EngineProcess:
             return
         stats = self.core.stats()
         stats.num_waiting += len(self.sleep.held)  # held while asleep: a backlog all the same
-        wave = self.steps.wave_stats()
-        # Lockstep: the counters and seconds go along when a wave ends (not every dummy step).
-        load = (stats.num_waiting, stats.num_running, wave and wave.num_waves,
-                stats.num_prefix_cache_resets, self.sleep.level, self.sleep.released)
-        if load != self._last_load:
-            self._last_load = load
-            self.load_out.send(p.encode(p.EngineLoad(self.rank, stats, wave, self.sleep.level,
-                                                     self.sleep.released)))
+        load = p.EngineLoad(self.rank, stats, None, self.sleep.level, self.sleep.released)
+        extra = self.steps.extend_load(load)
+        key = (stats.num_waiting, stats.num_running, extra, stats.num_prefix_cache_resets,
+               self.sleep.level, self.sleep.released)
+        if key != self._last_load:
+            self._last_load = key
+            self.load_out.send(p.encode(load))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, p.AddRequest):

@@ -11,17 +11,21 @@ from collections.abc import Callable
 
 import zmq
 
-from parashift.engine.core import EngineCore
+from parashift.config import EngineConfig
+from parashift.engine.core import EngineCore, make_executor
 from parashift.engine.steps import Steps
 from parashift.engine.wave import WaveState
-from parashift.types.outputs import EngineCoreOutput, WaveStats
+from parashift.strategies.mesh import EnginePlacement
+from parashift.types.outputs import EngineCoreOutput
 from parashift.wire import protocol as p
+from parashift.wire.lockstep_protocol import StartWave, WaveStats
 
 
 class LockstepEngineCore(EngineCore):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, config: EngineConfig, executor=None,
+                 placement: EnginePlacement | None = None):
         self.wave_stats = WaveStats()
-        super().__init__(*args, **kwargs)
+        super().__init__(config, executor or make_executor(config, placement, lockstep=True))
 
     def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
         """One step of the wave, and whether any engine of the group had work."""
@@ -66,18 +70,18 @@ class LockstepSteps(Steps):
                                        "waves")
             except zmq.Again:
                 return
-            if isinstance(msg, p.StartWave):
+            if isinstance(msg, StartWave):
                 self.wave.on_start_wave(msg.wave)
 
     def before_settle(self, sleep) -> None:
         if sleep.level and self.wave.running:  # a lockstep peer needs this rank
-            sleep.wake_for_wave()
+            sleep.wake_for_peer()
 
     def step(self) -> None:
         core = self.core
         wave = self.wave.start_if_needed(core.has_unfinished_requests())
         if wave is not None:
-            self.load_out.send(p.encode(p.StartWave(wave, self.rank)))
+            self.load_out.send(p.encode(StartWave(wave, self.rank)))
         if not self.wave.running:
             core.executor.check_health()
             return
@@ -85,5 +89,7 @@ class LockstepSteps(Steps):
         self.publish(outputs)
         self.wave.after_step(group_has_work)
 
-    def wave_stats(self) -> WaveStats:
-        return self.core.wave_stats
+    def extend_load(self, load: p.EngineLoad) -> int:
+        """The wave counters go along when a wave ends (not every dummy step)."""
+        load.wave = self.core.wave_stats
+        return load.wave.num_waves

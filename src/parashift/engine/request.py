@@ -24,6 +24,16 @@ def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
 
 
 class RequestStatus(enum.Enum):
+    """A request's state in the engine core (vLLM's RequestStatus names; docs/architecture.md
+    draws the machine). Each transition is one method of Request; the scheduler keeps a
+    queue per state that waits (`waiting_for_grammar`, `waiting`) and the running list.
+
+    The states the next capabilities add go here, each with its transition methods and
+    the scheduler function that moves requests out of it: WAITING_FOR_KV (its blocks load
+    from a KV tier or another engine; admitted once they are in) and, for a rank that
+    drains, a request moved to another rank leaves as FINISHED_ABORTED with a reason."""
+
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiles (vLLM: WAITING_FOR_FSM)
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its KV freed; recomputed on resume
@@ -38,6 +48,17 @@ class RequestStatus(enum.Enum):
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED}
+_WAITING = {RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING, RequestStatus.PREEMPTED}
+# Every transition the machine has: from -> the states it may go to.
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING,
+                                                   RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING,
+                                         RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, *_FINISHED}),
+    **{status: frozenset() for status in _FINISHED},
+}
 
 
 class Request:
@@ -48,10 +69,13 @@ class Request:
         self.params = params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.status = RequestStatus.WAITING
+        self.status = (RequestStatus.WAITING if params.structured_outputs is None
+                       else RequestStatus.WAITING_FOR_GRAMMAR)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_synced_tokens = 0  # of all_token_ids, how many the model runner holds
+        self.num_in_flight = 0  # batches submitted with it and not yet returned
         # Tokens that steps in flight will sample, not known yet (async scheduling).
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
@@ -76,6 +100,41 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status in _WAITING
+
+    def _move(self, to: RequestStatus) -> None:
+        assert to in TRANSITIONS[self.status], f"{self.request_id}: {self.status} -> {to}"
+        self.status = to
+
+    # --- the transitions ---------------------------------------------------------------------
+    def grammar_compiled(self) -> None:
+        """Its constraint is ready: it queues for admission."""
+        self._move(RequestStatus.WAITING)
+
+    def admit(self, num_hit_tokens: int) -> None:
+        """Admitted to run, its first `num_hit_tokens` already in KV blocks (the prefix
+        cache's; a resumed request's hits do not count as cached prompt tokens)."""
+        if self.status == RequestStatus.WAITING:
+            self.num_cached_tokens = num_hit_tokens
+        self._move(RequestStatus.RUNNING)
+        self.num_computed_tokens = num_hit_tokens
+        self.num_synced_tokens = self.num_tokens
+
+    def preempt(self) -> None:
+        """Its KV blocks were freed: it waits again and is recomputed from its tokens; the
+        tokens its steps in flight sample are dropped."""
+        self._move(RequestStatus.PREEMPTED)
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_synced_tokens = 0
+        self.num_preemptions += 1
+
+    def finish(self, status: RequestStatus) -> None:
+        self._move(status)
+        self.num_output_placeholders = 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

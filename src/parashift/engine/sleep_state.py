@@ -8,7 +8,7 @@ admitted at the wake (`--while-asleep wait`). A sleeping engine never starts a w
 
 In a lockstep group a peer can still start one: it took a request just before its own sleep
 call arrived, or it woke first. The group's collectives need every rank, so a sleeping rank
-pulled into a wave wakes for it (`wake_for_wave`) and sleeps again, at the same level, once
+pulled into a wave wakes for it (`wake_for_peer`) and sleeps again, at the same level, once
 the wave is over: a rare reload, never a hung group."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class SleepState:
         """Asleep, or going to sleep: new requests are refused or held."""
         return self.level > 0 or bool(self.pending) or self.resleep > 0
 
-    def wake_for_wave(self) -> None:
-        """A lockstep peer started a wave while this rank sleeps: serve it, then sleep again."""
-        logger.info("engine dp%d wakes for a wave of its expert-parallel group", self.rank)
+    def wake_for_peer(self) -> None:
+        """A peer of this rank's group needs it (a lockstep wave) while it sleeps: serve it,
+        then sleep again."""
+        logger.info("engine dp%d wakes for a peer of its group", self.rank)
         self.core.wake_up()
         self.resleep, self.level, self.released = self.level, 0, 0
 

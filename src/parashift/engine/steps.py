@@ -10,7 +10,8 @@ from typing import Any
 import zmq
 
 from parashift.engine.core import EngineCore
-from parashift.types.outputs import EngineCoreOutput, WaveStats
+from parashift.types.outputs import EngineCoreOutput
+from parashift.wire import protocol as p
 
 
 class Steps:
@@ -37,5 +38,7 @@ class Steps:
         else:
             self.core.executor.check_health()  # a dead tp worker takes its rank down now
 
-    def wave_stats(self) -> WaveStats | None:
-        return None
+    def extend_load(self, load: p.EngineLoad) -> int:
+        """Adds what this way of stepping reports to the engine's load report; returns what
+        makes the report worth sending again when it changes."""
+        return 0

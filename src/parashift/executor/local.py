@@ -19,20 +19,16 @@ import torch
 from parashift.config import EngineConfig
 from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.parallel_context import ParallelContext
-from parashift.executor.sampled_tokens import AsyncModelRunnerOutput, resolved
-from parashift.executor.worker import threads_for, worker_class
+from parashift.executor.step_result import DEFERRED, Sampled, StepResult
+from parashift.executor.worker import Worker, threads_for, worker_class
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WaveStepOutput,
-)
+from parashift.types.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class LocalExecutor:
     max_batches_in_flight = 1  # one step at a time: the model runs in this process
+    worker_base: type[Worker] = Worker
 
     def __init__(self, config: EngineConfig, placement: EnginePlacement):
         (rank,) = placement.workers
@@ -49,7 +45,7 @@ class LocalExecutor:
         try:
             if rank.cuda_index is not None and self._thread is not None:
                 self._call(torch.cuda.set_device, rank.cuda_index)  # per thread
-            self.worker = self._call(worker_class(config), config,
+            self.worker = self._call(worker_class(config, self.worker_base), config,
                                      ParallelContext(shard, groups),
                                      threads_for(config, rank.cpu_ids))
         except BaseException:
@@ -73,31 +69,28 @@ class LocalExecutor:
         self._call(self.worker.initialize_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = resolved(self._call(self.worker.execute_model, scheduler_output))
-        assert output is not None, "a deferred mask needs submit / sample_tokens / wait"
-        return output
+        result = self._call(self.worker.execute_model, scheduler_output)
+        assert isinstance(result, Sampled), "a deferred mask needs submit / sample_tokens / wait"
+        return result.host_output()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         assert self._thread is not None, "submit is for async scheduling"
         self._futures.append(self._thread.submit(self._execute, scheduler_output))
 
-    def _execute(self, scheduler_output: SchedulerOutput
-                 ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        output = self.worker.execute_model(scheduler_output)
-        if output is None:  # its mask comes once the steps before it have returned
-            output = self.worker.sample_tokens(self._masks.get())
-        return output
+    def _execute(self, scheduler_output: SchedulerOutput) -> StepResult:
+        result = self.worker.execute_model(scheduler_output)
+        if result is DEFERRED:  # its mask comes once the steps before it have returned
+            result = self.worker.sample_tokens(self._masks.get())
+        return result
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
         self._masks.put(grammar)
 
     def wait(self) -> ModelRunnerOutput:
         """The ids come to the host here, in the engine's thread: the runner goes on."""
-        return resolved(self._futures.popleft().result())
-
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
-        return self._call(self.worker.execute_wave_step, scheduler_output, has_work)
+        result = self._futures.popleft().result()
+        assert isinstance(result, Sampled)  # the engine's own worker is the output rank
+        return result.host_output()
 
     def sleep(self, level: int) -> list[int]:
         return [self._call(self.worker.sleep, level)]

@@ -1,8 +1,9 @@
 """Turns a scheduler step into one flat, unpadded batch, runs the model, samples. Its rows of
-the running requests, kept from the scheduler's deltas: executor/input_batch.py.
+the running requests, kept from the scheduler's deltas: executor/input_batch.py. A step's
+result says which of three cases it is (executor/step_result.py).
 
 A step whose structured-output mask waits for tokens still in flight (async scheduling) runs
-its forward and logits in `execute_model`, which returns None, and samples in
+its forward and logits in `execute_model`, which returns DEFERRED, and samples in
 `sample_tokens(mask)` once the engine has made the mask.
 
 With placeholders (async scheduling) the sampled ids stay on the device: the next step's
@@ -11,6 +12,7 @@ wait (executor/sampled_tokens.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,18 +29,19 @@ from parashift.executor.sampled_tokens import (
     runner_output,
 )
 from parashift.executor.sampling_inputs import sampling_metadata
+from parashift.executor.step_result import (
+    DEFERRED,
+    NOT_OUTPUT_RANK,
+    Sampled,
+    StepResult,
+    nothing_sampled,
+)
 from parashift.layers.attention.backend import AttentionBackend, AttentionStepInputs
 from parashift.layers.host_to_device import to_device
-from parashift.layers.profiling import profiler_label
+from parashift.layers.profiling import DeviceTimer, profiler_label
 from parashift.layers.sampler import Sampler, SamplingMetadata
 from parashift.layers.token_mask import apply_token_bitmask
-from parashift.types.outputs import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    WaveStepOutput,
-)
+from parashift.types.outputs import GrammarBitmask, NewRequestData, SchedulerOutput
 from parashift.types.sampling_params import SamplingParams
 
 
@@ -51,16 +54,20 @@ class _Unsampled:
     req_ids: list[str]
 
 
+_UNTIMED = contextlib.nullcontext()
+
+
 class ModelRunner:
     """`pp`: the pipeline group. A stage after the first receives the previous stage's hidden
     states and residual; a stage before the last sends its own on and samples nothing.
     `placeholders`: async scheduling's steps read tokens not yet sampled when they were
-    scheduled."""
+    scheduled. `output_rank`: this rank answers for the step (the last stage's tp rank 0)."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
                  device: torch.device, max_model_len: int,
                  pp: GroupCommunicator | None = None,
-                 share_sampled: GroupCommunicator | None = None, placeholders: bool = False):
+                 share_sampled: GroupCommunicator | None = None, placeholders: bool = False,
+                 output_rank: bool = True):
         self.model = model
         self.pp = pp or GroupCommunicator()
         # Async scheduling under tensor parallel: the tp ranks that do not sample need the
@@ -76,10 +83,13 @@ class ModelRunner:
         self._unsampled: _Unsampled | None = None
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         self.vocab_size: int = model.config.vocab_size
-        # MoE over several engines: every step starts with the group's token-count exchange.
+        self.output_rank = output_rank
+        # MoE over several ranks: every step starts with the group's token-count exchange.
         dispatcher = getattr(model, "dispatcher", None)
         self.dispatcher = dispatcher if dispatcher is not None and dispatcher.is_active else None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode steps, once captured
+        # Set by `bench latency --breakdown`: the seconds of the forward, logits and sampler.
+        self.device_timer: DeviceTimer | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """After the KV cache is bound. Only a whole model on one device (no pipeline or
@@ -105,40 +115,35 @@ class ModelRunner:
         self.batch.remove("profile")
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
-        """None: the step's logits wait for `sample_tokens` (a deferred mask)."""
-        if self.dispatcher is not None:  # its collectives need the step's count exchange
-            return self.execute_wave_step(out, has_work=False).output
+    def execute_model(self, out: SchedulerOutput) -> StepResult:
+        """One step. (A lockstep group's steps come through executor/lockstep_worker.py.)"""
         self.batch.apply(out)
-        return self._run(out) if not out.is_empty else ModelRunnerOutput({})
+        if self.dispatcher is not None:  # every rank of the expert group takes this step
+            self.dispatcher.begin_step(out.total_num_scheduled_tokens, has_work=False)
+        return self.run_applied(out)
+
+    def run_applied(self, out: SchedulerOutput) -> StepResult:
+        """The step, its changes already applied to the batch."""
+        if out.is_empty:  # (never deferred: a deferred mask has rows that sample)
+            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
+        return self._run(out)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarBitmask | None
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> StepResult:
         """The deferred step's sampling, with its mask."""
         pending, self._unsampled = self._unsampled, None
-        if pending is None:  # not the output rank, or nothing sampled
-            return ModelRunnerOutput({})
+        if pending is None:
+            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
         return self._sample(pending.logits, pending.rows, pending.req_ids, grammar)
 
-    @torch.inference_mode()
-    def execute_wave_step(self, out: SchedulerOutput, has_work: bool) -> WaveStepOutput:
-        """Lockstep: every engine comes here every step of a wave, with work or without;
-        `has_work`: whether this engine still has requests."""
-        self.batch.apply(out)
-        comm = self.dispatcher.ep.stats
-        waited = comm.seconds
-        group_has_work = self.dispatcher.begin_step(out.total_num_scheduled_tokens, has_work)
-        if not out.is_empty:
-            result = self._run(out)
-        else:  # a dummy step: our experts still serve the other engines' tokens
-            if self.dispatcher.max_tokens:
-                self._forward_no_tokens()
-            result = ModelRunnerOutput({})
-        return WaveStepOutput(result, group_has_work, comm.seconds - waited)
+    def _timed(self) -> contextlib.AbstractContextManager:
+        timer = self.device_timer
+        return _UNTIMED if timer is None else timer.timed()
 
-    def _forward_no_tokens(self) -> None:
+    @torch.inference_mode()
+    def forward_no_tokens(self) -> None:
+        """A forward of no tokens: a lockstep rank without work still serves its experts to
+        the group's other ranks."""
         empty = np.zeros(0, dtype=np.int64)
         step = AttentionStepInputs(
             query_start_loc=np.zeros(1, dtype=np.int64), seq_lens=empty,
@@ -148,7 +153,7 @@ class ModelRunner:
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self.model(no_tokens, no_tokens, self.backend.build_metadata(step))
 
-    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+    def _run(self, out: SchedulerOutput) -> StepResult:
         batch = self.batch
         scheduled = out.num_scheduled_tokens
         req_ids = list(scheduled)
@@ -162,30 +167,36 @@ class ModelRunner:
             req_ids = [req_ids[i] for i in order.tolist()]
         input_ids, positions, step = self._prepare_inputs(rows, q_lens)
         sampling = batch.advance(rows, step.seq_lens)  # (the rows' state, while it is in cache)
-        if self.graphs is not None and self.graphs.can_run(step):
-            hidden = self.graphs.run(input_ids, positions, step)
-        else:
-            hidden = self._forward_stage(input_ids, positions, self.backend.build_metadata(step))
-        if hidden is None or not len(sampling):  # a stage before the last
-            return None if out.grammar_deferred else ModelRunnerOutput({})
+        with self._timed():
+            if self.graphs is not None and self.graphs.can_run(step):
+                hidden = self.graphs.run(input_ids, positions, step)
+            else:
+                hidden = self._forward_stage(input_ids, positions,
+                                             self.backend.build_metadata(step))
+        if out.grammar_deferred and (hidden is None or not len(sampling)):
+            return DEFERRED  # its sample_tokens comes all the same
+        if hidden is None:  # a stage before the last
+            return NOT_OUTPUT_RANK
+        if not len(sampling):  # no row completes its prompt
+            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
         if len(sampling) < hidden.shape[0]:  # the last token of each row that samples
             last_token = step.query_start_loc[1:][sampling] - 1
             hidden = hidden.index_select(0, to_device(last_token, self.device))
         if len(sampling) < len(rows):
             rows, req_ids = rows[sampling], [req_ids[i] for i in sampling.tolist()]
-        logits = self.model.compute_logits(hidden)
+        with self._timed():
+            logits = self.model.compute_logits(hidden)
         if logits is None:  # not the output rank
             if self.share_sampled is not None:
                 self._receive_sampled(rows)
-            return None if out.grammar_deferred else ModelRunnerOutput({})
+            return DEFERRED if out.grammar_deferred else NOT_OUTPUT_RANK
         if out.grammar_deferred:
             self._unsampled = _Unsampled(logits, rows, req_ids)
-            return None
+            return DEFERRED
         return self._sample(logits, rows, req_ids, out.grammar)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str],
-                grammar: GrammarBitmask | None
-                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+                grammar: GrammarBitmask | None) -> Sampled:
         if grammar is not None:  # structured outputs: their rows' allowed tokens
             where = {r: i for i, r in enumerate(req_ids)}
             with profiler_label("parashift::grammar"):
@@ -194,16 +205,17 @@ class ModelRunner:
         with profiler_label("parashift::sample"):
             self._resolve_pending()  # the penalty counts need the last step's tokens
             md = self._sampling_metadata(rows)
-            tokens, logprobs = self.sampler.sample(logits, md)
+            with self._timed():
+                tokens, logprobs = self.sampler.sample(logits, md)
         if self.share_sampled is not None:  # (created on the device: NCCL takes no CPU tensor)
             self.share_sampled.broadcast(tokens)
         if self.placeholders:
             sampled = SampledTokens(tokens)
             self._set_pending(rows, sampled)
-            return AsyncModelRunnerOutput(req_ids, sampled, logprobs)
+            return Sampled(AsyncModelRunnerOutput(req_ids, sampled, logprobs))
         # One step at a time the scheduler sends these tokens with the next step: the rows
         # take them from there (InputBatch.write_tokens).
-        return runner_output(req_ids, tokens.tolist(), logprobs)
+        return Sampled(runner_output(req_ids, tokens.tolist(), logprobs))
 
     def _set_pending(self, rows: np.ndarray, sampled: SampledTokens) -> None:
         """The placeholders of a step scheduled before these tokens reach the scheduler."""

@@ -28,12 +28,7 @@ from parashift.distributed import shm_all_reduce
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.processes import exit_after, join_within
 from parashift.strategies.mesh import EnginePlacement
-from parashift.types.outputs import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WaveStepOutput,
-)
+from parashift.types.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from parashift.wire import protocol as p
 from parashift.wire import worker_protocol as wp
 from parashift.wire.sockets import zmq_context
@@ -139,12 +134,6 @@ class MultiprocExecutor:
 
     def wake_up(self) -> None:
         self.collective_rpc("wake_up")
-
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
-        """Lockstep: one step of the wave on every worker (never in flight with others)."""
-        self._broadcast(wp.ExecuteWaveStep(scheduler_output, has_work))
-        return self._collect(wp.WaveStepResult, 1)[0].result
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step; its output comes from `wait`, in submission order."""

@@ -14,18 +14,13 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
-from parashift.executor.sampled_tokens import AsyncModelRunnerOutput
+from parashift.executor.step_result import StepResult
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
-from parashift.types.outputs import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WaveStepOutput,
-)
+from parashift.types.outputs import GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +31,19 @@ def threads_for(config: EngineConfig, cpu_ids: tuple[int, ...]) -> int | None:
     return config.device.num_threads or len(cpu_ids) or None
 
 
-def worker_class(config: EngineConfig) -> type[Worker]:
-    """Worker, or Worker with `config.worker_extension_cls` (module.Class) mixed in."""
+def worker_class(config: EngineConfig, base: type[Worker] | None = None) -> type[Worker]:
+    """`base` (Worker by default), or `base` with `config.worker_extension_cls` (module.Class)
+    mixed in."""
+    base = base or Worker
     if config.worker_extension_cls is None:
-        return Worker
+        return base
     module, _, name = config.worker_extension_cls.rpartition(".")
     try:
         extension = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"worker_extension_cls {config.worker_extension_cls!r}: {e}"
                          ) from None
-    return type(f"{name}Worker", (extension, Worker), {})
+    return type(f"{name}Worker", (extension, base), {})
 
 
 class Worker:
@@ -81,7 +78,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, self.config.cache.block_size,
                                   self.device, mc.max_model_len, self.parallel.group("pp"),
                                   tp if shares else None,
-                                  placeholders=self.config.scheduler.async_scheduling)
+                                  placeholders=self.config.scheduler.async_scheduling,
+                                  output_rank=self.is_output_rank)
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights too (level 2); the engine has no request
@@ -191,17 +189,11 @@ class Worker:
                 and not device.enforce_eager and shard.tp_size == 1
                 and self.runner.pp.world_size == 1 and self.runner.dispatcher is None)
 
-    def execute_model(self, scheduler_output: SchedulerOutput
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar: GrammarBitmask | None
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> StepResult:
         return self.runner.sample_tokens(grammar)
-
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
-        return self.runner.execute_wave_step(scheduler_output, has_work)
 
 
 def _trim_heap() -> None:

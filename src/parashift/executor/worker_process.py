@@ -26,12 +26,13 @@ from parashift.distributed.expert_group import cross_engine_groups
 from parashift.distributed.network_interface import interface_of
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.distributed.shm_all_reduce import ShmAllReduce
-from parashift.executor.sampled_tokens import resolved
+from parashift.executor.step_result import Sampled, StepResult
 from parashift.processes import die_with_parent, set_process_name, setup_child_logging
 from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
 from parashift.wire import worker_protocol as wp
+from parashift.wire.lockstep_protocol import ExecuteWaveStep, WaveStepResult
 from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 def _init(args: WorkerArgs):
-    from parashift.executor.worker import threads_for, worker_class
+    from parashift.executor.lockstep_worker import LockstepWorker
+    from parashift.executor.worker import Worker, threads_for, worker_class
 
     config, placement = args.config, args.placement
     if placement.cuda_index is not None:
@@ -121,8 +123,9 @@ def _init(args: WorkerArgs):
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
                                       placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
-    return worker_class(config)(config, ParallelContext(shard, groups),
-                                threads_for(config, placement.cpu_ids))
+    base = LockstepWorker if spec.processes().lockstep else Worker
+    return worker_class(config, base)(config, ParallelContext(shard, groups),
+                                      threads_for(config, placement.cpu_ids))
 
 
 def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None
@@ -145,27 +148,33 @@ def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | 
 
 
 def _serve(worker, rank: int, commands: zmq.Socket, results: zmq.Socket) -> None:
-    answers = worker.is_output_rank
+    answers = worker.is_output_rank  # only the output rank answers a step
     while True:
         msg = p.decode_or_drop(commands.recv(), wp.ToWorker, "worker commands")
         if msg is None:
             continue
-        if isinstance(msg, wp.ExecuteModel):
-            output = worker.execute_model(msg.scheduler_output)
-            if answers and output is not None:  # None: it samples at SampleTokens
-                results.send(p.encode(wp.StepResult(resolved(output))))
-        elif isinstance(msg, wp.SampleTokens):
-            output = worker.sample_tokens(msg.grammar)
-            if answers:
-                results.send(p.encode(wp.StepResult(resolved(output))))
-        elif isinstance(msg, wp.ExecuteWaveStep):
-            result = worker.execute_wave_step(msg.scheduler_output, msg.has_work)
-            if answers:
-                results.send(p.encode(wp.WaveStepResult(result)))
-        elif msg.method == "stop":
-            worker.stop()
-            results.send(p.encode(wp.WorkerReply(rank)))
-            return
-        else:
+        if isinstance(msg, wp.WorkerCall):
+            if msg.method == "stop":
+                worker.stop()
+                results.send(p.encode(wp.WorkerReply(rank)))
+                return
             result = getattr(worker, msg.method)(*msg.args)
             results.send(p.encode(wp.WorkerReply(rank, result)))
+            continue
+        reply = _STEPS[type(msg)](worker, msg)
+        if answers and reply is not None:
+            results.send(p.encode(reply))
+
+
+def _step_reply(result: StepResult) -> wp.StepResult | None:
+    """None: DEFERRED (it answers at SampleTokens), or not the output rank."""
+    return wp.StepResult(result.host_output()) if isinstance(result, Sampled) else None
+
+
+# The step commands, by type: the reply each sends (None: nothing).
+_STEPS = {
+    wp.ExecuteModel: lambda worker, msg: _step_reply(worker.execute_model(msg.scheduler_output)),
+    wp.SampleTokens: lambda worker, msg: _step_reply(worker.sample_tokens(msg.grammar)),
+    ExecuteWaveStep: lambda worker, msg: WaveStepResult(
+        worker.execute_wave_step(msg.scheduler_output, msg.has_work)),
+}

@@ -78,17 +78,6 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class WaveStepOutput:
-    """A lockstep step (expert parallel over engines): the runner's output, whether any
-    engine of the group had work (the step's first collective says), and the seconds of this
-    step's expert dispatch and combine."""
-
-    output: ModelRunnerOutput
-    group_has_work: bool
-    dispatch_seconds: float
-
-
-@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -111,15 +100,3 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0  # since the engine started
     num_prefix_cache_resets: int = 0  # since the engine started: the cache emptied this often
-
-
-@dataclass
-class WaveStats:
-    """Lockstep (expert parallel over engines), since the engine started: steps run with
-    nothing to schedule, waves ended, and the seconds of all steps and of their expert
-    dispatch / combine within them (engine/lockstep_core.py)."""
-
-    num_dummy_steps: int = 0
-    num_waves: int = 0
-    step_seconds: float = 0.0
-    dispatch_seconds: float = 0.0

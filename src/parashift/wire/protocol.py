@@ -32,15 +32,11 @@ from typing import Any
 
 import msgspec
 
-from parashift.types.outputs import EngineCoreOutput, SchedulerStats, WaveStats
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire.engine_config import EngineConfigWire
-
-
-class _Msg(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, tag=True,
-           forbid_unknown_fields=True):
-    """forbid_unknown_fields: an array longer than the message is an error, not a message
-    with its trailing fields ignored (a frame that merely starts like ours is never one)."""
+from parashift.wire.lockstep_protocol import StartWave, WaveStats
+from parashift.wire.message import _Msg
 
 
 # --- handshake -------------------------------------------------------------------------------
@@ -172,15 +168,6 @@ class Heartbeat(_Msg):
     incarnation: int
 
 
-class StartWave(_Msg):
-    """Lockstep: an engine that got work while its wave was over asks the coordinator to start
-    wave `wave` (its count of finished waves) on every engine; the coordinator publishes it
-    on. An engine joins if it is idle and has finished exactly `wave` waves."""
-
-    wave: int
-    rank: int = -1  # who asked (-1: the coordinator)
-
-
 class LoadVector(_Msg):
     """Coordinator -> every API server: all ranks' load (at most every 100 ms)."""
 
@@ -205,9 +192,13 @@ class NodeHello(_Msg):
 
 class NodeInit(_Msg):
     """Head -> headless launcher: the coordinator's publisher, whose heartbeats say the head
-    is alive."""
+    is alive, and the config the head resolved, as the node's first rank gets it: the node
+    checks its flags, devices, memory and model files against it and never resolves its own
+    (its engines get the same in their EngineInit)."""
 
     coordinator_publish_address: str
+    # None only in the launcher's template: the handshake fills it in for each node.
+    config: EngineConfigWire | None = None
 
 
 ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets

@@ -1,8 +1,8 @@
 """The messages between an engine core and its workers (tp/pp ranks; msgpack like every
 message, wire/protocol.py):
 
-  engine PUSH (one per worker) -> worker PULL: ExecuteModel (ExecuteWaveStep in lockstep;
-  SampleTokens after a deferred mask), WorkerCall;
+  engine PUSH (one per worker) -> worker PULL: ExecuteModel (ExecuteWaveStep in lockstep:
+  lockstep_protocol.py; SampleTokens after a deferred mask), WorkerCall;
   worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank (last pp stage,
   tp rank 0) answers ExecuteModel (StepResult), every rank answers a WorkerCall.
 """
@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from parashift.types.outputs import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WaveStepOutput,
-)
-from parashift.wire.protocol import _Msg
+from parashift.types.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from parashift.wire.lockstep_protocol import ExecuteWaveStep, WaveStepResult
+from parashift.wire.message import _Msg
 
 
 class ExecuteModel(_Msg):
@@ -33,14 +29,6 @@ class SampleTokens(_Msg):
     grammar: GrammarBitmask | None
 
 
-class ExecuteWaveStep(_Msg):
-    """One lockstep step (expert parallel over engines): the step, and whether this engine
-    still has requests."""
-
-    scheduler_output: SchedulerOutput
-    has_work: bool
-
-
 class WorkerCall(_Msg):
     method: str  # "determine_num_blocks" | "kv_block_bytes" | "initialize_cache" | "stop"
     args: list[Any] = []
@@ -52,10 +40,6 @@ class WorkerReady(_Msg):
 
 class StepResult(_Msg):
     output: ModelRunnerOutput
-
-
-class WaveStepResult(_Msg):
-    result: WaveStepOutput
 
 
 class WorkerReply(_Msg):
