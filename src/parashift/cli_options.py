@@ -1,5 +1,6 @@
-"""Command-line pieces shared by `parashift run`, `generate` and `bench`: vLLM's engine flags
-as typer option types, and `engine_options`, which gives a command all of them at once."""
+"""Command-line pieces shared by `parashift run`, `generate`, `bench` and `plan`: vLLM's engine
+flags as typer option types, and `engine_options`, which gives a command all of them at once
+(or, for `plan`, the ones a dry run reads)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import typer
@@ -17,6 +18,7 @@ import typer
 from parashift import env
 from parashift.defaults import (
     ATTENTION_BACKENDS,
+    DTYPE_ALIASES,
     DTYPE_CHOICES,
     QUANTIZATIONS,
     SERVED_WAITING_PER_SEQ,
@@ -64,7 +66,8 @@ ModelArg = Annotated[str | None, typer.Argument(
 # vLLM's engine flags, which every command that starts an engine takes: EngineArgs field ->
 # its typer option. The defaults are EngineArgs' own (engine/args.py), written nowhere else.
 _ENGINE_FLAGS: dict[str, Any] = {
-    "dtype": Annotated[Literal[DTYPE_CHOICES], typer.Option(help="the weights' dtype")],
+    "dtype": Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES)], typer.Option(
+        help="the weights' dtype (auto: the engine's choice for the checkpoint and device)")],
     "quantization": Annotated[Literal[QUANTIZATIONS] | None, typer.Option(
         "--quantization", "-q", help="CPU: weight-only int8 (per channel) or int4 (groups of "
         "32) for the decoder layers' linear weights")],
@@ -118,23 +121,33 @@ _ENGINE_FLAGS: dict[str, Any] = {
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
 
-def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def engine_options(command: Callable[..., Any] | None = None, *,
+                   flags: Iterable[str] | None = None,
+                   replace: Mapping[str, Any] | None = None) -> Any:
     """Give a typer command the MODEL argument (first) and the engine flags (last). The command
-    declares `engine_args` instead and receives them as one EngineArgs."""
+    declares `engine_args` instead and receives them as one EngineArgs (the flags it does not
+    take at their defaults). `flags`: only these of the table (`plan` takes those a dry run
+    reads); `replace`: another type for MODEL or a flag (`plan`: its presets, its what-if fp8).
+    Used bare (`@engine_options`) or with these (`@engine_options(flags=...)`)."""
+    if command is None:
+        return functools.partial(engine_options, flags=flags, replace=replace)
+    replace = replace or {}
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     # Annotations are strings here (PEP 563); `engine_args` names a type only imported for
     # type checkers, so it is left out before the others are evaluated, as typer needs them.
     own = [p.replace(annotation=eval(p.annotation, command.__globals__))  # nosec B307
            if isinstance(p.annotation, str) else p
            for p in inspect.signature(command).parameters.values() if p.name != "engine_args"]
-    engine = [inspect.Parameter("model", kind, annotation=ModelArg, default=None)]
-    engine += [inspect.Parameter(name, kind, annotation=type_, default=_DEFAULTS[name])
-               for name, type_ in _ENGINE_FLAGS.items()]
+    engine = [inspect.Parameter("model", kind, annotation=replace.get("model", ModelArg),
+                                default=None)]
+    engine += [inspect.Parameter(name, kind, annotation=replace.get(name, _ENGINE_FLAGS[name]),
+                                 default=_DEFAULTS[name])
+               for name in (_ENGINE_FLAGS if flags is None else flags)]
 
     @functools.wraps(command)
     def with_engine_args(**kwargs: Any) -> Any:
         values = {p.name: kwargs.pop(p.name) for p in engine}
-        if values["kv_cache_memory"] is not None:
+        if values.get("kv_cache_memory") is not None:
             values["kv_cache_memory"] = parse_size(values["kv_cache_memory"], "--kv-cache-memory")
         return command(engine_args=EngineArgs(**values), **kwargs)
 

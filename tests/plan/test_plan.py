@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 from parashift.plan.auto import rank_plans
 from parashift.plan.estimate import PlanSettings, make_plan
@@ -143,6 +144,45 @@ def test_bad_input_is_a_clear_error(args, message):
     done = run_cli(*args)
     assert done.returncode != 0
     assert message in done.stderr + done.stdout, done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "24"], "--block-size must be a power of two, got 24"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--gemm-paths", "onednn"], "--gemm-paths onednn: choose among"),
+    (["--strategy", "tp4", "-tp", "2"], "--strategy tp4 sets tp=4 but --tensor-parallel-size is 2"),
+])
+def test_engine_flags_are_checked_as_the_engines_config_checks_them(args, message):
+    result = cli_in_process("plan", "Llama-3.1-8B", "--device", "h100-80g", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_plan_takes_runs_engine_flags():
+    """Same options, aliases, help and defaults as `run`; --dtype adds plan's what-if fp8."""
+    from typing import get_args
+
+    from typer.main import get_command
+
+    from parashift.cli import app
+    from parashift.plan.cli import ENGINE_FLAGS
+
+    def described(param) -> dict:
+        return {"opts": param.opts, "secondary_opts": param.secondary_opts, "help": param.help,
+                "default": param.default, "type": param.type_descriptor.annotation}
+
+    root = get_command(app)
+    run, plan = ({p.name: described(p) for p in root.commands[name].params
+                  if p.name in ENGINE_FLAGS} for name in ("run", "plan"))
+    assert set(plan) == set(ENGINE_FLAGS)
+    for name in ENGINE_FLAGS:
+        assert plan[name]["opts"] == run[name]["opts"], name
+        if name != "dtype":
+            assert plan[name] == run[name], name
+    assert get_args(plan["dtype"]["type"]) == (*get_args(run["dtype"]["type"]), "fp8")
+    done = cli_in_process("plan", "Llama-3.1-8B", "-tp", "2", "-pp", "2", "--device",
+                          "h100-80g", "--json")
+    assert json.loads(done.stdout)["strategy"] == "pp2xtp2", done.stderr
 
 
 def test_cpu_placement_is_this_machines_and_says_when_oversubscribed(tiny_split_by_3):

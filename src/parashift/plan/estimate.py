@@ -63,10 +63,11 @@ class PlanSettings:
             self.max_num_seqs, "cuda" if self.device.is_gpu else "cpu")
 
 
-def keeps_shared_weight_copies(is_gpu: bool, dtype: str) -> bool:
+def keeps_shared_weight_copies(is_gpu: bool, dtype: str, gemm_paths: tuple[str, ...]) -> bool:
     """PlanSettings.shared_weight_copies: the engine's layers/gemm_paths.prepares_shared_weights
-    on a CPU with oneDNN (every torch CPU wheel has it)."""
-    return not is_gpu and dtype in ("float32", "bfloat16")
+    on a CPU with oneDNN (every torch CPU wheel has it); `--gemm-paths linear` leaves a tied
+    head on the embedding's own weight."""
+    return not is_gpu and dtype in ("float32", "bfloat16") and gemm_paths != ("linear",)
 
 
 @dataclass

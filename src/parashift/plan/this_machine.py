@@ -1,6 +1,7 @@
 """`--strategy auto` for `parashift run` and `generate`: `plan --auto` on the devices this
-machine has (its GPUs, or on CPU its cores), with the engine's own flags, and the winner that
-runs today. The same ranking as `parashift plan MODEL --auto --devices N --device D` with
+machine has of the device the launch resolves (--device; without it a GPU when one is visible,
+else the CPU), with the config create_config resolves from the engine's flags, and the winner
+that runs today. The same ranking as `parashift plan MODEL --auto --devices N --device D` with
 those flags."""
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 
-from parashift.defaults import DTYPE_BYTES, resolve_dtype_name
-from parashift.engine.args import EngineArgs, gemm_paths
+from parashift.engine.args import EngineArgs, create_config
 from parashift.plan.auto import rank_plans
-from parashift.plan.estimate import Plan, PlanSettings, keeps_shared_weight_copies
-from parashift.plan.hardware import DEVICES, INTER_NODE
+from parashift.plan.estimate import Plan, PlanSettings
+from parashift.plan.hardware import DEVICES, Device
+from parashift.plan.settings import machine_settings
+from parashift.plan.shape import ModelShape, load_shape
 from parashift.strategies.spec import StrategySpec
 
 # Substrings of the GPU's name, most specific first (GH200 is no H200: no profile).
@@ -33,43 +35,38 @@ def _gpu_name() -> str:
     return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout else ""
 
 
-def this_machine() -> tuple[str, int]:
-    """(plan's device name, how many): CUDA GPUs by name, else this process's CPU cores."""
+def this_machine(device: str) -> tuple[Device, int]:
+    """The plan profile of the resolved `device` on this machine, and how many: CUDA GPUs by
+    name, or this process's CPU cores."""
+    if device == "cpu":
+        return DEVICES["cpu"], len(os.sched_getaffinity(0))
     import torch
 
-    if torch.cuda.is_available():
-        name = _gpu_name()
-        device = next((v for k, v in _GPU_NAMES.items() if k in name), None)
-        if device is None:
-            raise ValueError(f"--strategy auto: no plan profile for the GPU {name!r}; give "
-                             "--strategy explicitly (see parashift plan --auto --device)")
-        return device, torch.cuda.device_count()
-    return "cpu", len(os.sched_getaffinity(0))
+    count = torch.cuda.device_count()
+    if count < 1:  # as a launch on this machine refuses it (engine/placement.py)
+        raise ValueError(f"--device {device}: no GPU is visible")
+    name = _gpu_name()
+    profile = next((v for k, v in _GPU_NAMES.items() if k in name), None)
+    if profile is None:
+        raise ValueError(f"--strategy auto: no plan profile for the GPU {name!r}; give "
+                         "--strategy explicitly (see parashift plan --auto --device)")
+    return DEVICES[profile], count
 
 
-def machine_settings(args: EngineArgs, checkpoint_dtype: str | None) -> PlanSettings:
-    device, count = this_machine()
-    is_gpu = DEVICES[device].is_gpu
-    dtype = resolve_dtype_name(args.dtype, checkpoint_dtype, "cuda" if is_gpu else "cpu")
-    return PlanSettings(
-        DEVICES[device], count, 1, None, INTER_NODE["ib"], args.max_model_len,
-        DTYPE_BYTES[dtype], args.gpu_memory_utilization, args.kv_cache_memory, None,
-        args.block_size, args.max_num_seqs,
-        cpu_ids=None if is_gpu else tuple(sorted(os.sched_getaffinity(0))),
-        quantization=args.quantization,
-        # (--gemm-paths linear leaves a tied head on the embedding's own weight)
-        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype)
-        and gemm_paths(args.gemm_paths, args.cpu_kernels) != ("linear",))
+def auto_inputs(args: EngineArgs) -> tuple[ModelShape, PlanSettings]:
+    """The model's shape and the settings `--strategy auto` ranks the strategies with: the
+    config as the launch resolves it (device, dtype, limits: what no strategy changes, so it is
+    resolved for one engine of one worker), on this machine's devices of its kind."""
+    config = create_config(args, StrategySpec.from_sizes())
+    device, count = this_machine(config.device.device)
+    return load_shape(args.model), machine_settings(config, device, count)
 
 
 def choose_strategy(args: EngineArgs, objective: str, one_engine: bool = False
                     ) -> tuple[StrategySpec, list[Plan], str]:
     """The winner that runs today, every plan that fits (best first), and why. `one_engine`:
     offline generation, which runs a single engine (no dp axis)."""
-    from parashift.plan.cli import load_shape
-
-    shape = load_shape(args.model)
-    settings = machine_settings(args, shape.checkpoint_dtype)
+    shape, settings = auto_inputs(args)
     plans, why = rank_plans(shape, settings, objective)
     if one_engine:
         plans = [p for p in plans if p.spec.processes().num_engines == 1]
