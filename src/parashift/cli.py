@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import sys
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -36,11 +37,11 @@ def _root() -> None:
 
 
 def resolve_auto_strategy(engine_args: EngineArgs, objective: str,
-                          one_engine: bool = False) -> None:
-    """--strategy auto: plan --auto's winner on this machine's devices, printed with the
-    runners-up, replaces it (`one_engine`: among the layouts of a single engine)."""
+                          one_engine: bool = False) -> EngineArgs:
+    """--strategy auto: the args with plan --auto's winner on this machine's devices in its
+    place, printed with the runners-up (`one_engine`: among the layouts of a single engine)."""
     if engine_args.strategy != "auto":
-        return
+        return engine_args
     from parashift.plan.this_machine import choose_strategy, describe
 
     try:
@@ -48,7 +49,7 @@ def resolve_auto_strategy(engine_args: EngineArgs, objective: str,
     except ValueError as e:
         fail(str(e))
     typer.echo(describe(plans, spec), err=True)
-    engine_args.strategy = str(spec)
+    return dataclasses.replace(engine_args, strategy=str(spec))
 
 
 @app.command()
@@ -74,7 +75,7 @@ def generate(
     setup_logging()
     if not prompt:
         fail("give at least one --prompt")
-    resolve_auto_strategy(engine_args, objective, one_engine=True)
+    engine_args = resolve_auto_strategy(engine_args, objective, one_engine=True)
     from parashift import LLM, SamplingParams
 
     try:
@@ -194,12 +195,16 @@ def run(
     if backend == "ray" and env.cluster_secret() is None:
         env.set_cluster_secret(secrets.token_hex(32))  # a fresh one for this launch
     child_processes.start_early()  # its imports beside ours
-    resolve_auto_strategy(engine_args, objective)
     if api_server_count < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--api-server-count")
-    engine_args.seed = seed
-    if engine_args.max_waiting_requests is None:  # served: a bounded queue, 429 beyond it
-        engine_args.max_waiting_requests = served_max_waiting(engine_args.max_num_seqs)
+    # A headless node resolves nothing: the head's config comes in its handshake, and only
+    # the flags typed here are checked against it (runtime/headless.py).
+    if not headless:
+        engine_args = resolve_auto_strategy(engine_args, objective)
+    waiting = engine_args.max_waiting_requests
+    if waiting is None and not headless:  # served: a bounded queue, 429 beyond it
+        waiting = served_max_waiting(engine_args.max_num_seqs)
+    engine_args = dataclasses.replace(engine_args, seed=seed, max_waiting_requests=waiting)
     from parashift.processes import exit_now
     from parashift.runtime.launcher import run as run_server
     from parashift.runtime.node import ServeArgs

@@ -43,11 +43,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineArgs:
     """The user-facing engine knobs (CLI flags and `LLM(...)` keywords), with their defaults
     written once: the CLI options are generated from these fields (cli_options.py) and `plan`
-    reads the same defaults. `create_config` below resolves them into the one config."""
+    reads the same defaults. `create_config` below resolves them into the one config. Frozen:
+    what a command adds to the user's flags (`run`'s seed, a served queue bound) makes new
+    args (`dataclasses.replace`), so these are always what was asked for."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
