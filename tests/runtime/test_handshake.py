@@ -108,3 +108,35 @@ def test_a_rank_the_launcher_starts_is_claimed_only_with_its_token(desk):
     assert said(handshake, engine, p.Hello(0, 200, TOKEN)) is None
     assert init_fields(engine)[-1][0] == keys.ranks[0].public
     assert handshake.claims[0][1] == 200
+
+
+def test_a_node_gets_its_first_ranks_config_and_may_refuse_its_unclaimed_ranks(tmp_path):
+    """The NodeInit carries the config the node's first rank's engine gets (never a rank
+    key); a node that refuses it says so for its own ranks, before an engine claims them."""
+    from .test_headless import head_config
+
+    ctx = zmq.Context()
+    configs = {rank: msgspec.structs.replace(head_config(), parallel=msgspec.structs.replace(
+        head_config().parallel, data_parallel_rank=rank)) for rank in range(4)}
+    handshake = Handshake(ctx, 4, HeadKeys.mint(4), lambda rank: p.EngineInit(
+        configs[rank], [], []), p.NodeInit("publish"), {})
+    address = handshake.bind(f"ipc://{tmp_path}/handshake")
+    node, engine = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock, name in ((node, "node-2"), (engine, "dp3")):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, routing_id(name))
+        sock.connect(address)
+    try:
+        assert said(handshake, node, p.NodeHello(2, 2)) is None
+        init = p.decode(node.recv(), p.ToNode)
+        assert init == p.NodeInit("publish", configs[2])
+        refusal = p.StartupFailed(2, "node b: the head resolved dtype bfloat16, ...")
+        assert said(handshake, node, refusal) == refusal
+        assert said(handshake, node, p.StartupFailed(1, "not its rank")) is None
+        said(handshake, engine, p.Hello(3, 300))  # dp3's engine claims it: its own word only
+        assert said(handshake, node, p.StartupFailed(3, "claimed")) is None
+    finally:
+        node.close()
+        engine.close()
+        handshake.socket.close()
+        ctx.term()

@@ -5,7 +5,9 @@ A rank the launcher starts itself (on its own node, or as a Ray actor) is claime
 the token it gave that engine; a headless node's rank, by the first engine whose Hello the
 head answers for it. Either stays claimed until that engine's death is known (the launcher
 reaped it, its node reported it, or the coordinator declared it silent). Meanwhile a Hello
-for the rank is not answered, and only the claiming engine's Ready or StartupFailed counts.
+for the rank is not answered, and only the claiming engine's Ready or StartupFailed counts
+(or, before any engine claimed it, its node's StartupFailed: a node that refused the head's
+config). A node's answer carries the config its first rank's engine gets.
 Over CURVE the answer carries the rank's key (`wire/cluster_auth.py` HeadKeys), with which
 the engine then speaks for the rank everywhere else. Every peer's identity on this ROUTER is
 unguessable (`wire/sockets.py` routing_id) and none is handed over, so no peer can take
@@ -17,6 +19,7 @@ import hmac
 import logging
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from parashift.wire import protocol as p
@@ -31,8 +34,8 @@ class Handshake:
                  engine_init: Callable[[int], p.EngineInit], node_init: p.NodeInit,
                  tokens: dict[int, bytes]):
         """`engine_init(rank)`: the launcher's answer to rank's Hello, without the key;
-        `node_init`: its answer to a node's; `tokens`: those of the ranks the launcher starts
-        itself, which their Hellos must carry."""
+        `node_init`: its answer to a node's, without the config; `tokens`: those of the ranks
+        the launcher starts itself, which their Hellos must carry."""
         self.num_engines = num_engines
         self.tokens = tokens
         self.head_keys = head_keys
@@ -91,6 +94,9 @@ class Handshake:
         elif isinstance(msg, p.Ready | p.StartupFailed):
             if self.claims.get(rank, (b"", 0))[0] == identity:
                 return msg
+            if (isinstance(msg, p.StartupFailed) and rank not in self.claims
+                    and rank in self.nodes.get(identity, ())):
+                return msg  # its node refused the head's config before starting any engine
             logger.warning("a %s for dp%d from a peer that is not its engine: dropped",
                            type(msg).__name__, rank)
         return None
@@ -136,7 +142,9 @@ class Handshake:
             del self.nodes[node]
         self.nodes[identity] = ranks
         logger.info("a headless node joined with ranks dp%d-dp%d", ranks.start, ranks.stop - 1)
-        self.socket.send_multipart([identity, p.encode(self.node_init)])
+        init = msgspec.structs.replace(self.node_init,
+                                       config=self.engine_init(ranks.start).config)
+        self.socket.send_multipart([identity, p.encode(init)])
 
     def _hear_verdicts(self) -> None:
         """Ranks the coordinator declared dead (silent: another node's, or hung) give up their

@@ -80,8 +80,10 @@ class ServeArgs:
             raise ValueError("--backend ray places every rank itself: drop --headless and "
                              "--data-parallel-size-local/--data-parallel-address")
 
-    def local_ranks(self, dp_size: int) -> list[int]:
-        """The data-parallel ranks this node runs; checks the multi-node flags."""
+    def local_ranks(self, dp_size: int | None) -> list[int]:
+        """The data-parallel ranks this node runs; checks the multi-node flags. `dp_size`
+        None: a headless node before the head has said (its own flags name no size), which
+        then needs --data-parallel-size-local."""
         start = self.data_parallel_start_rank
         if self.headless and start < 1:
             raise ValueError("--headless needs --data-parallel-start-rank >= 1: the head node "
@@ -89,9 +91,14 @@ class ServeArgs:
         if not self.headless and start != 0:
             raise ValueError(f"--data-parallel-start-rank {start} is for --headless nodes; "
                              "the head node runs the ranks from 0")
+        if dp_size is None and self.data_parallel_size_local is None:
+            raise ValueError("a --headless node needs --data-parallel-size-local (or the "
+                             "head's --data-parallel-size/--strategy) to know its ranks")
         local = dp_size - start if self.data_parallel_size_local is None else (
             self.data_parallel_size_local)
-        if local < 1 or start + local > dp_size:
+        if dp_size is None and local < 1:
+            raise ValueError(f"--data-parallel-size-local {local}: a node runs at least 1 rank")
+        if dp_size is not None and (local < 1 or start + local > dp_size):
             raise ValueError(f"--data-parallel-start-rank {start} and --data-parallel-size-local "
                              f"{local} do not fit in --data-parallel-size {dp_size}")
         if self.heartbeat_timeout <= 1.0:

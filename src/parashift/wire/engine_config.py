@@ -1,7 +1,8 @@
 """The resolved engine config as the launcher sends it to every engine (EngineInit), whole and
 typed: the engines never resolve `EngineArgs` again. The model's transformers config travels
 as its dict, the dtype as its name, the strategy as its axes. What an engine finds on its own
-host is checked against it (engine/args.py `check_host`), never put in its place."""
+host is checked against it (engine/args.py `config_for_this_node`; a headless node's
+launcher first, runtime/headless.py), never put in its place."""
 
 from __future__ import annotations
 
