@@ -21,18 +21,18 @@ from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
+from parashift.runtime.api_servers import ApiServers
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener
 from parashift.runtime.handshake import Handshake
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
-from parashift.serve.api_process import run_api_server
 from parashift.serve.api_server import ApiServerArgs
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HeadKeys
 from parashift.wire.engine_config import config_to_wire
-from parashift.wire.sockets import routing_id, zmq_context
+from parashift.wire.sockets import zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ class Launcher:
                                    p.NodeInit(self.endpoints.coordinator_publish),
                                    self.engines.tokens)
         self.coordinator: multiprocessing.Process | None = None
-        self.api_procs: list[multiprocessing.Process] = []
-        self.controls: list[zmq.Socket] = []
+        self.api_servers = ApiServers(self.ctx)
         self.ready: dict[int, p.Ready] = {}
         self.stopping = False
         self.serving = False  # start() completed
@@ -136,7 +135,6 @@ class Launcher:
             self.handshake.watch(coordinator_pub)
             if self.lockstep is not None:
                 self.lockstep.watch(self.ctx, coordinator_pub)
-        launcher_identity = routing_id("launcher")
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
@@ -147,21 +145,13 @@ class Launcher:
                     self.endpoints.requests[i], self.endpoints.outputs[i]),
                 max_body_bytes=self.args.max_body_bytes,
                 tool_call_parser=self.args.tool_call_parser, head_keys=self.head_keys,
-                launcher_identity=launcher_identity)
-            proc = mp.Process(target=run_api_server, args=(server_args, self.listener),
-                              name=f"parashift-api-{i}")
-            proc.start()
-            if self.mesh is not None and self.mesh.api_server_cpus:  # the strategy kept them
-                os.sched_setaffinity(proc.pid, self.mesh.api_server_cpus)
-            self.api_procs.append(proc)
-            control = self.ctx.socket(zmq.DEALER)
-            control.setsockopt(zmq.IDENTITY, launcher_identity)
-            control.setsockopt(zmq.LINGER, 0)
-            control.connect(self.endpoints.requests[i])
-            self.controls.append(control)
+                launcher_identity=self.api_servers.identity)
+            self.api_servers.start(mp, server_args, self.listener,
+                                   self.mesh.api_server_cpus if self.mesh is not None else ())
         self.engines.start()
         self._wait_engines_ready()
-        self._wait_api_servers_ready()
+        # Engines are up; the URL is printed only once every API server has seen them.
+        self.api_servers.wait_ready(self.args.startup_timeout, self._check_starting)
         self.serving = True
 
     def _wait_engines_ready(self) -> None:
@@ -178,23 +168,10 @@ class Launcher:
                                    f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
             self._serve_handshake(200, starting=True)
 
-    def _wait_api_servers_ready(self) -> None:
-        """Engines are up; the URL is printed only once every API server has seen them."""
-        deadline = time.monotonic() + self.args.startup_timeout
-        pending = set(range(len(self.controls)))
-        while pending:
-            self._check_children_alive()
-            if self.stopping:
-                raise StartupError("interrupted during start-up")
-            if time.monotonic() > deadline:
-                raise StartupError(f"API server(s) {sorted(pending)} did not see the engines "
-                                   f"within {self.args.startup_timeout:.0f} s")
-            for i in list(pending):
-                if self.controls[i].poll(50):
-                    msg = p.decode_or_drop(self.controls[i].recv(), p.ApiServerReady,
-                                           "api-server control")
-                    if msg is not None:
-                        pending.discard(msg.index)
+    def _check_starting(self) -> None:
+        self._check_children_alive()
+        if self.stopping:
+            raise StartupError("interrupted during start-up")
 
     def _serve_handshake(self, timeout_ms: int, starting: bool = False) -> None:
         """Engines (first start, restarts, other nodes) and headless launchers."""
@@ -228,15 +205,12 @@ class Launcher:
     def _announce_dead(self, death: p.EngineDead) -> None:
         logger.error("engine dp%d died: %s", death.rank, death.reason)
         self.handshake.release(death.rank)
-        for control in self.controls:
-            control.send(p.encode(death), zmq.NOBLOCK)
+        self.api_servers.announce(death)
 
     def _check_children_alive(self) -> None:
         if self.coordinator is not None and self.coordinator.exitcode is not None:
             raise StartupError(f"the DP coordinator exited with code {self.coordinator.exitcode}")
-        for i, proc in enumerate(self.api_procs):
-            if proc.exitcode is not None:
-                raise StartupError(f"API server {i} exited with code {proc.exitcode}")
+        self.api_servers.check_alive()
 
     def serve_forever(self) -> int:
         """Watch the children until a signal or a fatal failure; returns the exit code.
@@ -261,17 +235,13 @@ class Launcher:
 
     def shutdown(self) -> None:
         timeout = self.args.shutdown_timeout
-        for control in self.controls:
-            try:
-                control.send(p.encode(p.Shutdown(timeout)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self.api_servers.ask_to_drain(timeout)
         self.handshake.shut_down_nodes(timeout)
         # A start-up that failed has nothing to drain, and a child stuck in its own start (an
         # engine hung in its load ignores SIGTERM) would only be waited for: a short grace,
         # then the kill.
         grace = None if self.serving else 2.0
-        join_all(self.api_procs, grace or timeout + 5)
+        self.api_servers.join(grace or timeout + 5)
         # The coordinator goes before the engines: with no API server left it has nobody to
         # tell, and one engine exiting seconds before another must not be declared dead.
         if self.coordinator is not None:
