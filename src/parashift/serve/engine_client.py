@@ -1,16 +1,15 @@
 """Each API server's client of the engines: it owns the ZMQ sockets to every engine (no
 process between them: one hop less, no single point of failure), picks the engine for a
-request, and fans each engine's outputs back to each request's sink. What can go wrong with a
-request on the way is one of serve/engine_errors.py's errors."""
+request, and fans each engine's outputs back to each request's sink (what is in flight:
+serve/in_flight.py). What can go wrong with a request on the way is one of
+serve/engine_errors.py's errors."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -23,11 +22,13 @@ from parashift.serve.engine_errors import (
     RequestFailedError,
 )
 from parashift.serve.engine_loads import EngineLoads
+from parashift.serve.in_flight import InFlight, Sink
 from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HEAD, HeadKeys, rank_principal, speaks_for
+from parashift.wire.engine_calls import EngineCall
 from parashift.wire.sockets import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,12 @@ class EngineClient:
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
         bind(self.outputs, output_address, bound)
-        # request id -> where its outputs and its failure go (called in the event loop)
-        self.sinks: dict[str, Callable[[EngineCoreOutput | Exception], None]] = {}
-        self.engine_of: dict[str, int] = {}
         self.routes: dict[int, bytes] = {}  # rank -> its engine's identity on `requests`
         self.ready: dict[int, p.EngineReady] = {}
         self.dead: dict[int, str] = {}
         self.stats: dict[int, SchedulerStats] = {}
         self.loads = EngineLoads()
+        self.in_flight = InFlight(self.loads)
         self.on_load = None  # optional hook(LoadVector) for metrics
         self.load_in = None
         if coordinator_address is not None:
@@ -75,8 +74,6 @@ class EngineClient:
         self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
-        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
-        self._call_ids = itertools.count()
         self.router = Router(routing or RoutingConfig(), num_engines)
         self.block_size = 16  # the engines' (every EngineReady says it)
         self._tasks: list[asyncio.Task] = []
@@ -89,6 +86,14 @@ class EngineClient:
             self._tasks.append(asyncio.create_task(self._recv_load(), name="coordinator"))
         for task in self._tasks:
             task.add_done_callback(_log_failure)
+
+    @property
+    def sinks(self) -> dict[str, Sink]:  # request id -> where its outputs go
+        return self.in_flight.sinks
+
+    @property
+    def engine_of(self) -> dict[str, int]:
+        return self.in_flight.engine_of
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -155,18 +160,16 @@ class EngineClient:
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None, rank: int,
-                    sink: Callable[[EngineCoreOutput | Exception], None]) -> None:
+                    sink: Sink) -> None:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
         self._send_to(rank, msg)
-        self.sinks[request_id] = sink
-        self.engine_of[request_id] = rank
-        self.loads.in_flight[rank] += 1
+        self.in_flight.add(request_id, rank, sink)
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
         for req_id in request_ids:
-            rank = self._forget(req_id)
+            rank = self.in_flight.forget(req_id)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(req_id)
         for rank, ids in by_rank.items():
@@ -186,21 +189,14 @@ class EngineClient:
         except zmq.ZMQError as e:
             raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
 
-    def _forget(self, request_id: str) -> int | None:
-        self.sinks.pop(request_id, None)
-        rank = self.engine_of.pop(request_id, None)
-        if rank is not None:
-            self.loads.in_flight[rank] -= 1
-        return rank
-
-    async def utility(self, method: str, rank: int, arg: int = 0) -> Any:
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (rank, future)
+    async def call(self, rank: int, kind: type[EngineCall], *args: Any) -> Any:
+        """`kind(call_id, client_index, *args)` on engine `rank` (wire/engine_calls.py); its
+        answer. A refusal raises RuntimeError with the engine's words."""
+        call_id, future = self.in_flight.new_call(rank)
         try:
-            self._send_to(rank, p.UtilityCall(call_id, method, self.client_index, arg))
+            self._send_to(rank, kind(call_id, self.client_index, *args))
         except EngineUnavailableError:
-            self._calls.pop(call_id)
+            self.in_flight.calls.pop(call_id)
             raise
         return await future
 
@@ -219,31 +215,15 @@ class EngineClient:
                 if self.on_outputs is not None:
                     self.on_outputs(msg)
             elif isinstance(msg, p.UtilityResult):
-                rank, future = self._calls.get(msg.call_id, (None, None))
-                if rank != msg.rank:  # no call of ours to that rank
-                    continue
-                del self._calls[msg.call_id]
-                if future.done():  # its caller gave up
-                    continue
-                if msg.error:
-                    future.set_exception(RuntimeError(msg.error))
-                else:
-                    future.set_result(msg.result)
+                self.in_flight.answer(msg)
             elif isinstance(msg, p.RequestFailed):
-                sink = self.sinks.get(msg.request_id)
-                if sink is not None and self.engine_of.get(msg.request_id) == msg.rank:
-                    sink(RequestFailedError(msg.error, msg.status))
-                    self._forget(msg.request_id)
+                self.in_flight.fail(msg.request_id, msg.rank,
+                                    RequestFailedError(msg.error, msg.status))
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
-        sink = self.sinks.get(out.request_id)
-        if sink is None:  # aborted on our side already
-            return
-        sink(out)
-        if out.finished:
-            self._forget(out.request_id)
+        self.in_flight.deliver(out)
 
     async def _recv_control(self) -> None:
         while True:
@@ -307,18 +287,7 @@ class EngineClient:
     def _mark_dead(self, rank: int, reason: str) -> None:
         logger.error("engine dp%d is down: %s", rank, reason)
         self.dead[rank] = reason
-        error = EngineDeadError(f"engine dp{rank} died: {reason}")
-        for req_id, r in list(self.engine_of.items()):
-            if r == rank:
-                sink = self.sinks.get(req_id)
-                if sink is not None:
-                    sink(error)
-                self._forget(req_id)
-        for call_id, (r, future) in list(self._calls.items()):
-            if r == rank:
-                del self._calls[call_id]
-                if not future.done():
-                    future.set_exception(error)
+        self.in_flight.fail_engine(rank, EngineDeadError(f"engine dp{rank} died: {reason}"))
 
 
 def _log_failure(task: asyncio.Task) -> None:
