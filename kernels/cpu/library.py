@@ -13,6 +13,7 @@ import torch
 
 from . import huge_pages
 from .build import build, open_intact
+from .checks import check_gemm, check_sampling
 from .layer_structs import LayerStep, LayerWeights, ptr_or_null
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -31,24 +32,6 @@ def _profiled(fn):
             return fn(*args, **kwargs)
 
     return call
-
-
-def _check_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, weight_dtype: torch.dtype,
-                *vectors: torch.Tensor | None) -> None:
-    """What the GEMM kernels read through raw pointers, checked: a wrong shape there is no
-    exception but a read past the end of a buffer."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, not {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    want = ((n + 15) // 16, x.shape[1] // 2, 32)
-    if packed.dtype != weight_dtype or tuple(packed.shape) != want or not packed.is_contiguous():
-        raise ValueError(f"packed weight must be {weight_dtype} {want} for x {tuple(x.shape)} "
-                         f"and n={n}, not {packed.dtype} {tuple(packed.shape)}")
-    for v in vectors:
-        if v is not None and (v.dtype != torch.bfloat16 or tuple(v.shape) != (n,)
-                              or not v.is_contiguous()):
-            raise ValueError(f"bias and scale must be contiguous bfloat16 [{n}], not {v.dtype} "
-                             f"{tuple(v.shape)}")
 
 
 class CpuOps:
@@ -108,7 +91,7 @@ class CpuOps:
                   bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, k] bf16 (rows may be strided) -> x W^T + bias [rows, n] bf16, W packed by
         `pack_bf16`."""
-        _check_gemm(x, packed, n, torch.bfloat16, bias)
+        check_gemm(x, packed, n, torch.bfloat16, bias)
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0),
@@ -141,7 +124,7 @@ class CpuOps:
         """x [rows, k] bf16 (rows may be strided) -> (x Q^T) * scale + bias [rows, n] bf16, Q
         packed by `pack_int8`, scale [n] and bias [n] bf16."""
         n = scale.shape[0]
-        _check_gemm(x, packed, n, torch.int8, scale, bias)
+        check_gemm(x, packed, n, torch.int8, scale, bias)
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         self._lib.parashift_gemm_int8(out.data_ptr(), n, x.data_ptr(), x.stride(0),
@@ -210,28 +193,9 @@ class CpuOps:
         `overrides`: (starts [rows + 1] int64, token ids int64, values float32), row r's
         logits at ids[starts[r]:starts[r + 1]] read as those values (penalized logits)."""
         rows, vocab = logits.shape
-        if logits.stride(1) != 1 or logits.stride(0) < vocab:
-            raise ValueError(f"logits rows must be contiguous, not strides {logits.stride()}")
         columns = ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32),
                    (min_p, torch.float32), (uniforms, torch.float64))
-        for column, dtype in columns:
-            if column is not None and (column.dtype != dtype or tuple(column.shape) != (rows,)
-                                       or not column.is_contiguous()):
-                raise ValueError(f"sampling columns must be contiguous {dtype} [{rows}], not "
-                                 f"{column.dtype} {tuple(column.shape)}")
-        if overrides is not None:
-            starts, ids, values = overrides
-            n = ids.numel()
-            if (starts.dtype != torch.int64 or tuple(starts.shape) != (rows + 1,)
-                    or ids.dtype != torch.int64 or values.dtype != torch.float32
-                    or values.numel() != n or not (starts.is_contiguous() and ids.is_contiguous()
-                                                   and values.is_contiguous())
-                    or int(starts[0]) != 0 or int(starts[-1]) != n
-                    or bool((starts.diff() < 0).any())
-                    or (n and not 0 <= int(ids.min()) <= int(ids.max()) < vocab)):
-                raise ValueError("overrides must be contiguous (starts int64 [rows + 1] from 0 "
-                                 "to their count, ids int64 below the vocabulary, values "
-                                 "float32)")
+        check_sampling(logits, columns, overrides)
         pointers = (None, None, None) if overrides is None else (ptr_or_null(t) for t in overrides)
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.parashift_sample_rows(
