@@ -13,6 +13,7 @@ from parashift.serve.openai_protocol import (
 from parashift.serve.request_params import chat_messages, sampling_params
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from parashift.types.sampling_params import SamplingParams
+from parashift.wire import engine_calls as calls
 from parashift.wire import protocol as p
 
 
@@ -20,7 +21,11 @@ from parashift.wire import protocol as p
     (p.AddRequest("r1", [1, 2, 3], SamplingParams(n=1, max_tokens=5, stop=["x"], seed=3),
                   2, 0, 12.5), p.ToEngine),
     (p.AbortRequests(["a", "b"]), p.ToEngine),
-    (p.UtilityCall(7, "stats", 1), p.ToEngine),
+    (calls.GetStats(7, 1), p.ToEngine),
+    (calls.Sleep(8, 1, 2), p.ToEngine),
+    (calls.WakeUp(9, 0), p.ToEngine),
+    (calls.IsSleeping(10, 0), p.ToEngine),
+    (calls.ResetPrefixCache(11, 1), p.ToEngine),
     (p.EngineOutputs(0, [EngineCoreOutput("r1", [5], TokenLogprobs([5, 6], [-0.1, -2.0], 1),
                                           "stop", "x", 16)],
                      SchedulerStats(1, 2, 0.5, 10, 4)), p.Outputs),

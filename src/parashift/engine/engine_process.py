@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -29,6 +30,7 @@ from parashift.processes import (
 )
 from parashift.strategies.mesh import EnginePlacement, engine_process_name
 from parashift.types.outputs import EngineCoreOutput
+from parashift.wire import engine_calls as calls
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import CurvePair, Role
 from parashift.wire.sockets import routing_id, subscriber, zmq_context
@@ -91,6 +93,17 @@ class EngineProcess:
                                                                       placement=self.placement)
         self.hold_while_asleep = config.scheduler.while_asleep == "wait"
         self.sleep = SleepState(self.rank, self.core, self._answer)
+        sleep = self.sleep
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            p.AddRequest: self._add_request,
+            p.AbortRequests: self._abort,
+            calls.Sleep: sleep.sleep,
+            calls.WakeUp: self._wake_up,
+            calls.IsSleeping: sleep.is_sleeping,
+            calls.ResetPrefixCache: lambda call: self._answer(call,
+                                                              self.core.reset_prefix_cache()),
+            calls.GetStats: lambda call: self._answer(call, self.core.stats()),
+        }
         identity = routing_id(f"dp{self.rank}")  # the API servers learn it from EngineReady
         for address in init.request_addresses:
             sock = self.links.socket(zmq.DEALER)
@@ -162,66 +175,53 @@ class EngineProcess:
             self._last_load = key
             self.load_out.send(p.encode(load))
 
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, p.AddRequest):
-            if self.sleep.closed and not self.hold_while_asleep:
-                self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
-                    self.rank, msg.request_id, ASLEEP_MESSAGE, 503)))
-                return
-            self.client_of[msg.request_id] = msg.client_index
-            if self.sleep.closed:  # --while-asleep wait: held requests count against the cap
-                limit = self.core.config.scheduler.max_waiting_requests
-                waiting = len(self.sleep.held) + len(self.core.scheduler.waiting)
-                if limit is not None and waiting >= limit:
-                    self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
-                        self.rank, msg.request_id, f"the engine is asleep and holds {limit} "
-                        "requests already (--max-waiting-requests): try again later", 429)))
-                    self.client_of.pop(msg.request_id, None)
-                    return
-                self.sleep.held[msg.request_id] = msg
-                return
-            try:
-                self.core.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                              msg.eos_token_id, msg.arrival_time))
-            except ValueError as e:  # a bad request fails alone
-                status = 429 if isinstance(e, QueueFullError) else 400
-                self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
-                    self.rank, msg.request_id, str(e), status)))
-                self.client_of.pop(msg.request_id, None)
-        elif isinstance(msg, p.AbortRequests):
-            self.core.abort_requests(msg.request_ids)
-            for req_id in msg.request_ids:
-                self.sleep.held.pop(req_id, None)
-            by_client: dict[int, list[EngineCoreOutput]] = {}
-            for req_id in msg.request_ids:
-                client = self.client_of.pop(req_id, None)
-                if client is not None:
-                    by_client.setdefault(client, []).append(
-                        EngineCoreOutput(req_id, [], finish_reason="abort"))
-            for client, outs in by_client.items():
-                self._send_outputs(client, outs)
-        elif isinstance(msg, p.UtilityCall):
-            self._utility(msg)
-
-    def _utility(self, call: p.UtilityCall) -> None:
-        result, error = None, None
+    def _handle(self, msg: p.ToEngine) -> None:
         try:
-            if self.sleep.on_call(call):
-                for held in self.sleep.release() if not self.sleep.closed else []:
-                    self._handle(held)  # awake: admitted now
-                return
-        except ValueError as e:
-            self._answer(call, None, str(e))
-            return
-        if call.method == "reset_prefix_cache":
-            result = self.core.reset_prefix_cache()
-        elif call.method == "stats":
-            result = self.core.stats()
-        else:
-            error = f"unknown utility method {call.method!r}"
-        self._answer(call, result, error)
+            self._handlers[type(msg)](msg)
+        except ValueError as e:  # a bad call fails alone (a bad request: _add_request)
+            if not isinstance(msg, calls.EngineCall):
+                raise
+            self._answer(msg, None, str(e))
 
-    def _answer(self, call: p.UtilityCall, result: Any, error: str | None = None) -> None:
+    def _add_request(self, msg: p.AddRequest) -> None:
+        if self.sleep.closed and not self.hold_while_asleep:
+            self._refuse(msg, ASLEEP_MESSAGE, 503)
+            return
+        try:
+            if self.sleep.closed:  # --while-asleep wait: admitted at the wake
+                self.core.scheduler.check_room(len(self.sleep.held))
+                self.sleep.held[msg.request_id] = msg
+            else:
+                self.core.add_request(Request(msg.request_id, msg.prompt_token_ids,
+                                              msg.params, msg.eos_token_id, msg.arrival_time))
+        except ValueError as e:  # a bad request fails alone
+            self._refuse(msg, str(e), 429 if isinstance(e, QueueFullError) else 400)
+            return
+        self.client_of[msg.request_id] = msg.client_index
+
+    def _refuse(self, msg: p.AddRequest, error: str, status: int) -> None:
+        self.outputs[msg.client_index].send(p.encode(p.RequestFailed(
+            self.rank, msg.request_id, error, status)))
+
+    def _abort(self, msg: p.AbortRequests) -> None:
+        self.core.abort_requests(msg.request_ids)
+        for req_id in msg.request_ids:
+            self.sleep.held.pop(req_id, None)
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for req_id in msg.request_ids:
+            client = self.client_of.pop(req_id, None)
+            if client is not None:
+                by_client.setdefault(client, []).append(
+                    EngineCoreOutput(req_id, [], finish_reason="abort"))
+        for client, outs in by_client.items():
+            self._send_outputs(client, outs)
+
+    def _wake_up(self, call: calls.WakeUp) -> None:
+        self.sleep.wake_up(call)
+        for held in self.sleep.release():
+            self._add_request(held)  # awake: admitted now
+
+    def _answer(self, call: calls.EngineCall, result: Any, error: str | None = None) -> None:
         self.outputs[call.client_index].send(p.encode(
             p.UtilityResult(self.rank, call.call_id, result, error)))
 

@@ -72,7 +72,7 @@ class Scheduler:
         `num_held` more that wait outside (held while the engine sleeps)."""
         limit = self.config.max_waiting_requests
         if limit is not None and self.num_waiting + num_held >= limit:
-            raise QueueFullError(f"the engine holds {limit} waiting requests already "
+            raise QueueFullError(f"the engine holds {limit} requests already, waiting "
                                  "(--max-waiting-requests): try again later")
 
     def add_request(self, request: Request) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parashift.wire import protocol as p
+from parashift.wire.engine_calls import EngineCall, IsSleeping, Sleep, WakeUp
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,12 @@ ASLEEP_MESSAGE = "the engines are asleep: POST /wake_up first"
 
 
 class SleepState:
-    def __init__(self, rank: int, core: Any, answer: Callable[[p.UtilityCall, Any], None]):
+    def __init__(self, rank: int, core: Any, answer: Callable[[EngineCall, Any], None]):
         """`core`: the EngineCore; `answer(call, result)` replies to a utility call."""
         self.rank, self.core, self.answer = rank, core, answer
         self.level = 0  # 0: awake
         self.released = 0  # bytes the current sleep released (0 awake)
-        self.pending: list[p.UtilityCall] = []  # sleep calls waiting for the drain
+        self.pending: list[Sleep] = []  # sleep calls waiting for the drain
         self.resleep = 0  # woken for a peer's wave: the level to go back to after it
         self.held: dict[str, p.AddRequest] = {}  # --while-asleep wait: admitted at the wake
 
@@ -46,25 +47,23 @@ class SleepState:
         self.core.wake_up()
         self.resleep, self.level, self.released = self.level, 0, 0
 
-    def on_call(self, call: p.UtilityCall) -> bool:
-        """Handles "sleep", "wake_up" and "is_sleeping"; False for any other method."""
-        if call.method == "sleep":
-            if call.arg not in (1, 2):
-                raise ValueError(f"sleep level {call.arg}: use 1 (KV cache) or 2 (and weights)")
-            self.pending.append(call)  # answered by settle()
-        elif call.method == "wake_up":
-            self._answer_pending()  # a wake before the drain ended: nothing was released
-            self.resleep = 0
-            if self.level:
-                self.core.wake_up()
-                logger.info("engine dp%d is awake", self.rank)
-            self.level = self.released = 0
-            self.answer(call, self.state())
-        elif call.method == "is_sleeping":
-            self.answer(call, self.state())
-        else:
-            return False
-        return True
+    def sleep(self, call: Sleep) -> None:
+        """Answered by `settle`, once the engine has drained."""
+        if call.level not in (1, 2):
+            raise ValueError(f"sleep level {call.level}: use 1 (KV cache) or 2 (and weights)")
+        self.pending.append(call)
+
+    def wake_up(self, call: WakeUp) -> None:
+        self._answer_pending()  # a wake before the drain ended: nothing was released
+        self.resleep = 0
+        if self.level:
+            self.core.wake_up()
+            logger.info("engine dp%d is awake", self.rank)
+        self.level = self.released = 0
+        self.answer(call, self.state())
+
+    def is_sleeping(self, call: IsSleeping) -> None:
+        self.answer(call, self.state())
 
     def release(self) -> list[p.AddRequest]:
         """The requests held while asleep, in arrival order, after a wake."""
@@ -76,7 +75,7 @@ class SleepState:
         still running; held requests are not in the engine yet)."""
         if not self.pending and not self.resleep:
             return
-        level = max([call.arg for call in self.pending] + [self.resleep])
+        level = max([call.level for call in self.pending] + [self.resleep])
         if level <= self.level:  # asleep that deep already
             self._answer_pending()
             return

@@ -15,6 +15,7 @@ from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableError
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
+from parashift.wire.engine_calls import EngineCall, IsSleeping, ResetPrefixCache, Sleep, WakeUp
 
 
 def _json(data: Any) -> web.Response:
@@ -31,13 +32,13 @@ class EngineRoutes:
         app.router.add_post("/wake_up", self.wake_up)
         app.router.add_get("/is_sleeping", self.is_sleeping)
 
-    async def _call_all(self, method: str, arg: int = 0) -> dict[int, Any]:
+    async def _call_all(self, kind: type[EngineCall], *args: Any) -> dict[int, Any]:
         """Every live engine's answer, by rank. A rank that died or cannot be reached makes
         it a 503 naming it; an engine's refusal a 400."""
         ranks = self.engines.alive_engines()
         if not ranks:
             raise OpenAIError(503, "no engine is up", "service_unavailable_error")
-        results = await asyncio.gather(*(self.engines.utility(method, r, arg) for r in ranks),
+        results = await asyncio.gather(*(self.engines.call(r, kind, *args) for r in ranks),
                                        return_exceptions=True)
         answers = dict(zip(ranks, results, strict=True))
         for rank, result in answers.items():
@@ -51,14 +52,14 @@ class EngineRoutes:
             # At once in this API server; the others hear it through the coordinator.
             self.metrics.sleep_level.labels(f"dp{rank}").set(result["level"])
             self.metrics.sleep_released.labels(f"dp{rank}").set(result["released_bytes"])
-            if method != "is_sleeping":  # the rank's prefix cache is empty now
+            if kind is not IsSleeping:  # the rank's prefix cache is empty now
                 self.engines.router.forget(rank)
         return answers
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         results = {}
         for rank in self.engines.alive_engines():
-            results[f"dp{rank}"] = await self.engines.utility("reset_prefix_cache", rank)
+            results[f"dp{rank}"] = await self.engines.call(rank, ResetPrefixCache)
             if results[f"dp{rank}"]:
                 self.engines.router.forget(rank)  # at once here; the others via the coordinator
         return _json({"reset": results})
@@ -68,17 +69,17 @@ class EngineRoutes:
         if level not in ("1", "2"):
             raise OpenAIError(400, f"level={level!r}: use 1 (free the KV cache) or 2 (the "
                               "weights too)", param="level")
-        results = await self._call_all("sleep", int(level))
+        results = await self._call_all(Sleep, int(level))
         # each rank's own level: a /wake_up during the drain leaves a rank awake
         return _json({"sleeping": all(v["level"] for v in results.values()),
                       "level": int(level),
                       "engines": {f"dp{r}": v for r, v in results.items()}})
 
     async def wake_up(self, request: web.Request) -> web.Response:
-        results = await self._call_all("wake_up")
+        results = await self._call_all(WakeUp)
         return _json({"sleeping": False, "engines": {f"dp{r}": v for r, v in results.items()}})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
-        results = await self._call_all("is_sleeping")
+        results = await self._call_all(IsSleeping)
         levels = {f"dp{r}": v["level"] for r, v in results.items()}
         return _json({"is_sleeping": all(levels.values()), "levels": levels})

@@ -1,9 +1,9 @@
 """Every message between the launch's processes, as msgspec structs (msgpack on the wire,
-never pickle; an engine's to its own workers: worker_protocol.py). Sockets (see DESIGN.md,
-"Processes and sockets"):
+never pickle; an engine's to its own workers: worker_protocol.py; an API server's calls on an
+engine: engine_calls.py; lockstep's: lockstep_protocol.py). Sockets (docs/architecture.md):
 
   handshake   launcher ROUTER  <- engine DEALER: Hello -> EngineInit -> Ready
-  requests    API server ROUTER <- engine DEALER: AddRequest, AbortRequests, UtilityCall down;
+  requests    API server ROUTER <- engine DEALER: AddRequest, AbortRequests, engine calls down;
               EngineReady up (the API server routes to the identity it came from). The
               launcher's DEALER sends EngineDead / Shutdown on the same socket and gets
               ApiServerReady back.
@@ -34,6 +34,7 @@ import msgspec
 
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
+from parashift.wire.engine_calls import GetStats, IsSleeping, ResetPrefixCache, Sleep, WakeUp
 from parashift.wire.engine_config import EngineConfigWire
 from parashift.wire.lockstep_protocol import StartWave, WaveStats
 from parashift.wire.message import _Msg
@@ -90,13 +91,6 @@ class AddRequest(_Msg):
 
 class AbortRequests(_Msg):
     request_ids: list[str]
-
-
-class UtilityCall(_Msg):
-    call_id: int
-    method: str  # "reset_prefix_cache" | "stats" | "sleep" | "wake_up" | "is_sleeping"
-    client_index: int
-    arg: int = 0  # the sleep level
 
 
 # --- engine -> API server --------------------------------------------------------------------
@@ -201,7 +195,8 @@ class NodeInit(_Msg):
     config: EngineConfigWire | None = None
 
 
-ToEngine = AddRequest | AbortRequests | UtilityCall  # on an engine's request sockets
+# on an engine's request sockets
+ToEngine = AddRequest | AbortRequests | Sleep | WakeUp | IsSleeping | ResetPrefixCache | GetStats
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
 ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
 ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL socket
