@@ -50,9 +50,6 @@ def throughput(
     roofline: Annotated[bool, typer.Option(
         "--roofline", help="also time the model's GEMM shapes: fraction of the best rate")
                         ] = False,
-    structured: Annotated[str | None, typer.Option(
-        "--structured", help="one-schema or distinct-schemas: --num-prompts chat requests "
-        "under JSON schemas against the same unconstrained (bench/structured.py)")] = None,
     sampling: Sampling = "",
     seed: Seed = 0,
     save_json: SaveJson = None,
@@ -76,9 +73,6 @@ def throughput(
     try:
         fields = sampling_fields(sampling)
         config = create_config(engine_args)
-        if structured is not None:
-            return _structured(engine_args, config, structured, num_prompts, fields, repeat,
-                               save_json)
         requests = workload(num_prompts, input_len, output_len, input_len_range,
                             output_len_range, dataset, seed, _tokenizer(config.model),
                             config.model.vocab_size)
@@ -136,29 +130,6 @@ def throughput(
 
         throughput_bars(plot, {n: r["total_tokens_per_s"] for n, r in rates.items()},
                         f"throughput, {len(requests)} requests")
-
-
-def _structured(engine_args: EngineArgs, config: Any, kind: str, num_prompts: int,
-                fields: dict, repeat: int, save_json: str | None) -> None:
-    from parashift import LLM
-    from parashift.bench import report
-    from parashift.bench.structured import SCHEMA_KINDS, run_structured, table
-
-    if kind not in SCHEMA_KINDS:
-        raise ValueError(f"--structured {kind!r}: choose {' or '.join(SCHEMA_KINDS)}")
-    if config.parallel.strategy.processes().num_engines > 1:
-        raise ValueError("--structured runs one engine: give a strategy without dp")
-    llm = LLM.from_engine_args(engine_args)
-    try:
-        llm.chat([[{"role": "user", "content": "warm up"}]], use_tqdm=False)  # first step
-        result = run_structured(llm, kind, num_prompts, fields, repeat)
-    finally:
-        llm.shutdown()
-    typer.echo(table(result))
-    if save_json:
-        report.save_json(save_json, "throughput-structured", {
-            "model": config.model.path, "dtype": str(config.model.dtype), "structured": kind,
-            "num_prompts": num_prompts, "repeat": repeat, "sampling": fields}, result, [])
 
 
 def _rates(times: list[float], n: int, tokens: int, out_tokens: int) -> dict[str, Any]:

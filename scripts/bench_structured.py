@@ -1,12 +1,20 @@
-"""`parashift bench throughput --structured one-schema|distinct-schemas`: requests under JSON
-schemas (one shared, or each its own: every compile is timed, none cached from a run before;
-the vocabulary's one-time preparation is done by a warm-up request) against the same requests
-unconstrained with the same output lengths, in one engine."""
+"""`python scripts/bench_structured.py [MODEL] --schemas one-schema|distinct-schemas`: requests
+under JSON schemas (one shared, or each its own: every compile is timed, none cached from a run
+before; the vocabulary's one-time preparation is done by a warm-up request) against the same
+requests unconstrained with the same output lengths, in one engine."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from parashift.bench.options import NumPrompts, Sampling, SaveJson, sampling_fields
+from parashift.cli_options import engine_options, fail, setup_logging
+
+if TYPE_CHECKING:
+    from parashift.engine.args import EngineArgs
 
 SCHEMA_KINDS = ("one-schema", "distinct-schemas")
 PROMPT = "Describe person number {i} as a JSON object."
@@ -72,3 +80,46 @@ def table(r: dict[str, Any]) -> str:
                              "unconstrained_output_tok_s")))
             + f"\nconstrained / unconstrained: {r['ratio']:.3f}x; compile cache hit rate "
             + ", ".join(f"{100 * h:.0f}%" for h in r["compile_cache_hit_rate"]))
+
+
+@engine_options
+def structured(
+    engine_args: EngineArgs,
+    schemas: Annotated[str, typer.Option(
+        "--schemas", help="one-schema or distinct-schemas: --num-prompts chat requests under "
+        "JSON schemas against the same unconstrained")] = "one-schema",
+    num_prompts: NumPrompts = 64,
+    repeat: Annotated[int, typer.Option(help="timed runs of each; rates from the medians")
+                      ] = 1,
+    sampling: Sampling = "",
+    save_json: SaveJson = None,
+) -> None:
+    """Constrained (JSON schemas) against unconstrained throughput, same requests and lengths."""
+    setup_logging()
+    from parashift import LLM
+    from parashift.bench import report
+
+    if schemas not in SCHEMA_KINDS:
+        fail(f"--schemas {schemas!r}: choose {' or '.join(SCHEMA_KINDS)}")
+    if num_prompts < 1 or repeat < 1:
+        fail("--num-prompts and --repeat must be >= 1")
+    try:
+        fields = sampling_fields(sampling)
+        llm = LLM.from_engine_args(engine_args)  # one engine: dp > 1 is refused here
+    except ValueError as e:
+        fail(str(e))
+    try:
+        llm.chat([[{"role": "user", "content": "warm up"}]], use_tqdm=False)  # first step
+        result = run_structured(llm, schemas, num_prompts, fields, repeat)
+    finally:
+        llm.shutdown()
+    typer.echo(table(result))
+    if save_json:
+        report.save_json(save_json, "throughput-structured", {
+            "model": llm.config.model.path, "dtype": str(llm.config.model.dtype),
+            "structured": schemas, "num_prompts": num_prompts, "repeat": repeat,
+            "sampling": fields}, result, [])
+
+
+if __name__ == "__main__":
+    typer.run(structured)
