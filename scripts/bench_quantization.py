@@ -7,6 +7,7 @@ continuations stay identical. Speed: decode tokens/s at each batch size, and the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Annotated, Any
@@ -74,9 +75,9 @@ def quantization(
         fail(f"--batch-sizes {max(batches)} is above --max-num-seqs {engine_args.max_num_seqs}")
     if engine_args.quantization is not None:
         fail("--quantization: this command runs the methods of --methods itself")
-    engine_args.seed = seed
     try:
-        results = compare(engine_args, chosen, PROMPTS[:num_prompts], output_len, batches)
+        results = compare(dataclasses.replace(engine_args, seed=seed), chosen,
+                          PROMPTS[:num_prompts], output_len, batches)
     except ValueError as e:
         fail(str(e))
     typer.echo(format_comparison(results))
@@ -89,8 +90,6 @@ def quantization(
 
 def compare(engine_args: EngineArgs, methods: list[str], prompts: tuple[str, ...],
             output_len: int, batches: list[int]) -> dict[str, Any]:
-    import dataclasses
-
     from parashift import LLM
 
     results: dict[str, Any] = {}

@@ -36,7 +36,7 @@ def serving_vs_offline(
     from parashift.bench import report
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_throughput
-    from parashift.engine.args import EngineArgs
+    from parashift.engine.args import EngineArgs, create_config
 
     if repeat < 1:
         fail("--repeat must be >= 1")
@@ -49,8 +49,9 @@ def serving_vs_offline(
     off_times: list[float] = []
     if not skip_offline:
         typer.echo("offline ...")
-        off_times = run_throughput(EngineArgs(model=model, dtype=dtype), requests,
-                                   progress=False, repeat=repeat).elapsed_s
+        args = EngineArgs(model=model, dtype=dtype)
+        off_times = run_throughput(args, create_config(args), requests, progress=False,
+                                   repeat=repeat).elapsed_s
     typer.echo("server ...")
     runs = []
     try:

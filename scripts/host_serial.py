@@ -26,7 +26,8 @@ def main() -> None:
     runner = core.executor.worker.runner
     device_time = [0.0]
 
-    # bench/breakdown.py's device timer, here too: the checkouts before issue 44 lack it
+    # ModelRunner.device_timer's count (what bench/breakdown.py reads), by hand: the older
+    # checkouts this compares with lack it
     def timed(fn):
         def call(*a, **k):
             start = time.perf_counter()

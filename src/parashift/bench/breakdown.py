@@ -1,28 +1,24 @@
 """`parashift bench latency --breakdown`: where a decode step's time goes, on this machine.
 
-One batch runs through the engine twice, step by step: once plain (the step times), once
-under torch.profiler. In the profile every op of a decode step is put in one bucket:
-attention (everything inside the attention layers: KV write, gather, SDPA), sampling
-(everything inside the sampler), GEMM (the matrix-multiply kernels elsewhere: linears and the
-LM head), other ops (norms, rotary, activations, embedding, copies: torch's or the compiled
-CPU kernels'); what the step's
-wall time holds beyond its ops is Python and bookkeeping (scheduler, input preparation, op
-dispatch). The plain run also times, per step, what the model runner spends in the forward,
-the logits and the sampler (the kernels' work: on CPU the GEMM and attention kernels): the rest
-of the step's wall time is the host's serial time (scheduling, input preparation, output
-processing), the share async scheduling and the persistent batch take off the critical path.
-Beside it, the GEMM floor of the same run: every GEMM weight of the model once, at
-the batch's rows, back to back (weights streamed from memory as in a real step). Under the
+One batch runs through the engine twice, step by step. Under torch.profiler every op of a
+decode step goes in one bucket: attention (inside the attention layers: KV write, gather,
+SDPA), sampling (inside the sampler), grammar (the structured outputs' mask), GEMM (the
+matrix-multiply kernels elsewhere: linears, LM head), other ops (norms, rotary, activations,
+embedding, copies); the step's wall time beyond its ops is Python and bookkeeping. The plain
+run gives the step times, and the runner's own timer (ModelRunner.device_timer) what its
+forward, logits and sampler took: the rest of a step is the host's serial time (scheduling,
+input preparation, output processing), what async scheduling takes off the critical path.
+Beside it, the GEMM floor: every GEMM weight once at the batch's rows, back to back. Under the
 profiler the decoder layers run op by op even where they are one kernel call otherwise
 (executor/fused_cpu_layers.py): the plain step time is the fused one, the split the unfused."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
+
+from parashift.layers.profiling import DeviceTimer, profiler_label
 
 GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
             "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
@@ -30,67 +26,26 @@ GEMM_OPS = {"mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::
 BUCKETS = ("gemm", "attention", "sampling", "grammar", "other_ops", "python")
 
 
-def _run_batch(core, prompts: list[list[int]], output_len: int, label: bool,
-               sampling: dict | None, device: list[float] | None = None
-               ) -> list[tuple[float, float]]:
-    """Every step of one batch: its seconds, and those of `device` (a _device_timer's) within
-    it (the first step is the prefill)."""
-    from torch.profiler import record_function
-
+def _run_batch(core, prompts: list[list[int]], output_len: int, sampling: dict | None,
+               timer: DeviceTimer | None = None) -> list[tuple[float, float]]:
+    """Every step of one batch (labelled for the profiler when it runs): its seconds, and
+    those `timer` (the runner's) counted within it (the first step is the prefill)."""
+    from parashift.bench.offline import sampling_params
     from parashift.engine.request import Request
-    from parashift.types.sampling_params import SamplingParams
 
     core.reset_prefix_cache()
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True,
-                            **(sampling or {"temperature": 0.0}))
+    params = sampling_params(output_len, sampling)
     for i, prompt in enumerate(prompts):
         core.add_request(Request(f"b{i}", prompt, params, None))
     times = []
     while core.has_unfinished_requests():
-        if device is not None:
-            device[0] = 0.0
+        if timer is not None:
+            timer.take()  # what ran between the steps is neither's
         start = time.perf_counter()
-        if label:
-            with record_function(f"parashift::step:{len(times)}"):
-                core.step()
-        else:
+        with profiler_label(f"parashift::step:{len(times)}"):
             core.step()
-        times.append((time.perf_counter() - start, device[0] if device is not None else 0.0))
+        times.append((time.perf_counter() - start, timer.take() if timer is not None else 0.0))
     return times
-
-
-@contextlib.contextmanager
-def _device_timer(runner) -> Iterator[list[float]]:
-    """Seconds the runner spends in the forward (a CUDA graph's too), the logits and the
-    sampler, summed since the last read (the list's one entry); the runner's own methods are
-    restored after. With async scheduling a runner call that spans two steps counts in the
-    step it ends in."""
-    spent = [0.0]
-
-    def timed(fn):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - start
-        return call
-
-    targets = [(runner, "_forward_stage"), (runner.sampler, "sample"),
-               (runner.model, "compute_logits")]
-    if runner.graphs is not None:
-        targets.append((runner.graphs, "run"))
-    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]
-    for owner, name in targets:
-        setattr(owner, name, timed(getattr(owner, name)))
-    try:
-        yield spent
-    finally:  # each instance's own attribute again, or none (its class's method)
-        for owner, name, own in saved:
-            if own is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)
 
 
 def _bucket(event) -> tuple[int | None, str]:
@@ -151,20 +106,24 @@ def decode_breakdown(llm, batch_size: int, input_len: int, output_len: int,
     plain, profiled, and per bucket."""
     from torch.profiler import ProfilerActivity, profile
 
+    from parashift.bench.offline import latency_prompts
+
     core = llm.engine
     worker = getattr(core.executor, "worker", None)
     if worker is None:
         raise ValueError("--breakdown profiles one process: drop the tp and pp axes")
-    vocab = llm.config.model.vocab_size
-    prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
-               for b in range(batch_size)]
-    _run_batch(core, prompts, min(output_len, 4), False, sampling)  # warm-up
-    with _device_timer(worker.runner) as spent:
-        plain_all = _run_batch(core, prompts, output_len, False, sampling, spent)
+    prompts = latency_prompts(llm.config.model.vocab_size, batch_size, input_len)
+    _run_batch(core, prompts, min(output_len, 4), sampling)  # warm-up
+    runner = worker.runner
+    runner.device_timer = DeviceTimer()  # the runner times its forward, logits and sampler
+    try:
+        plain_all = _run_batch(core, prompts, output_len, sampling, runner.device_timer)
+    finally:
+        runner.device_timer = None
     plain = [t for t, _ in plain_all[1:]]
     host = [t - device for t, device in plain_all[1:]]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled = [t for t, _ in _run_batch(core, prompts, output_len, True, sampling)]
+        profiled = [t for t, _ in _run_batch(core, prompts, output_len, sampling)]
     per_step: dict[int, dict[str, float]] = {}
     for event in prof.events():
         step, bucket = _bucket(event)

@@ -7,6 +7,7 @@ behind docs/BENCHMARKS.md (layouts, kernels, backends, soak) are studies in scri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -47,6 +48,7 @@ def latency(
 ) -> None:
     """End-to-end latency of one batch (prefill and every decode step)."""
     setup_logging()
+    from parashift import LLM
     from parashift.bench import report
     from parashift.bench.metrics import distribution
     from parashift.bench.offline import run_latency
@@ -64,35 +66,34 @@ def latency(
             from parashift import StructuredOutputsParams
 
             fields["structured_outputs"] = StructuredOutputsParams(regex=structured_regex)
-        engine_args.seed = seed
         if strategy_spec(engine_args).processes().num_engines > 1:
             raise ValueError("latency measures one engine: drop the dp axis")
         if batch_size > engine_args.max_num_seqs:
             raise ValueError(f"--batch-size {batch_size} is above --max-num-seqs "
                              f"{engine_args.max_num_seqs}: one batch would take several steps")
-        latencies = run_latency(engine_args, batch_size, input_len, output_len, iters, warmup,
-                                sampling=fields)
+        # one engine (its config resolved once) for the timed batches and the breakdown
+        llm = LLM.from_engine_args(dataclasses.replace(engine_args, seed=seed))
     except ValueError as e:
         fail(str(e))
-    stats = distribution(latencies)
-    typer.echo(f"batch {batch_size} x ({input_len} in, {output_len} out), {iters} iterations: "
-               f"mean {stats['mean']:.1f} ms, median {stats['median']:.1f}, p90 "
-               f"{stats['p90']:.1f}, p99 {stats['p99']:.1f} "
-               f"({batch_size * output_len / (stats['median'] / 1e3):.1f} output tok/s)")
-    results = {"latency_ms": stats, "latencies_s": latencies}
-    if breakdown:
-        from parashift import LLM
-        from parashift.bench.breakdown import decode_breakdown, format_breakdown
+    try:
+        latencies = run_latency(llm, batch_size, input_len, output_len, iters, warmup,
+                                sampling=fields)
+        stats = distribution(latencies)
+        typer.echo(f"batch {batch_size} x ({input_len} in, {output_len} out), {iters} "
+                   f"iterations: mean {stats['mean']:.1f} ms, median {stats['median']:.1f}, "
+                   f"p90 {stats['p90']:.1f}, p99 {stats['p99']:.1f} "
+                   f"({batch_size * output_len / (stats['median'] / 1e3):.1f} output tok/s)")
+        results = {"latency_ms": stats, "latencies_s": latencies}
+        if breakdown:
+            from parashift.bench.breakdown import decode_breakdown, format_breakdown
 
-        llm = LLM.from_engine_args(engine_args)
-        try:
             results["breakdown"] = decode_breakdown(llm, batch_size, input_len, output_len,
                                                     fields)
-        except ValueError as e:
-            fail(str(e))
-        finally:
-            llm.shutdown()
-        typer.echo(format_breakdown(results["breakdown"]))
+            typer.echo(format_breakdown(results["breakdown"]))
+    except ValueError as e:
+        fail(str(e))
+    finally:
+        llm.shutdown()
     if save_json:
         report.save_json(save_json, "latency", {
             "model": engine_args.model, "batch_size": batch_size, "input_len": input_len,

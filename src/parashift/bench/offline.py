@@ -7,21 +7,29 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from parashift.bench.datasets import BenchRequest
-from parashift.engine.args import EngineArgs, create_config
+from parashift.engine.args import EngineArgs
 from parashift.engine.placement import node_mesh
+
+if TYPE_CHECKING:
+    from parashift.config import EngineConfig
+
+
+def sampling_params(output_len: int, sampling: dict | None = None):
+    """`output_len` tokens, always; `sampling`: the fields of `bench --sampling` (None:
+    greedy)."""
+    from parashift import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, ignore_eos=True,
+                          **(sampling or {"temperature": 0.0}))
 
 
 def _params(requests: list[BenchRequest], sampling: dict | None = None):
-    """`sampling`: the fields of `bench --sampling` (None: greedy)."""
-    from parashift import SamplingParams
-
-    fields = sampling or {"temperature": 0.0}
-    return [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **fields)
-            for r in requests]
+    return [sampling_params(r.output_len, sampling) for r in requests]
 
 
 @dataclasses.dataclass
@@ -30,54 +38,60 @@ class ThroughputRun:
     token_ids: list[list[int]] | None = None  # the last run's outputs (one engine only)
 
 
-def _generate(engine_args: EngineArgs, requests: list[BenchRequest], progress: bool,
-              repeat: int, sampling: dict | None) -> ThroughputRun:
-    from parashift import LLM
-
-    llm = LLM.from_engine_args(engine_args)
-    try:
-        warm = requests[0].prompt
-        llm.generate([warm[:16] if isinstance(warm, list) else warm],
-                     _params([dataclasses.replace(requests[0], output_len=2)]), use_tqdm=False)
-        times = []
-        for _ in range(repeat):
-            llm.engine.reset_prefix_cache()  # a repeat must not hit the last run's prompts
-            start = time.perf_counter()
-            outputs = llm.generate([r.prompt for r in requests], _params(requests, sampling),
-                                   use_tqdm=progress)
-            times.append(time.perf_counter() - start)
-    finally:
-        llm.shutdown()
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    for i, (ids, r) in enumerate(zip(token_ids, requests, strict=True)):
-        if len(ids) != r.output_len:  # ignore_eos: anything else would skew tokens/s
-            raise RuntimeError(f"request {i} produced {len(ids)} tokens, asked {r.output_len}")
-    return ThroughputRun(times, token_ids)
+def _timed_runs(llm, requests: list[BenchRequest], progress: bool, repeat: int,
+                sampling: dict | None, barrier=None) -> tuple[list[float], list]:
+    """Seconds of each run of every request, after a two-token warm-up, and the last run's
+    outputs. `barrier`: the data-parallel ranks start each run together."""
+    warm = requests[0].prompt if requests else [100 + i for i in range(16)]
+    llm.generate([warm[:16] if isinstance(warm, list) else warm], [sampling_params(2)],
+                 use_tqdm=False)
+    times, outputs = [], []
+    for _ in range(repeat):
+        llm.engine.reset_prefix_cache()  # a repeat must not hit the last run's prompts
+        if barrier is not None:
+            barrier.wait()
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt for r in requests], _params(requests, sampling),
+                               use_tqdm=progress)
+        times.append(time.perf_counter() - start)
+    return times, outputs
 
 
-def run_throughput(engine_args: EngineArgs, requests: list[BenchRequest],
-                   progress: bool = True, repeat: int = 1,
+def run_throughput(engine_args: EngineArgs, config: EngineConfig,
+                   requests: list[BenchRequest], progress: bool = True, repeat: int = 1,
                    sampling: dict | None = None) -> ThroughputRun:
-    """Seconds to finish every request, `repeat` times (greedy, or with `sampling`'s fields).
+    """Seconds to finish every request, `repeat` times (greedy, or with `sampling`'s fields);
+    `config`: what `engine_args` resolve to (create_config), resolved once by the caller.
     dp > 1: each rank's process takes every dp-th request and they start each run together;
     the slowest rank's time counts."""
-    config = create_config(engine_args)  # validates, converts a GGUF once
     spec = config.parallel.strategy
     dp = spec.processes().num_engines
     if dp == 1:
-        return _generate(engine_args, requests, progress, repeat, sampling)
+        from parashift import LLM
+
+        llm = LLM.from_engine_args(engine_args)
+        try:
+            times, outputs = _timed_runs(llm, requests, progress, repeat, sampling)
+        finally:
+            llm.shutdown()
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        for i, (ids, r) in enumerate(zip(token_ids, requests, strict=True)):
+            if len(ids) != r.output_len:  # ignore_eos: anything else would skew tokens/s
+                raise RuntimeError(f"request {i} produced {len(ids)} tokens, asked "
+                                   f"{r.output_len}")
+        return ThroughputRun(times, token_ids)
     mesh = node_mesh(spec, config.device.device, list(range(dp)))
     # Each rank's process runs one engine: the strategy without its data-parallel axis.
     engine_strategy = "x".join(a.token for a in spec.axes
                                if not (a.mesh() and a.mesh().spans_engines)) or "dp1"
+    args = dataclasses.replace(engine_args, model=config.model.path, strategy=engine_strategy,
+                               data_parallel_size=None, tensor_parallel_size=None,
+                               pipeline_parallel_size=None)
     mp = multiprocessing.get_context("spawn")
     barrier = mp.Barrier(dp)
     pipes, procs = [], []
     for rank in range(dp):
         receive, send = mp.Pipe(duplex=False)
-        args = dataclasses.replace(engine_args, model=config.model.path,
-                                   strategy=engine_strategy, data_parallel_size=None,
-                                   tensor_parallel_size=None, pipeline_parallel_size=None)
         proc = mp.Process(target=_rank_main, name=f"parashift-bench-dp{rank}", args=(
             rank, args, requests[rank::dp], mesh.engine_placement(rank).cpu_ids, barrier, send,
             progress and rank == 0, repeat, sampling))
@@ -132,46 +146,35 @@ def _rank_main(rank: int, engine_args: EngineArgs, requests: list[BenchRequest],
         from parashift import LLM
 
         llm = LLM.from_engine_args(engine_args)
-        llm.generate([[100 + i for i in range(16)]], _params(
-            [BenchRequest([], 16, 2)]), use_tqdm=False)
-        times = []
-        for _ in range(repeat):
-            llm.engine.reset_prefix_cache()
-            barrier.wait()
-            start = time.perf_counter()
-            llm.generate([r.prompt for r in requests], _params(requests, sampling),
-                         use_tqdm=progress)
-            times.append(time.perf_counter() - start)
+        times, _ = _timed_runs(llm, requests, progress, repeat, sampling, barrier)
         pipe.send_bytes(msgspec.json.encode(times))
         llm.shutdown()
     except Exception as e:  # the parent reports it
         pipe.send_bytes(msgspec.json.encode(f"dp{rank}: {e}"))
 
 
-def run_latency(engine_args: EngineArgs, batch_size: int, input_len: int, output_len: int,
-                iters: int, warmup: int, progress: bool = True,
-                sampling: dict | None = None) -> list[float]:
+def latency_prompts(vocab_size: int, batch_size: int, input_len: int) -> list[list[int]]:
+    """A batch of distinct token-id prompts, the same in every latency run."""
+    return [[(100 + 31 * b + 7 * i) % max(1, vocab_size - 100) for i in range(input_len)]
+            for b in range(batch_size)]
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int,
+                warmup: int, progress: bool = True, sampling: dict | None = None
+                ) -> list[float]:
     """Seconds per batch (prefill + every decode step) for `iters` timed runs."""
     from tqdm import tqdm
 
-    from parashift import LLM
-
-    llm = LLM.from_engine_args(engine_args)
-    try:
-        vocab = llm.config.model.vocab_size
-        prompts = [[(100 + 31 * b + 7 * i) % max(1, vocab - 100) for i in range(input_len)]
-                   for b in range(batch_size)]
-        params = _params([BenchRequest([], input_len, output_len)] * batch_size, sampling)
-        latencies = []
-        bar = tqdm(total=warmup + iters, desc="latency", unit="batch", disable=not progress)
-        for i in range(warmup + iters):
-            llm.engine.reset_prefix_cache()  # every batch prefills in full
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            if i >= warmup:
-                latencies.append(time.perf_counter() - start)
-            bar.update()
-        bar.close()
-        return latencies
-    finally:
-        llm.shutdown()
+    prompts = latency_prompts(llm.config.model.vocab_size, batch_size, input_len)
+    params = sampling_params(output_len, sampling)
+    latencies = []
+    bar = tqdm(total=warmup + iters, desc="latency", unit="batch", disable=not progress)
+    for i in range(warmup + iters):
+        llm.engine.reset_prefix_cache()  # every batch prefills in full
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if i >= warmup:
+            latencies.append(time.perf_counter() - start)
+        bar.update()
+    bar.close()
+    return latencies

@@ -60,7 +60,7 @@ def throughput(
     setup_logging()
     from parashift.bench import report
     from parashift.bench.offline import run_throughput
-    from parashift.engine.args import create_config, strategy_spec
+    from parashift.engine.args import create_config
 
     if baseline not in (None, "hf"):
         fail(f"--baseline {baseline!r}: the only baseline is hf")
@@ -72,18 +72,20 @@ def throughput(
         fail("--hf-dtype sets the transformers baseline's dtype: add --baseline hf")
     try:
         fields = sampling_fields(sampling)
-        config = create_config(engine_args)
+        config = create_config(engine_args)  # once: every step below reads it
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)  # nosec B615
         requests = workload(num_prompts, input_len, output_len, input_len_range,
-                            output_len_range, dataset, seed, _tokenizer(config.model),
-                            config.model.vocab_size)
+                            output_len_range, dataset, seed, tokenizer, config.model.vocab_size)
     except ValueError as e:
         fail(str(e))
     tokens = sum(r.prompt_len + r.output_len for r in requests)
     out_tokens = sum(r.output_len for r in requests)
     typer.echo(f"{len(requests)} requests, {tokens} tokens ({out_tokens} output); "
-               f"strategy {strategy_spec(engine_args)}; dtype "
+               f"strategy {config.parallel.strategy}; dtype "
                f"{str(config.model.dtype).removeprefix('torch.')}")
-    engine = run_throughput(engine_args, requests, repeat=repeat, sampling=fields)
+    engine = run_throughput(engine_args, config, requests, repeat=repeat, sampling=fields)
     rates = {"parashift": _rates(engine.elapsed_s, len(requests), tokens, out_tokens)}
     results: dict[str, Any] = {}
     labels = {"parashift": "parashift"}
@@ -116,7 +118,7 @@ def throughput(
             r["fraction_of_roofline"] = r["model_gflops"] / results["roofline"]["best_gflops"]
     typer.echo(_table(rates, labels, repeat > 1, results))
     results = {**rates, **results}
-    settings = {"model": config.model.path, "strategy": str(strategy_spec(engine_args)),
+    settings = {"model": config.model.path, "strategy": str(config.parallel.strategy),
                 "dtype": str(config.model.dtype), "num_prompts": len(requests),
                 "input_len": input_len, "output_len": output_len,
                 "input_len_range": input_len_range, "output_len_range": output_len_range,
@@ -166,8 +168,3 @@ def _table(rates: dict[str, dict], labels: dict[str, str], with_min: bool,
                      "parameters")
     return "\n".join(lines)
 
-
-def _tokenizer(model_config):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_config.tokenizer_path)  # nosec B615
