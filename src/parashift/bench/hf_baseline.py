@@ -13,18 +13,6 @@ from tqdm import tqdm
 from parashift.bench.datasets import BenchRequest
 
 
-def load_hf(folder: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)  # nosec B615
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # nosec B615
-    model = model.to(device).eval()
-    return model, tok
-
-
 def generate_batch(model: Any, tok: Any, prompts: list[list[int]], out_lens: list[int],
                    device: torch.device) -> list[list[int]]:
     """Greedy outputs of one static batch, each cut to its requested length."""
@@ -45,7 +33,13 @@ def run_hf(folder: str, requests: list[BenchRequest], dtype: torch.dtype, device
            ) -> tuple[list[float], list[list[int]]]:
     """Seconds to generate every request, per timed run (after a warm-up batch), and the last
     run's output token ids."""
-    model, tok = load_hf(folder, dtype, device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, padding_side="left")  # nosec B615
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # nosec B615
+    model = model.to(device).eval()
     prompts = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt)
                for r in requests]
     generate_batch(model, tok, [prompts[0][:16]], [2], device)  # warm-up

@@ -39,18 +39,15 @@ def time_op(fn, device: torch.device, min_time: float = 0.1, trials: int = 5) ->
     return best
 
 
-def gemm_paths(device: torch.device) -> list[str]:
-    """The paths a bf16 weight's GEMM may take on `device` (layers/gemm_paths.py)."""
-    from parashift.layers.gemm_paths import candidates
-
-    return candidates(torch.bfloat16) if device.type == "cpu" else ["linear"]
-
-
 def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: int
                      ) -> dict[str, Any]:
-    """GEMMs of M x K=hidden x N in {intermediate, hidden} on bf16 operands, by every path of
-    `gemm_paths`: the best rate. A ceiling below a path the engine takes would flatter it."""
+    """GEMMs of M x K=hidden x N in {intermediate, hidden} on bf16 operands, by every path a
+    bf16 weight's GEMM may take on `device` (layers/gemm_paths.py): the best rate. A ceiling
+    below a path the engine takes would flatter it."""
     from parashift.layers.gemm import gemm_for_path
+    from parashift.layers.gemm_paths import candidates
+
+    paths = candidates(torch.bfloat16) if device.type == "cpu" else ["linear"]
 
     g = torch.Generator().manual_seed(0)
     k, rows = hidden_size, []
@@ -58,7 +55,7 @@ def measure_roofline(device: torch.device, hidden_size: int, intermediate_size: 
         for n in (intermediate_size, hidden_size):
             x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
             w = torch.randn(n, k, generator=g).to(device, torch.bfloat16)
-            for path in gemm_paths(device):
+            for path in paths:
                 with torch.inference_mode():
                     gemm = gemm_for_path(w, path)
                     # best of 3 x 50 ms: a GEMM of these shapes is stable, and there are many

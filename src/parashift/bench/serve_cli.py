@@ -67,35 +67,7 @@ def serve(
     plot: Plot = None,
 ) -> None:
     """Streaming load against any OpenAI-compatible /v1/completions server."""
-    _serve(base_url, model, num_prompts, _rates_list(request_rate), burstiness,
-           max_concurrency, input_len, output_len, input_len_range, output_len_range, dataset,
-           tokenizer, vocab_size, goodput, api_key, seed, save_json, plot, sampling)
-
-
-def sweep(
-    base_url: Annotated[str, typer.Option("--base-url")],
-    request_rates: Annotated[str, typer.Option("--request-rates")] = "1,2,4,inf",
-    model: Annotated[str | None, typer.Option()] = None,
-    num_prompts: NumPrompts = 100,
-    max_concurrency: Annotated[int | None, typer.Option("--max-concurrency")] = None,
-    input_len: InputLen = None,
-    output_len: OutputLen = None,
-    dataset: Dataset = None,
-    vocab_size: Annotated[int, typer.Option("--vocab-size")] = 32000,
-    goodput: Annotated[list[str] | None, typer.Option()] = None,
-    seed: Seed = 0,
-    save_json: SaveJson = None,
-    plot: Plot = None,
-) -> None:
-    """`serve` at several request rates; the plot is throughput against p99 latency."""
-    _serve(base_url, model, num_prompts, _rates_list(request_rates), 1.0, max_concurrency,
-           input_len, output_len, None, None, dataset, None, vocab_size, goodput, None, seed,
-           save_json, plot, "")
-
-
-def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, input_len,
-           output_len, input_range, output_range, dataset, tokenizer, vocab_size, goodput,
-           api_key, seed, save_json, plot, sampling: str) -> None:
+    rates = _rates_list(request_rate)
     setup_logging()
     from tqdm import tqdm
 
@@ -117,8 +89,8 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
             from parashift.models.loader import resolve_model_path
 
             tok = AutoTokenizer.from_pretrained(tokenizer or resolve_model_path(None))  # nosec B615
-        requests = workload(num_prompts, input_len, output_len, input_range, output_range,
-                             dataset, seed, tok, vocab_size)
+        requests = workload(num_prompts, input_len, output_len, input_len_range,
+                            output_len_range, dataset, seed, tok, vocab_size)
     except ValueError as e:
         fail(str(e))
     runs, summaries = {}, {}
@@ -159,6 +131,27 @@ def _serve(base_url, model, num_prompts, rates, burstiness, max_concurrency, inp
             typer.echo(f"plots: {plot}, {cdfs}")
         else:
             plots.serve_cdfs(plot, runs, f"{base_url}, rate {next(iter(runs))}")
+
+
+def sweep(
+    base_url: Annotated[str, typer.Option("--base-url")],
+    request_rates: Annotated[str, typer.Option("--request-rates")] = "1,2,4,inf",
+    model: Annotated[str | None, typer.Option()] = None,
+    num_prompts: NumPrompts = 100,
+    max_concurrency: Annotated[int | None, typer.Option("--max-concurrency")] = None,
+    input_len: InputLen = None,
+    output_len: OutputLen = None,
+    dataset: Dataset = None,
+    vocab_size: Annotated[int, typer.Option("--vocab-size")] = 32000,
+    goodput: Annotated[list[str] | None, typer.Option()] = None,
+    seed: Seed = 0,
+    save_json: SaveJson = None,
+    plot: Plot = None,
+) -> None:
+    """`serve` at several request rates; the plot is throughput against p99 latency."""
+    serve(base_url, model, num_prompts, request_rates, max_concurrency=max_concurrency,
+          input_len=input_len, output_len=output_len, dataset=dataset, vocab_size=vocab_size,
+          goodput=goodput, seed=seed, save_json=save_json, plot=plot)
 
 
 def _record_dict(record) -> dict:
