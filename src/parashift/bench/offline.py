@@ -69,7 +69,7 @@ def run_throughput(engine_args: EngineArgs, config: EngineConfig,
     if dp == 1:
         from parashift import LLM
 
-        llm = LLM.from_engine_args(engine_args)
+        llm = LLM.from_config(config)
         try:
             times, outputs = _timed_runs(llm, requests, progress, repeat, sampling)
         finally:

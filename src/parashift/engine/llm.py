@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from parashift.config import EngineConfig
 from parashift.engine.args import EngineArgs, create_config
 from parashift.engine.core import EngineCore
 from parashift.engine.output_processor import OutputProcessor, new_request_output
@@ -29,16 +30,21 @@ class LLM:
     (dtype, max_model_len, max_num_seqs, kv_cache_memory, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self._init(EngineArgs(model=model, **engine_args))
+        self._init_from(create_config(EngineArgs(model=model, **engine_args)))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls.from_config(create_config(engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """From a config resolved already (create_config), which it does not resolve again."""
         llm = cls.__new__(cls)
-        llm._init(engine_args)
+        llm._init_from(config)
         return llm
 
-    def _init(self, engine_args: EngineArgs) -> None:
-        self.config = create_config(engine_args)
+    def _init_from(self, config: EngineConfig) -> None:
+        self.config = config
         if self.config.parallel.strategy.processes().num_engines > 1:
             raise ValueError("offline generation runs one engine: data parallel (dp > 1) is "
                              "served by `parashift run --strategy dpN`")
