@@ -150,7 +150,8 @@ STUDIES = {"dp-scaling": ("bench_dp_scaling", "dp_scaling"), "tp": ("bench_tp", 
            "backends": ("bench_backends", "backends"), "soak": ("soak", "soak"),
            "cpu-kernels": ("bench_cpu_kernels", "cpu_kernels"),
            "kernels": ("bench_kernels", "kernels"), "routing": ("bench_routing", "routing"),
-           "quantization": ("bench_quantization", "quantization")}
+           "quantization": ("bench_quantization", "quantization"),
+           "structured": ("bench_structured", "structured")}
 
 
 def study_in_process(name: str, *args: str, env: dict[str, str] | None = None):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SCRIPTS, STUDIES, cli_in_process
+from conftest import SCRIPTS, STUDIES, cli_in_process, study_in_process
 from PIL import Image
 from serve.conftest import TINY_ARGS, running_server
 
@@ -169,16 +169,10 @@ def test_latency_breakdown_splits_a_decode_step(tiny_llama, tmp_path):
 @pytest.mark.parametrize("kind,hit_rate", [("one-schema", 7 / 8), ("distinct-schemas", 1 / 2)])
 def test_structured_study_against_unconstrained(tiny_llama, tmp_path, kind, hit_rate):
     """`python scripts/bench_structured.py`, in this process."""
-    import typer
-    from bench_structured import structured
-    from typer.testing import CliRunner
-
-    app = typer.Typer()
-    app.command()(structured)
     out = tmp_path / "structured.json"
-    done = CliRunner().invoke(app, [tiny_llama, "--dtype", "float32", "--max-model-len", "1024",
-                                    "--kv-cache-memory", "32MiB", "--schemas", kind,
-                                    "--num-prompts", "4", "--save-json", str(out)])
+    done = study_in_process("structured", tiny_llama, "--dtype", "float32", "--max-model-len",
+                            "1024", "--kv-cache-memory", "32MiB", "--schemas", kind,
+                            "--num-prompts", "4", "--save-json", str(out))
     assert done.exit_code == 0, done.output[-3000:]
     assert f"4 requests under {kind}" in done.stdout and "compile cache hit rate" in done.stdout
     result = json.loads(out.read_text())["results"]
