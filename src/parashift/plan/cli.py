@@ -60,8 +60,8 @@ def plan(
     ray_address: Annotated[str | None, typer.Option("--ray-address")] = None,
 ) -> None:
     """Dry-run a topology: mesh, memory, KV capacity, communication, estimates."""
+    from parashift.plan.load_shape import load_shape
     from parashift.plan.settings import Hardware, Workload, dry_run_settings, layout
-    from parashift.plan.shape import load_shape
 
     levels = tuple(parse_counts(concurrency, "--concurrency"))
     try:

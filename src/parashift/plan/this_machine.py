@@ -13,8 +13,9 @@ from parashift.engine.args import EngineArgs, create_config
 from parashift.plan.auto import rank_plans
 from parashift.plan.estimate import Plan, PlanSettings
 from parashift.plan.hardware import DEVICES, Device
+from parashift.plan.load_shape import load_shape
 from parashift.plan.settings import machine_settings
-from parashift.plan.shape import ModelShape, load_shape
+from parashift.plan.shape import ModelShape
 from parashift.strategies.spec import StrategySpec
 
 # Substrings of the GPU's name, most specific first (GH200 is no H200: no profile).
