@@ -39,8 +39,8 @@ def test_a_lockstep_death_takes_the_group_down_until_each_rank_is_back(tmp_path)
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             broker.mark_dead(1, "process exited with code -9", 1001)
-            assert sorted(broker.dead) == [0, 1, 2]
-            assert "dp1 is down" in broker.dead[0]
+            assert sorted(broker.ranks.dead()) == [0, 1, 2]
+            assert "dp1 is down" in broker.ranks.dead()[0]
             assert [type(r) for r in received] == [EngineDeadError]  # dp0's request failed
             with pytest.raises(EngineUnavailableError):
                 broker.pick_engine(exclude=1)
@@ -60,7 +60,7 @@ def test_an_independent_ranks_death_is_its_own(tmp_path):
         broker = _broker(tmp_path, lockstep=False)
         try:
             broker.mark_dead(1, "process exited with code -9", 1001)
-            assert sorted(broker.dead) == [1]
+            assert sorted(broker.ranks.dead()) == [1]
             assert broker.alive_engines() == [0, 2]
         finally:
             broker.ctx.destroy(linger=0)

@@ -126,8 +126,7 @@ def test_the_pin_wins_and_its_blocks_are_recorded_there(tmp_path):
     broker = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
     try:
         for rank in (0, 1):
-            broker.ready[rank] = p.EngineReady(rank, 256, 100, 0, 16)
-            broker.router.add_rank(rank, 100)
+            broker.on_ready(p.EngineReady(rank, 256, 100, 0, 16))
         assert broker.pick_engine(prompts=[TOKENS]) == 0
         assert broker.pick_engine(prompts=[TOKENS]) == 0  # its prefix lives there now
         assert broker.pick_engine(pinned=1, prompts=[TOKENS]) == 1

@@ -74,11 +74,11 @@ def test_only_a_ranks_key_speaks_for_it(secret):
             dp0, dp1 = dealer(links["dp0"], "dp0"), dealer(links["dp1"], "dp1")
             dp1.send(p.encode(p.EngineReady(0, 256, 100, 7, 16)))  # dp1 passes for dp0
             dp1.send(p.encode(p.EngineReady(1, 256, 100, 8, 16)))
-            await _until(lambda: 1 in client.ready, "dp1's own EngineReady")
-            assert 0 not in client.ready and 0 not in client.routes
+            await _until(lambda: 1 in client.ranks.ever_ready(), "dp1's own EngineReady")
+            assert 0 not in client.ranks.ever_ready() and 0 not in client.routes
             dp0.send(p.encode(p.EngineReady(0, 256, 100, 9, 16)))
-            await _until(lambda: 0 in client.ready, "dp0's EngineReady")
-            assert client.ready[0].incarnation == 9
+            await _until(lambda: 0 in client.ranks.ever_ready(), "dp0's EngineReady")
+            assert client.ranks.ever_ready()[0].incarnation == 9
 
             received: dict[str, list] = {"r0": [], "r1": []}
             client.add_request("r0", [1, 2, 3], SamplingParams(), None, 0,
@@ -105,7 +105,8 @@ def test_only_a_ranks_key_speaks_for_it(secret):
             impostor = dealer(links["dp0"], "launcher")
             impostor.send(p.encode(p.Shutdown(1.0)))
             impostor.send(p.encode(p.EngineReady(0, 256, 100, 10, 16)))  # read after it
-            await _until(lambda: client.ready[0].incarnation == 10, "dp0's second EngineReady")
+            await _until(lambda: client.ranks.ever_ready()[0].incarnation == 10,
+                         "dp0's second EngineReady")
             assert not client.shutdown_requested.is_set()
             launcher = dealer(links["head"], "launcher")
             launcher.send(p.encode(p.Shutdown(1.0)))

@@ -48,7 +48,6 @@ class RequestStatus(enum.Enum):
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED}
-_WAITING = {RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING, RequestStatus.PREEMPTED}
 # Every transition the machine has: from -> the states it may go to.
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING,
@@ -100,10 +99,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_waiting(self) -> bool:
-        return self.status in _WAITING
 
     def _move(self, to: RequestStatus) -> None:
         assert to in TRANSITIONS[self.status], f"{self.request_id}: {self.status} -> {to}"

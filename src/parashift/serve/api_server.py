@@ -138,9 +138,9 @@ class ApiServer:
                      200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        serving = self.engines.alive_engines()
         for rank in range(self.args.num_engines):
-            self.metrics.engine_up.labels(f"dp{rank}").set(
-                1 if rank in self.engines.ready and rank not in self.engines.dead else 0)
+            self.metrics.engine_up.labels(f"dp{rank}").set(1 if rank in serving else 0)
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8")
 

@@ -22,6 +22,7 @@ from parashift.serve.engine_errors import (
     RequestFailedError,
 )
 from parashift.serve.engine_loads import EngineLoads
+from parashift.serve.engine_ranks import EngineRanks, RankStatus
 from parashift.serve.in_flight import InFlight, Sink
 from parashift.serve.prefix_router import Router, RoutingConfig
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
@@ -61,8 +62,7 @@ class EngineClient:
         self.outputs.setsockopt(zmq.LINGER, 0)
         bind(self.outputs, output_address, bound)
         self.routes: dict[int, bytes] = {}  # rank -> its engine's identity on `requests`
-        self.ready: dict[int, p.EngineReady] = {}
-        self.dead: dict[int, str] = {}
+        self.ranks = EngineRanks(num_engines)  # each rank's state (serve/engine_ranks.py)
         self.stats: dict[int, SchedulerStats] = {}
         self.loads = EngineLoads()
         self.in_flight = InFlight(self.loads)
@@ -105,16 +105,15 @@ class EngineClient:
         stopped = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
         if stopped:  # a bug the guarded receives did not catch: say so rather than hang
             return False, f"the API server's receive task(s) {', '.join(stopped)} stopped"
-        if self.dead:
+        if dead := self.ranks.dead():
             return False, "; ".join(f"engine dp{r} is down: {why}" for r, why in
-                                    sorted(self.dead.items()))
-        missing = [r for r in range(self.num_engines) if r not in self.ready]
-        if missing:
+                                    sorted(dead.items()))
+        if missing := self.ranks.starting():
             return False, f"engine(s) {', '.join(f'dp{r}' for r in missing)} not ready yet"
         return True, "ok"
 
     def alive_engines(self) -> list[int]:
-        return [r for r in sorted(self.ready) if r not in self.dead]
+        return self.ranks.serving()
 
     def pick_engine(self, pinned: int | None = None, exclude: int | None = None,
                     prompts: list[list[int]] | tuple = ()) -> int:
@@ -173,7 +172,7 @@ class EngineClient:
             if rank is not None:
                 by_rank.setdefault(rank, []).append(req_id)
         for rank, ids in by_rank.items():
-            if rank in self.dead:
+            if self.ranks.is_dead(rank):
                 continue
             try:
                 self._send_to(rank, p.AbortRequests(ids))
@@ -233,7 +232,7 @@ class EngineClient:
             if isinstance(msg, p.EngineReady):
                 if speaks_for(frames[1], rank_principal(msg.rank), "control"):
                     self.on_ready(msg, frames[0].bytes)
-                    if len(self.ready) == self.num_engines:
+                    if not self.ranks.starting():
                         self.all_ready.set()
             elif msg is None or not speaks_for(frames[1], HEAD, "control"):
                 continue  # the rest is the launcher's to say
@@ -246,12 +245,15 @@ class EngineClient:
     def on_ready(self, msg: p.EngineReady, route: bytes | None = None) -> None:
         """An engine (first start or restarted incarnation) can take requests, sent to
         `route`, its identity."""
+        left = self.ranks.on_ready(msg)
+        if left is None:
+            p.log_dropped("control", f"an EngineReady of rank {msg.rank}, outside the launch")
+            return
         if route is not None:
             self.routes[msg.rank] = route
-        self.ready[msg.rank] = msg
         self.block_size = msg.block_size
         self.router.add_rank(msg.rank, msg.num_blocks)
-        if self.dead.pop(msg.rank, None) is not None:
+        if left == RankStatus.DEAD:
             logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
         else:
             logger.info("engine dp%d ready (%d KV blocks)", msg.rank, msg.num_blocks)
@@ -268,9 +270,9 @@ class EngineClient:
         logger.error("could not tell the launcher that this API server is ready")
 
     def mark_dead(self, rank: int, reason: str, incarnation: int = 0) -> None:
-        if rank in self.dead:
+        if rank not in self.ranks.ranks or self.ranks.is_dead(rank):
             return
-        ready = self.ready.get(rank)
+        ready = self.ranks.ranks[rank].ready
         if incarnation and ready is not None and ready.incarnation != incarnation:
             return  # news about an earlier incarnation; the rank has been restarted since
         self._mark_dead(rank, reason)
@@ -279,14 +281,14 @@ class EngineClient:
             # now, in this same call, so that no failover lands on one of them before its own
             # death is heard (it would then fail a second time). They come back with the
             # restarted group's EngineReady.
-            for peer, peer_ready in self.ready.items():
-                if peer_ready.lockstep and peer not in self.dead:
+            for peer, peer_ready in self.ranks.ever_ready().items():
+                if peer_ready.lockstep and not self.ranks.is_dead(peer):
                     self._mark_dead(peer, f"stopped with its expert-parallel group "
                                           f"(dp{rank} is down)")
 
     def _mark_dead(self, rank: int, reason: str) -> None:
         logger.error("engine dp%d is down: %s", rank, reason)
-        self.dead[rank] = reason
+        self.ranks.on_dead(rank, reason)
         self.in_flight.fail_engine(rank, EngineDeadError(f"engine dp{rank} died: {reason}"))
 
 

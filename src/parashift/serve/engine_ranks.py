@@ -1,0 +1,70 @@
+"""An API server's view of each engine rank, one state machine (the rank's side of
+docs/architecture.md "Request states"):
+
+  STARTING --EngineReady--> SERVING --EngineDead--> DEAD --a new incarnation's EngineReady-->
+  SERVING
+
+STARTING: launched, not ready yet (routed nothing). SERVING: routed to. DEAD: its requests in
+flight failed and it is routed nothing until the launcher restarts it. The state elastic data
+parallel adds goes here with its transitions: DRAINING (no new requests; those it holds finish
+or move), then gone."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from parashift.wire import protocol as p
+
+
+class RankStatus(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DEAD = "dead"
+
+
+@dataclass
+class Rank:
+    status: RankStatus = RankStatus.STARTING
+    ready: p.EngineReady | None = None  # its latest incarnation's
+    down_reason: str = ""
+
+
+class EngineRanks:
+    def __init__(self, num_engines: int):
+        self.ranks = {r: Rank() for r in range(num_engines)}
+
+    def serving(self) -> list[int]:
+        return [r for r, rank in sorted(self.ranks.items())
+                if rank.status == RankStatus.SERVING]
+
+    def ever_ready(self) -> dict[int, p.EngineReady]:
+        """Each rank that has been ready, its latest EngineReady (a dead one's too)."""
+        return {r: rank.ready for r, rank in self.ranks.items() if rank.ready is not None}
+
+    def dead(self) -> dict[int, str]:
+        return {r: rank.down_reason for r, rank in self.ranks.items()
+                if rank.status == RankStatus.DEAD}
+
+    def starting(self) -> list[int]:
+        return [r for r, rank in sorted(self.ranks.items())
+                if rank.status == RankStatus.STARTING]
+
+    def is_dead(self, rank: int) -> bool:
+        state = self.ranks.get(rank)
+        return state is not None and state.status == RankStatus.DEAD
+
+    # --- the transitions (a rank outside the launch changes nothing: None) --------------------
+    def on_ready(self, msg: p.EngineReady) -> RankStatus | None:
+        """A first start or a restarted incarnation serves; returns the state it left."""
+        rank = self.ranks.get(msg.rank)
+        if rank is None:
+            return None
+        before = rank.status
+        rank.status, rank.ready, rank.down_reason = RankStatus.SERVING, msg, ""
+        return before
+
+    def on_dead(self, rank: int, reason: str) -> None:
+        state = self.ranks.get(rank)
+        if state is not None:
+            state.status, state.down_reason = RankStatus.DEAD, reason
