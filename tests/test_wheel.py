@@ -68,10 +68,11 @@ def test_the_wheel_generates(wheel_python, tiny_llama, tmp_path):
 
 def test_the_cpu_kernels_build_from_the_wheel_and_pass(wheel_python, tmp_path):
     cache = tmp_path / "cache"
+    kernel_tests = os.path.join(ROOT, "tests", "kernel_tests")
     done = _run(wheel_python, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                               os.path.join(ROOT, "tests", "kernel_tests", "test_cpu_kernels.py"),
-                               os.path.join(ROOT, "tests", "kernel_tests",
-                                            "test_cpu_build_key.py")],
+                               *(os.path.join(kernel_tests, name) for name in (
+                                   "test_cpu_kernels.py", "test_cpu_attention_backend.py",
+                                   "test_cpu_kernel_build.py", "test_cpu_build_key.py"))],
                 str(cache), str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout

@@ -4,17 +4,18 @@ n=3, stop strings, logprobs, preemption under a small KV cache, aborts mid-strea
 structured-output constraint (its mask made once the token in flight is in), and tensor and
 pipeline parallel with all of these (tp rank 0 broadcasts its sampled ids, and samples a
 deferred mask's step at SampleTokens; a pipeline keeps its own batches in flight). Lockstep
-waves (dp2xep) are in serve/test_expert_parallel.py, a served engine in
+waves (dp2xep) are in serve/test_expert_parallel_waves.py, a served engine in
 serve/test_async_serving.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import assert_no_leaks
 
 from parashift import LLM, SamplingParams, StructuredOutputsParams
 from parashift.engine.request import Request
+
+from .test_engine import assert_no_leaks
 
 PROMPTS = [[5, 17, 99, 3], list(range(40, 90)), [200, 7] * 6, list(range(40, 90)) + [1, 2],
            list(range(100, 140))]

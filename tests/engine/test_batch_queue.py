@@ -10,11 +10,12 @@ from collections import deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 from parashift.engine.request import RequestStatus
 from parashift.engine.run_ahead import Pipeline, Placeholders, run_ahead_policy
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
+
+from .test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 
 class HistoryRunner(FakeRunner):

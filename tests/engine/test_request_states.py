@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 from parashift.engine.request import TRANSITIONS, Request, RequestStatus
 from parashift.engine.scheduler import QueueFullError
 from parashift.types.sampling_params import SamplingParams
 from parashift.types.structured_outputs import StructuredOutputsParams
+
+from .test_scheduler import FakeRunner, assert_no_leaks, make_request, make_scheduler
 
 S = RequestStatus
 
@@ -40,7 +41,7 @@ def plain(request_id: str, prompt_len: int, max_tokens: int, arrival: float) -> 
 
 def test_every_transition_is_in_the_table_and_no_other_is_taken():
     req = make_request("a", 4, 2)
-    assert req.status == S.WAITING and req.is_waiting
+    assert req.status == S.WAITING
     with pytest.raises(AssertionError):
         req.preempt()  # not running
     with pytest.raises(AssertionError):

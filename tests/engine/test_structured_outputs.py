@@ -14,9 +14,10 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import assert_no_leaks
 
 from parashift import LLM, SamplingParams, StructuredOutputsParams
+
+from .test_engine import assert_no_leaks
 
 MAX_MODEL_LEN = 512
 

@@ -245,6 +245,12 @@ def tiny_llama_long(tiny_model_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mixtral(tiny_model_factory) -> str:
+    """The tiny MoE model of test_expert_parallel*.py."""
+    return tiny_model_factory("mixtral")  # 5 experts: 3 on dp0, 2 on dp1
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_llama):
     from transformers import AutoTokenizer
 

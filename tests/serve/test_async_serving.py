@@ -1,18 +1,19 @@
 """One served engine with --async-scheduling (its worker in the "parashift-runner" thread, step
-N+1 scheduled while step N runs): test_openai_api's checks against it, so its greedy and
-seeded sampled completions equal the offline engine's one step at a time and a client that
-disconnects mid-stream frees its request; and sleep and wake keep its outputs."""
+N+1 scheduled while step N runs): openai_api/'s parity and disconnect checks against it, so
+its greedy and seeded sampled completions equal the offline engine's one step at a time and a
+client that disconnects mid-stream frees its request; and sleep and wake keep its outputs."""
 
 import json
 
 import pytest
 
 from .conftest import LONG_ARGS, running_server
-from .test_openai_api import (  # noqa: F401 (fixtures and tests that run against this server)
-    MODEL,
-    client,
-    offline_llm,
+from .openai_api.conftest import MODEL, client  # noqa: F401 (client: a fixture)
+from .openai_api.test_client_disconnect import (  # noqa: F401 (a test run against this server)
     test_disconnect_frees_the_request,
+)
+from .openai_api.test_parity import (  # noqa: F401 (a fixture and tests run against this server)
+    offline_llm,
     test_greedy_matches_offline_llm,
     test_sampled_completion_matches_offline_llm,
 )
