@@ -122,6 +122,22 @@ def dp2xep(mixtral):
         yield s
 
 
+def test_one_request_runs_one_wave_with_one_dummy_step_after(dp2xep):
+    """The serving rank runs one dummy step (the wave's last, where no rank had work); the
+    other runs one per step of the wave. Then they block: no more steps, almost no CPU. First
+    on its server: the load a wave reports reaches /metrics up to 100 ms after it ends, so
+    after another test's waves the fence could read a wave's counts before that wave ended."""
+    s = dp2xep
+    before = fence(s)
+    prompt = PROMPTS[0]  # one prefill step, then a decode step per further token
+    assert len(complete(s, prompt, rank=1)["logprobs"]["tokens"]) == MAX_TOKENS
+    after = wave_ended(s, before, [0, 0])
+    assert after["waves"] == [w + 1 for w in before["waves"]], (before, after)
+    added = [a - b for a, b in zip(after["dummy_steps"], before["dummy_steps"], strict=True)]
+    assert added == [MAX_TOKENS + 1, 1], added
+    assert_stays_idle(s, 2, after, window_s=3.0, check_cpu=True)
+
+
 def test_dp2xep_matches_one_engine_with_every_expert(dp2xep, mixtral):
     assert_matches(dp2xep, reference(mixtral), [0, 1])
     assert_matches(dp2xep, reference(mixtral), [1])  # dp0 runs only dummy steps
@@ -143,20 +159,6 @@ def test_constrained_requests_in_a_wave(dp2xep):
         choice = json.loads(raw)["choices"][0]
         assert status == 200 and choice["finish_reason"] == "stop", raw
         assert 0 <= json.loads(choice["text"])["n"] <= 99
-
-
-def test_one_request_runs_one_wave_with_one_dummy_step_after(dp2xep):
-    """The serving rank runs one dummy step (the wave's last, where no rank had work); the
-    other runs one per step of the wave. Then they block: no more steps, almost no CPU."""
-    s = dp2xep
-    before = fence(s)
-    prompt = PROMPTS[0]  # one prefill step, then a decode step per further token
-    assert len(complete(s, prompt, rank=1)["logprobs"]["tokens"]) == MAX_TOKENS
-    after = wave_ended(s, before, [0, 0])
-    assert after["waves"] == [w + 1 for w in before["waves"]], (before, after)
-    added = [a - b for a, b in zip(after["dummy_steps"], before["dummy_steps"], strict=True)]
-    assert added == [MAX_TOKENS + 1, 1], added
-    assert_stays_idle(s, 2, after, window_s=3.0, check_cpu=True)
 
 
 def test_random_arrivals_aborts_and_preemption_all_end_and_the_waves_stop(dp2xep):
