@@ -125,7 +125,7 @@ class ModelRunner:
     def run_applied(self, out: SchedulerOutput) -> StepResult:
         """The step, its changes already applied to the batch."""
         if out.is_empty:  # (never deferred: a deferred mask has rows that sample)
-            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
+            return self._no_samples()
         return self._run(out)
 
     @torch.inference_mode()
@@ -133,8 +133,11 @@ class ModelRunner:
         """The deferred step's sampling, with its mask."""
         pending, self._unsampled = self._unsampled, None
         if pending is None:
-            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
+            return self._no_samples()
         return self._sample(pending.logits, pending.rows, pending.req_ids, grammar)
+
+    def _no_samples(self) -> StepResult:  # a step where no row samples
+        return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
 
     def _timed(self) -> contextlib.AbstractContextManager:
         timer = self.device_timer
@@ -178,7 +181,7 @@ class ModelRunner:
         if hidden is None:  # a stage before the last
             return NOT_OUTPUT_RANK
         if not len(sampling):  # no row completes its prompt
-            return nothing_sampled() if self.output_rank else NOT_OUTPUT_RANK
+            return self._no_samples()
         if len(sampling) < hidden.shape[0]:  # the last token of each row that samples
             last_token = step.query_start_loc[1:][sampling] - 1
             hidden = hidden.index_select(0, to_device(last_token, self.device))
