@@ -147,6 +147,26 @@ def run(
     request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", help="seconds one request may take before it is aborted "
         "(504); default: no limit")] = None,
+    max_request_output_units: Annotated[int | None, typer.Option(
+        "--max-request-output-units", help="one request's n x (max_tokens + echoed prompt) x "
+        "(1 + logprobs) at most (400 beyond); default: fits the model's context")] = None,
+    stream_idle_timeout: Annotated[float, typer.Option(
+        "--stream-idle-timeout", help="seconds a client may read nothing before it is dropped "
+        "and its request aborted")] = 60.0,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", help="open HTTP connections per API server")] = 1024,
+    non_stream_timeout: Annotated[float, typer.Option(
+        "--non-stream-timeout", help="seconds a non-streamed request may take (504), unless "
+        "--request-timeout says less")] = 600.0,
+    allowed_hosts: Annotated[list[str] | None, typer.Option(
+        "--allowed-hosts", help="Host names served besides localhost, 127.0.0.1 and [::1] on "
+        "a loopback bind (DNS rebinding); repeat or separate by commas")] = None,
+    admin_api_key: Annotated[str | None, typer.Option(
+        "--admin-api-key", help="the admin routes' own key (sleep, wake, reset; better: "
+        "PARASHIFT_ADMIN_KEY); without it they are off")] = None,
+    enable_admin_routes: Annotated[bool, typer.Option(
+        "--enable-admin-routes", help="admin routes without their own key (a trusted network "
+        "only)")] = False,
     seed: Annotated[int, typer.Option(help="the engines' random state (unseeded sampling)")] = 0,
     data_parallel_size_local: Annotated[int | None, typer.Option(
         "--data-parallel-size-local", "-dpl", help="dp ranks on this node (multi-node)")] = None,
@@ -217,10 +237,19 @@ def run(
     max_body_bytes = parse_size(max_body_size, "--max-body-size")
     if max_body_bytes < 1024:
         raise typer.BadParameter("must be at least 1KiB", param_hint="--max-body-size")
+    from parashift.serve.limits import ServeLimits
     from parashift.serve.prefix_router import RoutingConfig
 
     try:
         routing_config = RoutingConfig(routing, routing_balance_threshold, routing_min_match)
+        limits = ServeLimits(
+            max_request_output_units=max_request_output_units,
+            stream_idle_timeout=stream_idle_timeout, max_connections=max_connections,
+            non_stream_timeout=non_stream_timeout, bind_host=host,
+            allowed_hosts=tuple(h.strip() for hs in allowed_hosts or () for h in hs.split(",")
+                                if h.strip()),
+            admin_api_key=admin_api_key or env.admin_api_key(),
+            enable_admin_routes=enable_admin_routes)
     except ValueError as e:
         fail(str(e))
     args = ServeArgs(
@@ -236,7 +265,7 @@ def run(
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
         backend=backend, ray_address=ray_address, ray_placement=ray_placement,
         routing=routing_config, insecure_cluster=insecure_cluster,
-        tool_call_parser=tool_call_parser if enable_auto_tool_choice else None)
+        tool_call_parser=tool_call_parser if enable_auto_tool_choice else None, limits=limits)
     try:
         code = run_server(args)
     except ValueError as e:

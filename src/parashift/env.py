@@ -27,6 +27,12 @@ def api_key() -> str | None:
     return os.environ.get("PARASHIFT_API_KEY") or None
 
 
+def admin_api_key() -> str | None:
+    """PARASHIFT_ADMIN_KEY: the key of the admin routes (sleep, wake, reset, scale), apart from
+    the inference key: whoever may generate may not put the server to sleep."""
+    return os.environ.get("PARASHIFT_ADMIN_KEY") or None
+
+
 def cluster_secret() -> str | None:
     """PARASHIFT_CLUSTER_SECRET: the secret every process of a multi-node or Ray deployment
     proves on its tcp links (wire/cluster_auth.py). `run --cluster-secret-file` and the Ray

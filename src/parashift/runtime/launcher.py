@@ -145,7 +145,7 @@ class Launcher:
                     self.endpoints.requests[i], self.endpoints.outputs[i]),
                 max_body_bytes=self.args.max_body_bytes,
                 tool_call_parser=self.args.tool_call_parser, head_keys=self.head_keys,
-                launcher_identity=self.api_servers.identity)
+                launcher_identity=self.api_servers.identity, limits=self.args.limits)
             self.api_servers.start(mp, server_args, self.listener,
                                    self.mesh.api_server_cpus if self.mesh is not None else ())
         self.engines.start()

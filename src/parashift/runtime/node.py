@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from parashift import env
 from parashift.engine.args import EngineArgs
+from parashift.serve.limits import ServeLimits
 from parashift.serve.prefix_router import RoutingConfig
 from parashift.wire.cluster_auth import MIN_SECRET_CHARS
 
@@ -45,6 +46,7 @@ class ServeArgs:
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # which rank a request gets
     insecure_cluster: bool = False  # tcp links without the cluster secret: an explicit opt-out
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice
+    limits: ServeLimits = field(default_factory=ServeLimits)  # what one API server admits
 
     def check_cluster_secret(self, tcp: bool) -> None:
         """Links over tcp (several nodes, Ray) admit only peers holding the cluster secret

@@ -28,6 +28,7 @@ from parashift.serve.http_guards import (
     refuse_cross_site,
     require_key,
 )
+from parashift.serve.limits import ServeLimits
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
     MAX_CHOICES,
@@ -68,6 +69,7 @@ class ApiServerArgs:
     tool_call_parser: str | None = None  # --enable-auto-tool-choice: tool_choice "auto" reads
     head_keys: HeadKeys | None = field(default=None, repr=False)  # over CURVE (engine_client)
     launcher_identity: bytes = b"launcher"  # the launcher's on our request socket
+    limits: ServeLimits = field(default_factory=ServeLimits)
 
 
 
