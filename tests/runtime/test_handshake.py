@@ -99,6 +99,28 @@ def test_a_node_reports_only_its_own_ranks_deaths(desk):
     assert list(handshake.nodes.values()) == [range(1, 3)]
 
 
+def test_no_node_holds_or_reports_the_death_of_a_rank_the_launcher_starts(desk):
+    """dp0 is the launcher's own (it gave its engine the token): a node that claims it is
+    not answered, and its EngineDead for dp0 is dropped, before and after dp0's engine says
+    Hello; dp0's claim stays its engine's."""
+    handshake, _, peer = desk
+    rogue, engine = peer("node-0"), peer("dp0")
+    death = p.EngineDead(0, "forged", 0)
+    assert said(handshake, rogue, p.NodeHello(0, 2)) is None
+    assert said(handshake, rogue, p.NodeHello(0, 1)) is None
+    assert not rogue.poll(0) and handshake.nodes == {}
+    assert said(handshake, rogue, death) is None
+    assert said(handshake, engine, p.Hello(0, 200, TOKEN)) is None
+    init_fields(engine)
+    assert said(handshake, rogue, death) is None
+    assert said(handshake, rogue, p.StartupFailed(0, "forged")) is None
+    assert handshake.claims[0][1] == 200
+    # The ranks the launcher does not start stay free for a node.
+    assert said(handshake, rogue, p.NodeHello(1, 2)) is None
+    assert p.decode(rogue.recv(), p.ToNode) == p.NodeInit("publish")
+    assert said(handshake, rogue, death) is None
+
+
 def test_a_rank_the_launcher_starts_is_claimed_only_with_its_token(desk):
     handshake, keys, peer = desk
     rogue, engine = peer("dp0"), peer("dp0")

@@ -144,6 +144,29 @@ def rogue_frames(address: str, secret: str | None, hellos: tuple[int, ...] = ())
         ctx.destroy(linger=1000)
 
 
+def rogue_node(address: str, rank: int) -> None:
+    """A holder of the secret that says it is the node of ranks `rank`.. `rank` + 1 (the
+    head's own), then reports `rank` dead: it must get no answer."""
+    import zmq
+
+    from parashift.wire import protocol as p
+    from parashift.wire.cluster_auth import ClusterKeys, secured_context
+    from parashift.wire.sockets import routing_id
+
+    ctx = secured_context(ClusterKeys.from_secret(SECRET))
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 1000)
+        rogue.setsockopt(zmq.IDENTITY, routing_id("node"))
+        rogue.connect(address)
+        rogue.send(p.encode(p.NodeHello(rank, 2)))
+        rogue.send(p.encode(p.EngineDead(rank, "forged by a rogue node")))
+        assert not rogue.poll(2000), "a rogue node got an answer"
+        rogue.close()
+    finally:
+        ctx.destroy(linger=1000)
+
+
 def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
     """Rogue frames on the handshake port, from a stranger and from a peer with the secret
     (a Hello as the head's dp0 among them), while the head waits for the other node: the head
@@ -158,12 +181,27 @@ def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
         rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=(0,))
         head.wait_line("dropped a malformed frame on the handshake link")
         head.wait_line("a Hello as dp0 without the token its engine was given: not answered")
+        # Nor can it pass for the node of the head's own ranks and report one dead (during
+        # start-up, that would abort the launch).
+        rogue_node(f"tcp://127.0.0.1:{port}", 0)
+        head.wait_line("a headless node with ranks dp0-dp1, of which the head runs dp0, dp1: "
+                       "not answered")
+        head.wait_line("a death of dp0 from a peer that is not its node: dropped")
         with headless_node(tiny_llama, port) as (node, lines):
             wait_serving(head)
             for rank in range(4):  # each node's ranks answer
                 assert complete(head, PROMPTS[0], rank=rank)["choices"][0]["text"]
             rogue_frames(f"tcp://127.0.0.1:{port}", SECRET, hellos=(3,))
             head.wait_line("a Hello as dp3, whose engine runs: not answered")
+            dropped = "a death of dp0 from a peer that is not its node"
+            deaths = head.output().count(dropped)
+            rogue_node(f"tcp://127.0.0.1:{port}", 0)  # while serving: dp0 serves on
+            deadline = time.monotonic() + 60
+            while head.output().count(dropped) == deaths:
+                assert time.monotonic() < deadline, head.output()[-3000:]
+                time.sleep(0.05)
+            assert complete(head, PROMPTS[0], rank=0)["choices"][0]["text"]
+            assert "engine dp0 died" not in head.output()
             assert head.get_json("/health")[0] == 200 and head.proc.poll() is None
             head.proc.send_signal(signal.SIGTERM)  # the head tells the node to stop
             assert head.proc.wait(60) == 0, head.output()[-3000:]

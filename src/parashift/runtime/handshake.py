@@ -3,8 +3,10 @@ and which headless node runs which ranks.
 
 A rank the launcher starts itself (on its own node, or as a Ray actor) is claimed only with
 the token it gave that engine; a headless node's rank, by the first engine whose Hello the
-head answers for it. Either stays claimed until that engine's death is known (the launcher
-reaped it, its node reported it, or the coordinator declared it silent). Meanwhile a Hello
+head answers for it. No node may hold a rank the launcher starts (its NodeHello is not
+answered), so only the launcher reports those ranks' deaths. Either stays claimed until that
+engine's death is known (the launcher reaped it, its node reported it, or the coordinator
+declared it silent). Meanwhile a Hello
 for the rank is not answered, and only the claiming engine's Ready or StartupFailed counts
 (or, before any engine claimed it, its node's StartupFailed: a node that refused the head's
 config). A node's answer carries the config its first rank's engine gets.
@@ -88,7 +90,7 @@ class Handshake:
         elif isinstance(msg, p.NodeHello):
             self._answer_node(identity, msg)
         elif isinstance(msg, p.EngineDead):
-            if msg.rank in self.nodes.get(identity, ()):
+            if msg.rank in self.nodes.get(identity, ()) and msg.rank not in self.tokens:
                 return msg
             logger.warning("a death of dp%d from a peer that is not its node: dropped", rank)
         elif isinstance(msg, p.Ready | p.StartupFailed):
@@ -131,6 +133,11 @@ class Handshake:
         if not (0 <= ranks.start < ranks.stop <= self.num_engines):
             logger.warning("a headless node with ranks dp%d-dp%d, of %d engines: not answered",
                            ranks.start, ranks.stop - 1, self.num_engines)
+            return
+        if owned := [r for r in ranks if r in self.tokens]:
+            logger.warning("a headless node with ranks dp%d-dp%d, of which the head runs %s: "
+                           "not answered", ranks.start, ranks.stop - 1,
+                           ", ".join(f"dp{r}" for r in owned))
             return
         others = [node for node, held in self.nodes.items()
                   if node != identity and set(held) & set(ranks)]
