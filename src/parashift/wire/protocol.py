@@ -121,9 +121,12 @@ class RequestFailed(_Msg):
 
 
 class UtilityResult(_Msg):
+    """An engine call's answer: a reset's bool, a sleep state's or the stats' fields. No
+    field typed Any: a nested frame cannot make a reader recurse."""
+
     rank: int
     call_id: int
-    result: Any = None
+    result: bool | int | float | dict[str, int | float] | None = None
     error: str | None = None
 
 
@@ -227,10 +230,12 @@ _logger = logging.getLogger(__name__)
 def decode_or_drop(data: bytes, kind: Any, link: str) -> Any:
     """`decode`, or None for a frame that does not decode as `kind` (garbage, a foreign
     message): dropped and logged (the first on each link, then every 1,000th), never raised,
-    so that no frame can stop the process that reads it."""
+    so that no frame can stop the process that reads it. A value nested deeper than the
+    interpreter's recursion limit (in a field typed Any, or a config's dict) is such a frame:
+    msgspec raises RecursionError for it, and so may a struct's __post_init__."""
     try:
         return decode(data, kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         log_dropped(link, "a malformed frame", str(e))
         return None
 
