@@ -76,9 +76,10 @@ def running_server(model: str | None, run_args: list[str], env: dict[str, str] |
 
 def start_server(model: str | None, run_args: list[str], env: dict[str, str] | None = None,
                  timeout: float = 600.0) -> ServerProcess:
-    # --port 0: the server binds a port the kernel picks and names it in its banner.
+    # --port 0: the server binds a port the kernel picks and names it in its banner. Admin
+    # routes on: studies empty the prefix cache between runs (reset_prefix_cache).
     cmd = [sys.executable, "-m", "parashift.cli", "run", *([model] if model else []),
-           "--host", "127.0.0.1", "--port", "0", *run_args]
+           "--host", "127.0.0.1", "--port", "0", "--enable-admin-routes", *run_args]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,  # nosec B603
                             stderr=subprocess.STDOUT, text=True, errors="replace",

@@ -22,7 +22,7 @@ from .openai_api.test_parity import (  # noqa: F401 (a fixture and tests run aga
 @pytest.fixture(scope="module")
 def server(tiny_llama_long):
     with running_server(tiny_llama_long, *LONG_ARGS, "--served-model-name", MODEL,
-                        "--async-scheduling", model_name=MODEL) as s:
+                        "--async-scheduling", "--enable-admin-routes", model_name=MODEL) as s:
         yield s
 
 

@@ -118,7 +118,8 @@ def dp2xep(mixtral):
     """A small KV cache (48 blocks of 16 tokens per engine): many requests at once preempt.
     Asked for async scheduling: lockstep waves step one at a time, and match the reference."""
     args = [a if a != "32MiB" else "384KiB" for a in ARGS]
-    with running_server(mixtral, *args, "--strategy", "dp2xep", "--async-scheduling") as s:
+    with running_server(mixtral, *args, "--strategy", "dp2xep", "--async-scheduling",
+                        "--enable-admin-routes") as s:  # sleeps a lockstep group
         yield s
 
 

@@ -16,7 +16,7 @@ from .conftest import running_server
 
 KV = 64 << 20
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-        "--strategy", "dp2")
+        "--strategy", "dp2", "--enable-admin-routes")
 PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(9 + i)] for i in range(3)]
 
 

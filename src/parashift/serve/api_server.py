@@ -20,10 +20,12 @@ from parashift.engine.request import check_prompt_tokens
 from parashift.engine.structured_output import COMPILE_TIMEOUT_S, Grammars
 from parashift.serve import responses, sse
 from parashift.serve.engine_client import EngineClient
-from parashift.serve.engine_routes import EngineRoutes
+from parashift.serve.engine_routes import ADMIN_ROUTES, EngineRoutes
 from parashift.serve.generation import Generation
 from parashift.serve.http_guards import (
     REQUEST_ID,
+    allowed_hosts,
+    check_host,
     errors_to_openai,
     refuse_cross_site,
     require_key,
@@ -103,9 +105,11 @@ class ApiServer:
         self.metrics.api_server.labels(str(args.index)).set(1)
 
     def app(self) -> web.Application:
+        limits = self.args.limits
         app = web.Application(
-            middlewares=[self._count, errors_to_openai, refuse_cross_site,
-                         require_key(self.args.api_key)],
+            middlewares=[self._count, errors_to_openai, check_host(allowed_hosts(limits)),
+                         refuse_cross_site,
+                         require_key(self.args.api_key, limits.admin_api_key, ADMIN_ROUTES)],
             client_max_size=self.args.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -113,7 +117,8 @@ class ApiServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/openapi.json", self.openapi)
-        EngineRoutes(self.engines, self.metrics).add_to(app)
+        if limits.admin_routes:  # off by default: absent (404) without a key or the flag
+            EngineRoutes(self.engines, self.metrics).add_to(app)
         return app
 
     @web.middleware
@@ -149,7 +154,7 @@ class ApiServer:
     async def openapi(self, request: web.Request) -> web.Response:
         from importlib.metadata import version
 
-        return _json(openapi_document(version("parashift")))
+        return _json(openapi_document(version("parashift"), self.args.limits.admin_routes))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), CompletionRequest)

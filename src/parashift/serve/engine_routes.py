@@ -1,7 +1,11 @@
 """The routes that act on every live engine at once (all dp ranks together):
 POST /reset_prefix_cache, and POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping. /sleep
 answers once every engine has drained and slept; the memory each released is in the answer
-and in /metrics. While asleep, requests get a 503 (or wait, with --while-asleep wait)."""
+and in /metrics. While asleep, requests get a 503 (or wait, with --while-asleep wait).
+
+They are admin routes: added only with an admin key (--admin-api-key, PARASHIFT_ADMIN_KEY),
+which they then take instead of the API key (serve/http_guards.py require_key), or with
+--enable-admin-routes (behind the API key, if any: a trusted network only)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from parashift.serve.engine_errors import EngineDeadError, EngineUnavailableErro
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
 from parashift.wire.engine_calls import EngineCall, IsSleeping, ResetPrefixCache, Sleep, WakeUp
+
+ADMIN_ROUTES = frozenset(("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping"))
 
 
 def _json(data: Any) -> web.Response:

@@ -23,6 +23,7 @@ def _response(description: str, schema: dict, content_type: str = "application/j
 
 def _errors(*statuses: int) -> dict[str, dict]:
     why = {400: "invalid request (the field is named in `param`)", 401: "missing or wrong key",
+           403: "the API key, where the admin routes take the admin key",
            404: "unknown model", 429: "the engines' waiting queues are full",
            503: "no engine can take the request", 504: "the request timed out"}
     return {str(s): _response(why[s], {"$ref": _REF.format(name="Error")}) for s in statuses}
@@ -40,11 +41,12 @@ def _generation(summary: str, request: str) -> dict:
             **_errors(400, 401, 404, 429, 503, 504)}}}
 
 
-def openapi_document(version: str) -> dict[str, Any]:
+def openapi_document(version: str, admin_routes: bool = False) -> dict[str, Any]:
+    """The document of the routes served: the admin routes only where they are on."""
     (completion, chat), components = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest], ref_template=_REF)
     components["Error"] = _ERROR
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {"title": "parashift", "version": version,
                  "description": "OpenAI-compatible completions and chat completions. Request "
@@ -61,22 +63,32 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": _response("text exposition format", {"type": "string"},
                                  "text/plain")}}},
-            "/reset_prefix_cache": {"post": {"summary": "Empty every engine's prefix cache",
-                                             "responses": {"200": _response("per rank",
-                                                                            _OBJECT)}}},
-            "/sleep": {"post": {
-                "summary": "Every engine drains, then frees its KV cache (level 1) or its "
-                           "weights too (level 2)",
-                "parameters": [{"name": "level", "in": "query", "schema": {
-                    "type": "integer", "enum": [1, 2], "default": 1}}],
-                "responses": {"200": _response("per rank: level and bytes released",
-                                               _OBJECT), **_errors(400, 503)}}},
-            "/wake_up": {"post": {"summary": "Every engine reloads what it freed",
-                                  "responses": {"200": _response("per rank", _OBJECT)}}},
-            "/is_sleeping": {"get": {"summary": "Whether every engine sleeps, and each level",
-                                     "responses": {"200": _response("per rank", _OBJECT)}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": _response("OpenAPI 3.1", _OBJECT)}}},
         },
         "components": {"schemas": components},
     }
+    if admin_routes:
+        doc["paths"].update(_ADMIN_PATHS)
+    return doc
+
+
+# With --admin-api-key (they take that key) or --enable-admin-routes (serve/engine_routes.py).
+_ADMIN_PATHS: dict[str, Any] = {
+    "/reset_prefix_cache": {"post": {"summary": "Empty every engine's prefix cache",
+                                     "responses": {"200": _response("per rank", _OBJECT),
+                                                   **_errors(401, 403)}}},
+    "/sleep": {"post": {
+        "summary": "Every engine drains, then frees its KV cache (level 1) or its weights too "
+                   "(level 2)",
+        "parameters": [{"name": "level", "in": "query", "schema": {
+            "type": "integer", "enum": [1, 2], "default": 1}}],
+        "responses": {"200": _response("per rank: level and bytes released", _OBJECT),
+                      **_errors(400, 401, 403, 503)}}},
+    "/wake_up": {"post": {"summary": "Every engine reloads what it freed",
+                          "responses": {"200": _response("per rank", _OBJECT),
+                                        **_errors(401, 403)}}},
+    "/is_sleeping": {"get": {"summary": "Whether every engine sleeps, and each level",
+                             "responses": {"200": _response("per rank", _OBJECT),
+                                           **_errors(401, 403)}}},
+}

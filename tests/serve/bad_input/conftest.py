@@ -1,6 +1,7 @@
-"""One real `parashift run` started with --api-key for every module here, which send it bad
-requests; and the checks they share: each answer has the right status and OpenAI's error body,
-and the server stays healthy. test_admission.py checks its error bodies with them too."""
+"""One real `parashift run` started with --api-key (and the admin routes' own key, and one more
+allowed Host name) for every module here, which send it bad requests; and the checks they
+share: each answer has the right status and OpenAI's error body, and the server stays healthy.
+test_admission.py checks its error bodies with them too."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from ..conftest import TINY_ARGS, running_server
 
 API_KEY = "sk-parashift-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "sk-parashift-admin-test"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ALLOWED_HOST = "rebind.example"  # --allowed-hosts: served although the bind is loopback
 MSG = [{"role": "user", "content": "hi"}]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="package")  # one server for the package: its modules share it
 def server(tiny_llama):
-    with running_server(tiny_llama, *TINY_ARGS, "--api-key", API_KEY) as s:
+    with running_server(tiny_llama, *TINY_ARGS, "--api-key", API_KEY,
+                        "--allowed-hosts", ALLOWED_HOST,
+                        env={"PARASHIFT_ADMIN_KEY": ADMIN_KEY}) as s:
         yield s
 
 
