@@ -2,7 +2,8 @@
 hold a reusable prefix, and which can be handed out next. The tensors live in the workers.
 
 Prefix caching: a full block is identified by the chained hash of (parent block's hash, its
-token ids), from engine/block_hash.py (the API servers' router computes the same). Blocks
+token ids), from engine/block_hash.py (the API servers' router computes the same); a request's
+cache_salt enters its first block's, so requests of different salts share no block. Blocks
 whose reference count drops to zero stay in the hash table until they are reused, so a later
 request with the same prefix picks them up; the free queue is ordered so the least recently
 freed block is evicted first."""
@@ -119,7 +120,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         if (len(hashes) + 1) * self.block_size <= num_tokens:  # a block was filled
             hashes[:] = block_hashes(request.all_token_ids[:num_tokens], self.block_size,
-                                     known=hashes)
+                                     known=hashes, salt=request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request, in whole blocks. At least one token is

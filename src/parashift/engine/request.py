@@ -81,6 +81,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        # Its blocks are shared only with requests of the same salt (a tenant's).
+        self.cache_salt = params.cache_salt
         # structured outputs: its compile, then its matcher (engine/structured_output.py)
         self.grammar: GrammarState | None = None
 

@@ -32,6 +32,7 @@ MAX_LOGPROBS = 20  # OpenAI's own cap
 MAX_PROMPTS = MAX_CHOICES  # prompts in one completion request, counted before tokenizing
 MAX_MESSAGES = 4096  # messages in one chat request, counted before rendering
 MAX_TOOLS = 128  # tools in a request, tool calls in a message
+MAX_CACHE_SALT_CHARS = 1024  # hashed into a prompt's first KV block
 INT64 = (-(2**63), 2**63 - 1)
 INT32_MAX = 2**31 - 1
 
@@ -97,6 +98,8 @@ class _Sampling(_Strict, kw_only=True):
     logit_bias: dict[str, Float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     user: str | None = None
     # OpenAI's fields that change nothing here: accepted and ignored.
     metadata: dict[str, str] | None = None

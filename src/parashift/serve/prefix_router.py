@@ -11,7 +11,9 @@
 - `round-robin`: each rank in turn.
 
 Each API server keeps its own index (no traffic between them): with --api-server-count N a
-conversation whose turns reach different API servers is routed by each one's view."""
+conversation whose turns reach different API servers is routed by each one's view. A request's
+cache_salt enters its hashes as it does the engine's (`prompt_hashes`): a tenant's prompt is
+routed to where its own blocks live, never by another tenant's."""
 
 from __future__ import annotations
 
@@ -25,8 +27,16 @@ from parashift.defaults import (
     DEFAULT_ROUTING_BALANCE_THRESHOLD,
     DEFAULT_ROUTING_MIN_MATCH,
 )
+from parashift.engine.block_hash import block_hashes
 
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
+
+
+def prompt_hashes(prompts: Sequence[Sequence[int]], block_size: int, salt: str | None = None
+                  ) -> list[list[int]]:
+    """Each prompt's full blocks' hashes, as the engine's prefix cache computes them for a
+    request with `salt` (its cache_salt)."""
+    return [block_hashes(prompt, block_size, salt=salt) for prompt in prompts]
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, num_prompt_t
     values = {
         "n": req.n, "max_tokens": max_tokens, "seed": req.seed, "stop": req.stop,
         "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
-        "logprobs": num_logprobs,
+        "logprobs": num_logprobs, "cache_salt": req.cache_salt,
     }
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -33,6 +33,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # the output's constraint: a JSON schema, regex, choice or grammar (xgrammar masks tokens)
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefix-cache blocks are shared only between requests with the same salt (vLLM's field).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
