@@ -1,5 +1,6 @@
 """An API server's process (aiohttp on uvloop): one per --api-server-count, all accepting on
-the launcher's listening socket once every engine is ready, draining on SIGTERM."""
+the launcher's listening socket once every engine is ready (at most --max-connections open at
+a time: serve/listener.py), draining on SIGTERM."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from parashift.processes import (
     setup_child_logging,
 )
 from parashift.serve.api_server import ApiServer, ApiServerArgs
+from parashift.serve.listener import KEEPALIVE_TIMEOUT_S, CappedListener
 
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
     server = ApiServer(args)
     server.engines.start()
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
-    site = web.SockSite(runner, sock)
+    assert runner.server is not None
+    listener = CappedListener(runner.server, sock, args.limits.max_connections)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -39,11 +43,11 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
     serving = ready.done()
     ready.cancel()
     if serving:
-        await site.start()
+        await listener.start()
         await server.engines.tell_launcher_ready()
         await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
         # Stop accepting, let in-flight requests drain within the timeout, abort the rest.
-        await site.stop()
+        listener.stop()
     deadline = time.monotonic() + server.engines.shutdown_timeout
     while server.engines.sinks and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

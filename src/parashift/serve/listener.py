@@ -1,0 +1,127 @@
+"""An API server's accepting side: at most --max-connections open HTTP connections.
+
+At the cap the server stops accepting instead of answering an error: further clients wait in
+the listening socket's backlog (the same wait as during start-up), where another API server on
+the same socket may take them, and none holds a descriptor or buffers of this process. Each
+connection that closes lets one more in. A refusal (accept, then 503) would still cost one
+accept and one descriptor per attempt, and would refuse a client another API server could
+serve; an idle connection is closed after KEEPALIVE_TIMEOUT_S, so the wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+
+from aiohttp import web
+
+# Seconds an idle keep-alive connection (or one that never sends a request) holds its slot;
+# aiohttp's default is an hour.
+KEEPALIVE_TIMEOUT_S = 75.0
+BACKLOG = 2048  # as the launcher listens (runtime/endpoints.py); each start listens again
+
+
+class _Parked(asyncio.Protocol):
+    """A connection accepted past the cap: the loop accepts every pending connection in one
+    go before the pause can take effect (uvloop cannot stop its server inside the accept).
+    Read from by no one (reading paused) until a slot frees, then handed to aiohttp."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.pause_reading()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+
+
+class CappedListener:
+    def __init__(self, server: web.Server, sock: socket.socket, max_connections: int):
+        self.server, self.sock, self.max_connections = server, sock, max_connections
+        self.num_open = 0  # handed to aiohttp, not closed yet
+        self.most_open = 0  # the high-water mark (tests read it)
+        self.accepting = asyncio.Event()  # set while the socket is listened on
+        self._parked: collections.deque[_Parked] = collections.deque()
+        self._listening: asyncio.AbstractServer | None = None
+        self._resuming: asyncio.Task | None = None
+        self._stopped = False
+        # aiohttp has no hook for a connection's end but its Server's bookkeeping of it.
+        lost = server.connection_lost
+
+        def connection_lost(handler: web.RequestHandler, exc: BaseException | None = None
+                            ) -> None:
+            lost(handler, exc)
+            self._release()
+
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    async def start(self) -> None:
+        await self._listen()
+
+    def stop(self) -> None:
+        """Stops accepting for good; open connections stay, to drain, parked ones close."""
+        self._stopped = True
+        self._pause()
+        if self._resuming is not None:
+            self._resuming.cancel()
+        while self._parked:
+            parked = self._parked.popleft()
+            if parked.transport is not None:
+                parked.transport.close()
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        if self.num_open >= self.max_connections or self._stopped:
+            parked = _Parked()
+            self._parked.append(parked)
+            return parked
+        self._opened()
+        return self.server()
+
+    def _opened(self) -> None:
+        self.num_open += 1
+        self.most_open = max(self.most_open, self.num_open)
+        if self.num_open >= self.max_connections:
+            # Not inside the accept: uvloop attaches the new transport to its server after
+            # this factory returns.
+            asyncio.get_running_loop().call_soon(self._pause)
+
+    def _release(self) -> None:
+        self.num_open -= 1
+        if self._stopped:
+            return
+        while self._parked and self.num_open < self.max_connections:
+            parked = self._parked.popleft()
+            transport = parked.transport
+            if transport is None or transport.is_closing():
+                continue
+            self._opened()
+            handler = self.server()
+            transport.set_protocol(handler)
+            handler.connection_made(transport)
+            transport.resume_reading()
+        if (self._listening is None and self._resuming is None
+                and self.num_open < self.max_connections):
+            self._resuming = asyncio.get_running_loop().create_task(self._listen())
+
+    def _pause(self) -> None:
+        if self._listening is not None and self.num_open >= self.max_connections:
+            self._listening.close()  # stops accepting; open connections stay
+            self._listening = None
+            self.accepting.clear()
+
+    async def _listen(self) -> None:
+        try:
+            # A duplicate of the socket each time: closing a server closes the socket it was
+            # given, and the listening socket must stay open (and keep its backlog).
+            listening = await asyncio.get_running_loop().create_server(
+                self._accept, sock=self.sock.dup(), backlog=BACKLOG)
+            if self._stopped:
+                listening.close()
+                return
+            self._listening = listening
+            self.accepting.set()
+        finally:
+            self._resuming = None

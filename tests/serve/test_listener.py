@@ -1,0 +1,113 @@
+"""serve/listener.py on a real socket, under uvloop and asyncio: at most max_connections are
+handed to aiohttp at once; at the cap it stops accepting and the next client waits (in the
+backlog, or parked unread when accepted in the same burst), then is served once a slot frees;
+stop() ends accepting and closes what is parked. Every wait is for an event."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from parashift.serve.listener import CappedListener
+
+REQUEST = b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"
+CLOSING = b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+
+
+def run(loop_kind: str, main) -> None:
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
+
+
+async def serving(cap: int) -> tuple[web.AppRunner, CappedListener, int]:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+    assert runner.server is not None
+    listener = CappedListener(runner.server, sock, cap)
+    await listener.start()
+    return runner, listener, sock.getsockname()[1]
+
+
+async def answered(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    await asyncio.wait_for(reader.readexactly(2), 30)  # the body: "ok"
+    return head.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_the_next_client_waits_for_a_free_slot(loop_kind):
+    async def main() -> None:
+        runner, listener, port = await serving(2)
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(REQUEST)
+            assert await answered(reader) == b"HTTP/1.1 200 OK"
+            held.append((reader, writer))
+        while listener.accepting.is_set():  # the pause comes right after the accept
+            await asyncio.sleep(0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # the backlog's
+        writer.write(REQUEST)
+        waiting = asyncio.ensure_future(answered(reader))
+        held[0][1].write(REQUEST)  # a round trip after the waiting client's request
+        assert await answered(held[0][0]) == b"HTTP/1.1 200 OK"
+        assert not waiting.done() and listener.num_open == 2
+        held.pop(0)[1].close()
+        assert await waiting == b"HTTP/1.1 200 OK"
+        assert listener.most_open == 2
+        for _, w in [*held, (reader, writer)]:
+            w.close()
+        await listener.accepting.wait()  # below the cap: accepting again
+        listener.stop()
+        await runner.cleanup()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_a_burst_past_the_cap_is_served_in_turn(loop_kind):
+    async def main() -> None:
+        runner, listener, port = await serving(2)
+        clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
+        for _, writer in clients:
+            writer.write(CLOSING)  # each frees its slot once answered
+        heads = await asyncio.gather(*(answered(reader) for reader, _ in clients))
+        assert heads == [b"HTTP/1.1 200 OK"] * 10
+        assert listener.most_open == 2
+        for _, writer in clients:
+            writer.close()
+        listener.stop()
+        await runner.cleanup()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_stop_ends_accepting_and_lets_open_connections_drain(loop_kind):
+    async def main() -> None:
+        runner, listener, port = await serving(1)
+        clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        clients[0][1].write(REQUEST)
+        assert await answered(clients[0][0]) == b"HTTP/1.1 200 OK"
+        listener.stop()
+        assert not listener.accepting.is_set() and not listener._parked
+        clients[0][1].write(REQUEST)  # the open one still serves
+        assert await answered(clients[0][0]) == b"HTTP/1.1 200 OK"
+        for _, writer in clients:
+            writer.close()
+        await runner.cleanup()
+
+    run(loop_kind, main)
