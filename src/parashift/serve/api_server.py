@@ -9,7 +9,6 @@ import logging
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from parashift.serve.http_guards import (
     refuse_cross_site,
     require_key,
 )
+from parashift.serve.intake import BoundedPool, chat_chars, read_body
 from parashift.serve.limits import ServeLimits
 from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import (
@@ -38,7 +38,6 @@ from parashift.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    parse,
 )
 from parashift.serve.openapi import openapi_document
 from parashift.serve.prefix_router import RoutingConfig
@@ -87,8 +86,8 @@ class ApiServer:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)  # nosec B615
         # Tokenizing and chat templates run here, off the event loop (one thread: the
-        # tokenizer is not shared between threads).
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-tokenize")
+        # tokenizer is not shared between threads), with a bounded queue (429 beyond).
+        self.tokenize_pool = BoundedPool(args.limits.max_tokenize_queue, "parashift-tokenize")
         # A text longer than this many characters cannot fit max_model_len at any
         # tokenization: no token is longer than the longest in the vocabulary.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
@@ -157,7 +156,7 @@ class ApiServer:
         return _json(openapi_document(version("parashift"), self.args.limits.admin_routes))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(await request.read(), CompletionRequest)
+        req = await read_body(request, CompletionRequest)
         self._check_model(req.model)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
@@ -169,15 +168,16 @@ class ApiServer:
         return await self._generate(request, req, prompts, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(await request.read(), ChatCompletionRequest)
+        req = await read_body(request, ChatCompletionRequest)
         self._check_model(req.model)
         tools = tool_plan(req, self.args.tool_call_parser)
-        messages = template_messages(chat_messages(req))
-        chars = sum(len(m["content"]) for m in messages) + len(msgspec.json.encode(tools.tools))
+        # Every text counted before any is decoded or rendered (tool-call arguments too).
+        chars = chat_chars(req) + len(msgspec.json.encode(tools.tools))
         if chars > self.max_prompt_chars:
             raise OpenAIError(400, f"the messages hold {chars} characters: more than any "
                               f"{self.args.max_model_len}-token context can hold",
                               param="messages")
+        messages = template_messages(chat_messages(req))
 
         def render() -> list[int]:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools.tools or None,
@@ -191,7 +191,7 @@ class ApiServer:
         return await self._generate(request, req, [ids], chat=True, tools=tools)
 
     async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+        return await self.tokenize_pool.run(fn, *args)
 
     # --- helpers -----------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

@@ -1,0 +1,94 @@
+"""The work a request costs before any of its limits can be checked, kept off the event loop
+and bounded: its JSON body decoded in a thread past OFF_LOOP_BYTES, the tokenizer thread's
+queue bounded per API server (a 429 with Retry-After beyond), and a chat's size counted over
+every text it carries before anything renders it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError, parse
+
+T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
+
+# Smaller bodies decode on the loop in well under a millisecond; an 8 MiB one takes tens.
+OFF_LOOP_BYTES = 256 << 10
+_decode_pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-decode")
+
+
+async def read_body(request: web.Request, kind: type[S]) -> S:
+    """The request's body as `kind`; a 400 naming the field where it does not fit."""
+    raw = await request.read()
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse(raw, kind)  # type: ignore[return-value]
+    return await asyncio.get_running_loop().run_in_executor(_decode_pool, parse, raw, kind)
+
+
+class QueueFullError(OpenAIError):
+    """A 429 whose `retry_after` (seconds) serve/http_guards.py sends as Retry-After."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(429, message, "rate_limit_error", code="tokenizer_queue_full")
+        self.retry_after = retry_after
+
+
+class BoundedPool:
+    """One thread (a tokenizer is not shared between threads) holding at most `max_tasks`
+    tasks, queued or running: one client's large bodies cannot grow a queue every other
+    request of this API server waits behind. Past the bound, QueueFullError with a
+    Retry-After from the tasks ahead and their mean time."""
+
+    def __init__(self, max_tasks: int, thread_name: str):
+        self.max_tasks = max_tasks
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self.num_tasks = 0
+        self.mean_task_s = 0.01  # moving average of a task's time, for Retry-After
+        self._lock = threading.Lock()  # num_tasks drops in the worker (or a cancelling) thread
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self.num_tasks >= self.max_tasks:
+                wait_s = self.num_tasks * self.mean_task_s
+                raise QueueFullError(f"the tokenizer queue of this API server is full "
+                                     f"({self.max_tasks} requests)", wait_s)
+            self.num_tasks += 1
+        future = self.executor.submit(self._timed, fn, *args)
+        future.add_done_callback(self._done)  # a cancelled wait leaves the task counted
+        return await asyncio.wrap_future(future)
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.mean_task_s += 0.2 * (time.perf_counter() - start - self.mean_task_s)
+
+    def _done(self, future: Future) -> None:
+        with self._lock:
+            self.num_tasks -= 1
+
+
+def chat_chars(req: ChatCompletionRequest) -> int:
+    """Characters of every text a chat carries into its template: contents (and their
+    parts), names, refusals, tool calls' ids, names and arguments, tool results' call ids."""
+    total = 0
+    for m in req.messages:
+        texts = [m.role, m.name, m.refusal, m.tool_call_id]
+        if isinstance(m.content, str):
+            texts.append(m.content)
+        else:
+            for part in m.content or ():
+                texts += [part.type, part.text, part.refusal]
+        for call in m.tool_calls or ():
+            texts += [call.id, call.function.name, call.function.arguments]
+        total += sum(len(t) for t in texts if t)
+    return total
