@@ -106,8 +106,10 @@ class EngineClient:
         if stopped:  # a bug the guarded receives did not catch: say so rather than hang
             return False, f"the API server's receive task(s) {', '.join(stopped)} stopped"
         if dead := self.ranks.dead():
-            return False, "; ".join(f"engine dp{r} is down: {why}" for r, why in
-                                    sorted(dead.items()))
+            # The state, never the reason: an engine's reason is the last line of its
+            # traceback, which may quote a request (the log has it: _mark_dead).
+            return False, "; ".join(f"engine dp{r} is down (the server's log says why)"
+                                    for r in sorted(dead))
         if missing := self.ranks.starting():
             return False, f"engine(s) {', '.join(f'dp{r}' for r in missing)} not ready yet"
         return True, "ok"
