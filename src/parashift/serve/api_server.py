@@ -40,6 +40,7 @@ from parashift.serve.openai_protocol import (
     OpenAIError,
 )
 from parashift.serve.openapi import openapi_document
+from parashift.serve.output_budget import check_output_budget
 from parashift.serve.prefix_router import RoutingConfig
 from parashift.serve.request_params import chat_messages, constrained, sampling_params
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
@@ -248,6 +249,17 @@ class ApiServer:
         except ValueError as e:
             raise OpenAIError(400, str(e), param=param) from None
 
+    async def _full_response(self, formatter: responses.Formatter) -> web.Response:
+        """The whole body, built and encoded in the tokenizer's thread (its logprob texts are
+        decoded there), never on the event loop; a finished generation is never refused, so
+        it skips the pool's queue bound."""
+        def build() -> bytes:
+            return msgspec.json.encode(formatter.full_response())
+
+        body = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool.executor,
+                                                                build)
+        return web.Response(body=body, content_type="application/json")
+
     def _rank(self, request: web.Request) -> int | None:
         pinned = request.headers.get("X-data-parallel-rank")
         if pinned is None:
@@ -265,6 +277,8 @@ class ApiServer:
         params, field = constrained(
             req, [sampling_params(req, len(p), self.args.max_model_len) for p in prompts],
             tools.constraint if tools is not None else None)
+        check_output_budget(req, prompts, params, self.args.limits.max_request_output_units,
+                            self.args.max_model_len)
         if field is not None:
             await self._check_constraint(params[0].structured_outputs, field)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -287,7 +301,7 @@ class ApiServer:
                 async for _ in gen.stream():
                     pass
             status = "ok"
-            return _json(formatter.full_response())
+            return await self._full_response(formatter)
         except TimeoutError:
             status = "timeout"
             raise sse.timed_out(self.args.request_timeout) from None
