@@ -1,11 +1,12 @@
 """IncrementalDetokenizer.apply on a byte-level tokenizer (one token per byte): characters split
-over tokens, stop strings over token borders, and what streaming may hand out when."""
+over tokens, stop strings over token borders, and what streaming may hand out when; TokenTexts,
+the batch decode of logprob entries."""
 
 from __future__ import annotations
 
 from conftest import make_tokenizer  # tests/conftest.py
 
-from parashift.engine.detokenizer import IncrementalDetokenizer, decoder
+from parashift.engine.detokenizer import IncrementalDetokenizer, TokenTexts, decoder
 from parashift.types.outputs import EngineCoreOutput
 
 TOKENIZER = make_tokenizer()
@@ -93,3 +94,26 @@ def test_stop_matching_is_linear_in_the_new_text():
     # each stop string looks at most its own length back, the new character included
     assert max(per_token) <= 64 * 1024
     assert per_token[-1] == per_token[1100] == 64 * 1024
+
+
+def test_token_texts_match_one_decode_per_id_in_one_batch_call(smollm2_path):
+    """Each id's text as `decode([id])` gives it, special tokens and partial characters
+    included, on SmolLM2's tokenizer (the `tokenizers` backend) and on the byte-level one
+    (transformers' batch_decode); unseen ids are decoded together once, then remembered."""
+    from transformers import AutoTokenizer
+
+    smollm2 = AutoTokenizer.from_pretrained(smollm2_path)
+    for tok in (smollm2, TOKENIZER):
+        sample = tok.encode("Ça coûte 5 € 日本 🙂 <|im_end|> x", add_special_tokens=False)
+        token_ids = [*sample, tok.eos_token_id, *sample[:3], 0, 1]
+        texts = TokenTexts(tok)
+        batches: list[int] = []
+
+        def counted(seqs, inner=texts._decode_batch, batches=batches):
+            batches.append(len(seqs))
+            return inner(seqs)
+
+        texts._decode_batch = counted
+        assert texts(token_ids) == [tok.decode([t]) for t in token_ids]
+        assert texts(token_ids[::-1]) == [tok.decode([t]) for t in token_ids[::-1]]
+        assert batches == [len(set(token_ids))]

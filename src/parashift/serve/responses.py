@@ -1,4 +1,6 @@
-"""OpenAI response bodies for completions and chat completions, whole or as SSE chunks."""
+"""OpenAI response bodies for completions and chat completions, whole or as SSE chunks. A
+whole body is built where the tokenizer runs, off the event loop (api_server.py); a chunk's
+work is bounded by its delta: logprob texts are decoded in batches."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from parashift.engine.detokenizer import TokenTexts
 from parashift.engine.request_tracker import Sample as Choice
 from parashift.engine.request_tracker import SampleDelta as Delta
 from parashift.serve.generation import Generation
@@ -30,9 +33,16 @@ class Formatter:
         self.gen = gen
         self.req = req
         self.created = int(time.time())
+        self._texts = TokenTexts(tokenizer)
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _entry_texts(self, entries: list[TokenLogprobs]) -> list[list[str]]:
+        """Per entry, the sampled token's text then its alternatives': one batch decode."""
+        texts = self._texts([t for lp in entries for t in lp.token_ids])
+        out, at = [], 0
+        for lp in entries:
+            out.append(texts[at : at + len(lp.token_ids)])
+            at += len(lp.token_ids)
+        return out
 
     def usage(self) -> dict[str, Any]:
         prompt, completion = self.gen.num_prompt_tokens, self.gen.num_output_tokens
@@ -87,14 +97,12 @@ class CompletionFormatter(Formatter):
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = text_start
-        for lp in entries:
-            token = self._token(lp.token_ids[0])
-            tokens.append(token)
+        for lp, texts in zip(entries, self._entry_texts(entries), strict=True):
+            tokens.append(texts[0])
             token_logprobs.append(lp.logprobs[0])
-            top.append({self._token(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:],
-                                                          strict=True)})
+            top.append(dict(zip(texts[1:], lp.logprobs[1:], strict=True)))
             offsets.append(offset)
-            offset += len(token)
+            offset += len(texts[0])
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -143,18 +151,18 @@ class ChatFormatter(Formatter):
         self.reader = ToolCallReader(self.tools) if self.tools else None
         self._sent: dict[int, _Sent] = {}  # a choice's index -> what its stream has sent
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        token = self._token(token_id)
+    @staticmethod
+    def _entry(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.req.logprobs:
             return None
         content = []
-        for lp in entries:
-            item = self._entry(lp.token_ids[0], lp.logprobs[0])
+        for lp, texts in zip(entries, self._entry_texts(entries), strict=True):
+            item = self._entry(texts[0], lp.logprobs[0])
             item["top_logprobs"] = [self._entry(t, v) for t, v in
-                                    zip(lp.token_ids[1:], lp.logprobs[1:], strict=True)]
+                                    zip(texts[1:], lp.logprobs[1:], strict=True)]
             content.append(item)
         return {"content": content}
 
