@@ -2,8 +2,10 @@
 dp2 --enable-auto-tool-choice --tool-call-parser hermes`, on a tiny random-weight model whose
 chat template writes the tools and the history's calls: `tool_choice` named and `required`
 (constrained: the arguments validate), streamed and not; `auto` read by the hermes parser
-(the model's text scripted through a constraint); a history with tool results; the 400s.
-The parsers and the plan are unit-tested below on their own."""
+(the model's text scripted through a constraint); a history with tool results; the 400s; a
+long constrained array streamed to 8 choices while /health answers within 1 s. The server's
+--max-request-output-units is checked here too. The plan is unit-tested below on its own,
+the readers in test_tool_call_reader.py."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import openai
 import pytest
 
 from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError, parse
-from parashift.serve.tool_calls import ToolCallReader, ToolPlan, tool_plan
+from parashift.serve.tool_calls import ToolPlan, tool_plan
 
 from .conftest import running_server
+from .health_poller import HealthPoller
 
 MODEL = "tiny-tools"
 TEMPLATE = (
@@ -34,7 +37,12 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"]}}}
+RECORD = {"type": "function", "function": {  # its arguments outlast any max_tokens here
+    "name": "record", "parameters": {"type": "object", "properties": {"values": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 1000}},
+        "required": ["values"]}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+BUDGET = 8000  # --max-request-output-units
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
@@ -51,7 +59,8 @@ def server(tool_model):
     with running_server(tool_model, "--dtype", "float32", "--max-model-len", "1024",
                         "--kv-cache-memory", "32MiB", "--strategy", "dp2",
                         "--served-model-name", MODEL, "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes", model_name=MODEL) as s:
+                        "--tool-call-parser", "hermes", "--max-request-output-units",
+                        str(BUDGET), model_name=MODEL) as s:
         yield s
 
 
@@ -203,7 +212,43 @@ def test_the_client_raises_on_a_400(client):
         chat(client, tool_choice="required")
 
 
-# --- the plan and the parsers, on their own ----------------------------------------------------
+def test_a_long_array_streams_to_8_choices_while_health_answers(client, server):
+    """A named tool whose schema asks for 1,000 integers, streamed with n=8 until max_tokens:
+    each choice's reader takes only its new text (test_tool_call_reader.py counts the
+    characters), and every /health answer the poller measured took under 1 s."""
+    calls: dict[int, dict] = {}
+    with HealthPoller(server) as poller:
+        stream = chat(client, tools=[RECORD], n=8, max_tokens=400, seed=4, stream=True,
+                      tool_choice={"type": "function", "function": {"name": "record"}})
+        for chunk in stream:
+            for choice in chunk.choices:
+                call = calls.setdefault(choice.index, {"arguments": "", "pieces": 0})
+                for piece in choice.delta.tool_calls or []:
+                    if piece.id:
+                        assert call["arguments"] == "" and piece.function.name == "record"
+                        call["id"] = piece.id
+                    elif piece.function and piece.function.arguments:
+                        call["arguments"] += piece.function.arguments
+                        call["pieces"] += 1
+                call["finish"] = choice.finish_reason or call.get("finish")
+    poller.assert_responsive(1.0)
+    assert sorted(calls) == list(range(8))
+    for call in calls.values():
+        assert call["id"].startswith("call_") and call["finish"] == "length"
+        assert call["arguments"].replace(" ", "").startswith('{"values":[')
+        assert call["pieces"] > 100  # piece by piece, as the tokens came
+
+
+def test_the_flag_sets_the_output_budget(client):
+    """--max-request-output-units 8000: 4 x 100 tokens x (1 + 20) is past it; 3 are not."""
+    with pytest.raises(openai.BadRequestError, match=r"n=4 .*top_logprobs=20.*8,400.*8,000"):
+        chat(client, n=4, max_tokens=100, logprobs=True, top_logprobs=20)
+    done = chat(client, n=3, max_tokens=100, logprobs=True, top_logprobs=20,
+                extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.content) for c in done.choices] == [100] * 3
+
+
+# --- the plan, on its own ----------------------------------------------------------------------
 
 def _plan(parser=None, **body) -> ToolPlan:
     req = parse(json.dumps({"messages": ASK, **body}).encode(), ChatCompletionRequest)
@@ -215,58 +260,3 @@ def test_auto_needs_the_servers_parser():
         _plan(tools=[WEATHER], tool_choice="auto")
     assert _plan(tools=[WEATHER]).mode == "none"  # the default without a parser
     assert _plan("hermes", tools=[WEATHER]).mode == "auto"
-
-
-def _read(parser: str, text: str, final: bool = True):
-    content, calls = ToolCallReader(ToolPlan("auto", parser=parser)).read(text, final)
-    return content, [(c.name, json.loads(c.arguments)) for c in calls]
-
-
-def test_hermes_holds_back_what_may_open_a_call():
-    assert _read("hermes", "Hi <tool_c", final=False) == ("Hi ", [])
-    assert _read("hermes", "Hi <tool_c") == ("Hi <tool_c", [])
-    assert _read("hermes", 'a<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>b'
-                           '<tool_call>{"name": "g", "arguments": {}}</tool_call>') == (
-        "ab", [("f", {"x": 1}), ("g", {})])
-    assert _read("hermes", "<tool_call>not json</tool_call>") == (
-        "<tool_call>not json</tool_call>", [])
-
-
-def test_llama3_json_and_mistral():
-    assert _read("llama3_json", '{"name": "f", "parameters": {"a": 2}}; '
-                                '{"name": "g", "parameters": {}}') == (
-        "", [("f", {"a": 2}), ("g", {})])
-    assert _read("llama3_json", '{"name": "f", "par', final=False) == ("", [])
-    assert _read("llama3_json", "plain text") == ("plain text", [])
-    assert _read("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"q": "a]"}}]') == (
-        "ok ", [("f", {"q": "a]"})])
-    assert _read("mistral", "[TOOL_CALLS][{", final=False) == ("", [])
-
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def test_a_named_call_is_complete_once_its_object_closes():
-    reader = ToolCallReader(ToolPlan("named", name="f"))
-    assert not reader.read('{"a": 1', final=True)[1][0].complete  # cut by max_tokens
-    assert reader.read('{"a": "}"}', final=True)[1][0].complete
-
-
-def test_the_required_form_is_read_as_it_grows():
-    reader = ToolCallReader(ToolPlan("required"))
-    text = '[{"name": "f", "parameters": {"s": "}{"}}, {"name": "g", "parameters": {}}]'
-    seen = []
-    for end in range(len(text) + 1):
-        _, calls = reader.read(text[:end], end == len(text))
-        assert all(c.complete == _parses(c.arguments) for c in calls)
-        seen.append([(c.name, c.arguments, c.complete) for c in calls])
-    assert seen[-1] == [("f", '{"s": "}{"}', True), ("g", "{}", True)]
-    # every step only extends what came before: a stream never takes anything back
-    for before, after in zip(seen, seen[1:], strict=False):
-        for (n0, a0, _), (n1, a1, _) in zip(before, after, strict=False):
-            assert n0 == n1 and a1.startswith(a0)

@@ -1,11 +1,11 @@
 """OpenAI response bodies for completions and chat completions, whole or as SSE chunks. A
 whole body is built where the tokenizer runs, off the event loop (api_server.py); a chunk's
-work is bounded by its delta: logprob texts are decoded in batches."""
+work is bounded by its delta: logprob texts are decoded in batches, tool calls read
+incrementally."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -14,12 +14,19 @@ from parashift.engine.detokenizer import TokenTexts
 from parashift.engine.request_tracker import Sample as Choice
 from parashift.engine.request_tracker import SampleDelta as Delta
 from parashift.serve.generation import Generation
-from parashift.serve.tool_calls import ToolCallReader, ToolPlan, new_call_id
+from parashift.serve.tool_call_formats import reader_for
+from parashift.serve.tool_call_reader import ToolCallReader
+from parashift.serve.tool_calls import ToolPlan, new_call_id
 from parashift.types.outputs import TokenLogprobs
 
 
 def sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _new_logprobs(delta: Delta) -> list[TokenLogprobs]:
+    logprobs = delta.sample.logprobs
+    return logprobs[len(logprobs) - delta.num_new_logprobs:]
 
 
 class Formatter:
@@ -128,9 +135,8 @@ class CompletionFormatter(Formatter):
         if self.req.echo and choice.index not in self._echoed:
             text = self._prompt_text(choice) + text
             self._echoed.add(choice.index)
-        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
-        logprobs = self._logprobs(new, self._offsets.get(choice.index, len(text) - len(
-            delta.text)))
+        logprobs = self._logprobs(_new_logprobs(delta), self._offsets.get(
+            choice.index, len(text) - len(delta.text)))
         if logprobs is not None and logprobs["tokens"]:
             self._offsets[choice.index] = logprobs["text_offset"][-1] + len(
                 logprobs["tokens"][-1])
@@ -148,8 +154,8 @@ class ChatFormatter(Formatter):
     def __init__(self, *args: Any, tools: ToolPlan | None = None):
         super().__init__(*args)
         self.tools = tools if tools is not None and tools.mode != "none" else None
-        self.reader = ToolCallReader(self.tools) if self.tools else None
-        self._sent: dict[int, _Sent] = {}  # a choice's index -> what its stream has sent
+        # a streamed choice's index -> its reader and its calls' ids
+        self._readers: dict[int, tuple[ToolCallReader, list[str]]] = {}
 
     @staticmethod
     def _entry(token: str, logprob: float) -> dict:
@@ -169,8 +175,8 @@ class ChatFormatter(Formatter):
     def _full_choice(self, choice: Choice) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish = choice.finish_reason
-        if self.reader is not None:
-            content, calls = self.reader.read(choice.text, final=True)
+        if self.tools is not None:
+            content, calls = reader_for(self.tools).read(choice.text)
             calls = [c for c in calls if c.complete]  # one cut off by max_tokens is no call
             if calls:
                 message = {"role": "assistant", "content": content.strip() or None,
@@ -190,52 +196,44 @@ class ChatFormatter(Formatter):
 
     def stream_chunk(self, delta: Delta) -> dict:
         choice = delta.sample
-        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
         return self._envelope([{
             "index": choice.index,
             "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self._logprobs(new),
+            "logprobs": self._logprobs(_new_logprobs(delta)),
             "finish_reason": choice.finish_reason if delta.finished else None,
         }], chunk=True)
 
     def stream_chunks(self, delta: Delta) -> list[dict]:
-        """With tools: the choice's text read again whole; what is new since the last chunk
-        goes out as content, as a call's id and name, or as a piece of its arguments."""
-        if self.reader is None:
+        """With tools: the choice's new text read by its reader; what it makes known goes out
+        as content, as a call's id and name, or as a piece of a call's arguments."""
+        if self.tools is None:
             return [self.stream_chunk(delta)]
         choice = delta.sample
-        sent = self._sent.setdefault(choice.index, _Sent())
-        content, calls = self.reader.read(choice.text, final=delta.finished)
+        if choice.index not in self._readers:
+            self._readers[choice.index] = (reader_for(self.tools), [])
+        reader, ids = self._readers[choice.index]
         deltas: list[dict[str, Any]] = []
-        if len(content) > sent.content:
-            deltas.append({"content": content[sent.content:]})
-            sent.content = len(content)
-        for i, call in enumerate(calls):
-            if i == len(sent.ids):
-                sent.ids.append(new_call_id())
-                sent.arguments.append(0)
-                deltas.append({"tool_calls": [{"index": i, "id": sent.ids[i],
+        for event in reader.feed(delta.text, final=delta.finished):
+            if event.kind == "content":
+                if deltas and "content" in deltas[-1]:
+                    deltas[-1]["content"] += event.text
+                else:
+                    deltas.append({"content": event.text})
+            elif event.kind == "call":
+                ids.append(new_call_id())
+                deltas.append({"tool_calls": [{"index": event.index, "id": ids[-1],
                                                "type": "function", "function": {
-                                                   "name": call.name, "arguments": ""}}]})
-            if len(call.arguments) > sent.arguments[i]:
-                deltas.append({"tool_calls": [{"index": i, "function": {
-                    "arguments": call.arguments[sent.arguments[i]:]}}]})
-                sent.arguments[i] = len(call.arguments)
+                                                   "name": event.text, "arguments": ""}}]})
+            else:
+                deltas.append({"tool_calls": [{"index": event.index, "function": {
+                    "arguments": event.text}}]})
         if not deltas and (delta.finished or delta.num_new_logprobs):
             deltas.append({})
         finish = choice.finish_reason if delta.finished else None
-        if finish == "stop" and sent.ids:
+        if finish == "stop" and ids:
             finish = "tool_calls"
-        new = choice.logprobs[len(choice.logprobs) - delta.num_new_logprobs:]
         return [self._envelope([{
             "index": choice.index, "delta": d,
-            "logprobs": self._logprobs(new) if i == 0 else None,
+            "logprobs": self._logprobs(_new_logprobs(delta)) if i == 0 else None,
             "finish_reason": finish if i == len(deltas) - 1 else None,
         }], chunk=True) for i, d in enumerate(deltas)]
-
-
-@dataclass
-class _Sent:
-    content: int = 0  # characters of content
-    ids: list[str] = field(default_factory=list)  # the calls' ids, in order
-    arguments: list[int] = field(default_factory=list)  # characters of each call's arguments
