@@ -3,7 +3,9 @@ Ray actor in bundle 1 + its index of the engine's placement group. The mesh name
 the workers; Ray picks their devices. Everything else is MultiprocExecutor's (ZMQ step
 commands over tcp, collective_rpc, the output rank answers). The torch.distributed rendezvous
 is a TCP store that worker 0 hosts on its node's address alone (loopback when the engine's
-placement group is strictly packed on one node), so workers may sit on different nodes."""
+placement group is strictly packed on one node), so workers may sit on different nodes.
+The step links are CURVE with keys this engine mints per worker (wire/cluster_auth.py
+WorkerKeys): only worker i takes worker i's commands, and only the workers send results."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from parashift.executor.multiproc import WorkerDiedError
 from parashift.executor.worker_process import WorkerArgs, run_worker
 from parashift.processes import named_actor_class
 from parashift.strategies.mesh import EnginePlacement
+from parashift.wire.cluster_auth import WorkerKeys, worker_principal
 from parashift.wire.sockets import listen_tcp, tcp_url, zmq_context
 
 logger = logging.getLogger(__name__)
@@ -71,21 +74,17 @@ class RayWorkers:
                            "spread): their torch.distributed store and gloo/NCCL links are "
                            "not authenticated; keep the nodes on a private network")
         store = ray.get(self.actors[0].open_store.remote(my_ip))
-        self.ctx = zmq_context()
-        self.results = self.ctx.socket(zmq.PULL)
-        result_port = self.results.bind_to_random_port(f"tcp://{my_ip}")
-        self.commands = []
+        keys = WorkerKeys.mint(len(workers)) if env.cluster_secret() else None
+        self.ctx, self.results, self.commands = worker_links(keys, len(workers), my_ip)
+        result_address = self.results.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.names = [w.process_name for w in workers]
         self.refs = []
-        for worker, actor in zip(workers, self.actors, strict=True):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            command_port = sock.bind_to_random_port(f"tcp://{my_ip}")
-            self.commands.append(sock)
+        for i, (worker, actor) in enumerate(zip(workers, self.actors, strict=True)):
+            key = keys.workers[i] if keys else None
             args = WorkerArgs(config, worker, store,
-                              f"tcp://{my_ip}:{command_port}", f"tcp://{my_ip}:{result_port}",
-                              log_level)
+                              self.commands[i].getsockopt(zmq.LAST_ENDPOINT).decode(),
+                              result_address, log_level,
+                              link_key=(key.public, key.secret) if key else None)
             self.refs.append(actor.run.remote(args, env.cluster_secret()))
 
     def check_health(self) -> None:
@@ -109,6 +108,25 @@ class RayWorkers:
 
     def cleanup_call(self) -> tuple:
         return _kill_actors, self.actors, self.ctx
+
+
+def worker_links(keys: WorkerKeys | None, num_workers: int, host: str
+                 ) -> tuple[zmq.Context, zmq.Socket, list[zmq.Socket]]:
+    """The engine's sockets to its workers on tcp `host`, at ports the kernel picks: the
+    results PULL, which admits every worker's key, and one command PUSH per worker, which
+    admits its worker's only (over CURVE: with `keys`, and the cluster secret)."""
+    ctx = zmq_context(role=keys.role() if keys else None)
+    results = ctx.socket(zmq.PULL)
+    results.bind_to_random_port(f"tcp://{host}")
+    commands = []
+    for i in range(num_workers):
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ZAP_DOMAIN, worker_principal(i).encode())
+        sock.bind_to_random_port(f"tcp://{host}")
+        commands.append(sock)
+    return ctx, results, commands
 
 
 def _kill_actors(actors: list, ctx: zmq.Context) -> None:

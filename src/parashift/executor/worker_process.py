@@ -32,6 +32,7 @@ from parashift.strategies.layout import MeshPoint
 from parashift.strategies.mesh import RankPlacement
 from parashift.wire import protocol as p
 from parashift.wire import worker_protocol as wp
+from parashift.wire.cluster_auth import CurvePair, Role
 from parashift.wire.lockstep_protocol import ExecuteWaveStep, WaveStepResult
 from parashift.wire.sockets import zmq_context
 
@@ -52,6 +53,9 @@ class WorkerArgs:
     log_level: str
     shm_path: str | None = None  # where tp ranks meet for shared-memory all-reduce (one node)
     store_listen_fd: int | None = None  # tcp:// rendezvous: worker 0's bound store socket
+    # tcp:// links (Ray): this worker's own key pair (z85 public, secret), from its engine,
+    # the only key its command socket admits (wire/cluster_auth.py WorkerKeys)
+    link_key: tuple[bytes, bytes] | None = None
 
     @property
     def name(self) -> str:
@@ -69,7 +73,7 @@ def run_worker(args: WorkerArgs) -> None:
     setup_child_logging(args.log_level)
     if threading.current_thread() is threading.main_thread():  # not so in some Ray actors
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    ctx = zmq_context()
+    ctx = zmq_context(role=Role(CurvePair(*args.link_key)) if args.link_key else None)
     commands = ctx.socket(zmq.PULL)
     commands.connect(args.command_address)
     results = ctx.socket(zmq.PUSH)

@@ -13,7 +13,10 @@ whose Hello it answered for r, inside the encrypted handshake. The head's proces
 their tcp sockets only the keys they know (ZAP, `_serve_zap`), and name each link's key: a
 message that speaks for rank r is taken only from a link authenticated with rank r's key
 (`principal`). Another node holding the secret can thus neither take a running rank's route nor
-speak for it.
+speak for it. An engine whose workers are Ray actors mints a key per worker likewise
+(`WorkerKeys`): its tcp sockets to them admit only those keys, and each worker's command
+socket only that worker's (a ZAP domain per socket), so a holder of the secret can neither take
+step commands nor inject results.
 
 The secret reaches each process through its environment (PARASHIFT_CLUSTER_SECRET: children
 inherit it; Ray actors get it as an argument): every ZMQ context a process makes
@@ -89,6 +92,8 @@ class Role:
     key: CurvePair
     peers: Mapping[bytes, str] | None = None
     cluster: bool = False  # also accept the secret's own client key (as CLUSTER)
+    # ZAP domain (a binding socket's zmq.ZAP_DOMAIN) -> the only principals it admits
+    domains: Mapping[str, frozenset[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,35 @@ class HeadKeys:
         return Role(self.head, peers, cluster)
 
 
+def worker_principal(index: int) -> str:
+    return f"worker{index}"
+
+
+@dataclass(frozen=True)
+class WorkerKeys:
+    """Minted by an engine for its workers (Ray actors, on tcp links), given to each worker
+    alone: worker i's command socket binds in ZAP domain `worker_principal(i)`."""
+
+    workers: tuple[CurvePair, ...]
+
+    @classmethod
+    def mint(cls, num_workers: int) -> WorkerKeys:
+        return cls(tuple(CurvePair.fresh() for _ in range(num_workers)))
+
+    def role(self) -> Role:
+        """The engine's, for the sockets it binds for its workers."""
+        names = [worker_principal(i) for i in range(len(self.workers))]
+        return Role(CurvePair.fresh(),  # it connects nowhere with it
+                    {pair.public: name for pair, name in zip(self.workers, names, strict=True)},
+                    domains={name: frozenset({name}) for name in names})
+
+
 @dataclass(frozen=True)
 class ClusterKeys:
     server: CurvePair  # of every binding socket
     client: CurvePair  # this process's, when it connects
     peers: Mapping[bytes, str] | None = field(default=None, compare=False)
+    domains: Mapping[str, frozenset[str]] | None = field(default=None, compare=False)
 
     @classmethod
     def from_secret(cls, secret: str, role: Role | None = None) -> ClusterKeys:
@@ -125,7 +154,7 @@ class ClusterKeys:
         peers = role.peers
         if peers is not None and role.cluster:
             peers = {**peers, keys.client.public: CLUSTER}
-        return replace(keys, client=role.key, peers=peers)
+        return replace(keys, client=role.key, peers=peers, domains=role.domains)
 
 
 class _Curve:
@@ -158,17 +187,21 @@ def secured_context(keys: ClusterKeys, asyncio: bool = False) -> zmq.Context:
     ctx = type("CurveContext", (context_base,), {"_socket_class": socket_class})()
     if keys.peers is not None:
         names = {z85.decode(public): name.encode() for public, name in keys.peers.items()}
+        domains = {domain.encode(): {name.encode() for name in admitted}
+                   for domain, admitted in (keys.domains or {}).items()}
         zap = zmq.Context.shadow(ctx.underlying).socket(zmq.REP)  # the same context, in sync
         zap.setsockopt(zmq.LINGER, 0)
         zap.bind("inproc://zeromq.zap.01")  # before any socket of the context handshakes
-        threading.Thread(target=_serve_zap, args=(zap, names), name="parashift-zap",
+        threading.Thread(target=_serve_zap, args=(zap, names, domains), name="parashift-zap",
                          daemon=True).start()
     return ctx
 
 
-def _serve_zap(sock: zmq.Socket, names: dict[bytes, bytes]) -> None:
+def _serve_zap(sock: zmq.Socket, names: dict[bytes, bytes],
+               domains: dict[bytes, set[bytes]]) -> None:
     """ZMQ's authentication handler (RFC 27) for one context: a CURVE client key is let in
-    under its principal's name, or refused; it ends when the context is terminated."""
+    under its principal's name (on a socket of a listed domain, only a principal it admits),
+    or refused; it ends when the context is terminated."""
     try:
         while True:
             request = sock.recv_multipart()
@@ -177,6 +210,9 @@ def _serve_zap(sock: zmq.Socket, names: dict[bytes, bytes]) -> None:
             mechanism = request[5] if len(request) > 5 else b""
             name = (names.get(request[6]) if mechanism == b"CURVE" and len(request) == 7
                     else None)
+            admitted = domains.get(request[2]) if len(request) > 2 else None
+            if name is not None and admitted is not None and name not in admitted:
+                name = None
             if mechanism == b"NULL":  # a plain link (ipc in the 0700 folder): no principal
                 name = b""
             status = (b"200", b"OK") if name is not None else (b"400", b"unknown key")

@@ -5,6 +5,13 @@ message, wire/protocol.py):
   lockstep_protocol.py; SampleTokens after a deferred mask), WorkerCall;
   worker PUSH -> engine PULL: WorkerReady, WorkerReply; only the output rank (last pp stage,
   tp rank 0) answers ExecuteModel (StepResult), every rank answers a WorkerCall.
+
+A WorkerCall's args and a WorkerReply's result are typed Any: a worker extension's methods
+(`--worker-extension-cls`) take and give what they like, as vLLM's collective_rpc does. Their
+depth is bounded by the interpreter's recursion limit (msgspec raises RecursionError past it,
+and `protocol.decode_or_drop` drops the frame), and only the engine and its own workers hold
+these links (ipc in the launch's folder; over tcp, each worker's own key: cluster_auth.py
+WorkerKeys).
 """
 
 from __future__ import annotations
