@@ -99,3 +99,15 @@ def test_an_engine_calls_answer_is_typed():
         assert p.decode(p.encode(p.UtilityResult(0, 1, result)), p.Outputs).result == result
     for result in ("text", [1, 2], {"k": [1]}):
         assert p.decode_or_drop(p.encode(p.UtilityResult(0, 1, result)), p.Outputs, "t") is None
+
+
+def test_a_deeply_nested_http_body_is_a_400():
+    """The same on the HTTP side: a schema (a dict of any values) nested 3,000 deep."""
+    from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError, parse
+
+    schema = b'{"a":' * DEPTH + b"1" + b"}" * DEPTH
+    body = (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format":'
+            b'{"type":"json_schema","json_schema":{"name":"x","schema":' + schema + b"}}}")
+    with pytest.raises(OpenAIError, match="nests its values too deeply") as error:
+        parse(body, ChatCompletionRequest)
+    assert error.value.status == 400

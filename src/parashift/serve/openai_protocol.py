@@ -205,6 +205,8 @@ def parse(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
         raise OpenAIError(400, f"invalid request: {e}", param=_field_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise OpenAIError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # a value nested past the interpreter's limit (in a schema's dict)
+        raise OpenAIError(400, "the body nests its values too deeply") from None
 
 
 def _field_of(error: str) -> str | None:

@@ -28,6 +28,8 @@ class _Part(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=Tru
 class ModelWire(_Part):
     source: str | None  # the user's model argument: a node without `path` finds it from this
     path: str  # where the launcher found the weights (its node)
+    # transformers' own dict (nested: rope_scaling and the like), from the head alone; its depth
+    # is bounded by the interpreter's recursion limit (protocol.decode_or_drop drops past it)
     hf_config: dict[str, Any]
     dtype: str  # torch dtype name: "bfloat16"
     max_model_len: int
