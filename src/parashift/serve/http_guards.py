@@ -88,14 +88,16 @@ def host_name(host: str) -> str:
     return name if colon and ":" not in name and port.isdigit() else host
 
 
-def _is_loopback(bind_host: str) -> bool:
-    name = host_name(bind_host).strip("[]")
-    if name == "localhost":
-        return True
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        return ipaddress.ip_address(name).is_loopback
+        return ipaddress.ip_address(host_name(host).strip("[]"))
     except ValueError:
-        return False
+        return None
+
+
+def _is_loopback(bind_host: str) -> bool:
+    address = _address(bind_host)
+    return host_name(bind_host) == "localhost" or (address is not None and address.is_loopback)
 
 
 def allowed_hosts(limits: ServeLimits) -> frozenset[str] | None:
@@ -106,8 +108,8 @@ def allowed_hosts(limits: ServeLimits) -> frozenset[str] | None:
     if not limits.allowed_hosts and not _is_loopback(limits.bind_host):
         return None
     names = {*LOOPBACK_HOSTS, *(host_name(h) for h in limits.allowed_hosts)}
-    bound = host_name(limits.bind_host)
-    if bound not in ("0.0.0.0", "::", "[::]", ""):
+    bound, address = host_name(limits.bind_host), _address(limits.bind_host)
+    if bound and not (address is not None and address.is_unspecified):  # not every interface
         names.add(f"[{bound}]" if ":" in bound and not bound.startswith("[") else bound)
     return frozenset(names)
 
