@@ -70,23 +70,35 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
-        self.text = ""
+        # The text is what `take` handed out (in pieces, joined only when `text` is read) and
+        # what it has not: the held-back tail and the new text. Appending to one growing
+        # string copies it every time (10 s for a 128k-token reply); the pending part stays
+        # short, so the work is linear in the text.
+        self._taken: list[str] = []
+        self._pending = ""
         self.stop_hit: str | None = None
         self.chars_examined = 0  # by the stop-string search (tests bound it)
         self.emitted = 0  # characters handed out by `take`
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
+    @property
+    def text(self) -> str:
+        """The whole text so far (read when a sample ends)."""
+        if len(self._taken) > 1:
+            self._taken = ["".join(self._taken)]
+        return "".join([*self._taken, self._pending])
+
     def update(self, new_token_ids: list[int]) -> None:
         """Append tokens (ignored once a stop string has ended the output)."""
         if self.stop_hit is not None:
             return
-        before = len(self.text)
+        before = self.emitted + len(self._pending)
         for token in new_token_ids:
             self.tokens.append(token)
             prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
             full = self._decode(self.tokens[self.prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix) :]
+                self._pending += full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             if self.stop and self._check_stop(before):
                 break
@@ -107,27 +119,32 @@ class IncrementalDetokenizer:
         When finished, bytes still waiting to complete a character are flushed as they are."""
         if finished and self.stop_hit is None and self.read_offset < len(self.tokens):
             prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-            self.text += self._decode(self.tokens[self.prefix_offset :])[len(prefix) :]
+            self._pending += self._decode(self.tokens[self.prefix_offset :])[len(prefix) :]
             self.read_offset = len(self.tokens)
-        end = len(self.text)
+        end = self.emitted + len(self._pending)
         if not finished and self.stop_hit is None:
             end = max(self.emitted, end - self.holdback)
-        delta, self.emitted = self.text[self.emitted : end], end
+        cut = end - self.emitted
+        delta, self._pending, self.emitted = self._pending[:cut], self._pending[cut:], end
+        if delta:
+            self._taken.append(delta)
         return delta
 
     def _check_stop(self, before: int) -> bool:
         """Each stop string is looked for only where the new text (from `before` on) can have
-        completed it: the work is linear in the new text, whatever the text so far."""
+        completed it: the work is linear in the new text, whatever the text so far. That
+        window is never handed out yet (`take` holds back a stop string's length but one)."""
         best = None
+        length = self.emitted + len(self._pending)
         for s in self.stop:
             start = max(0, before - len(s) + 1)
-            self.chars_examined += len(self.text) - start
-            i = self.text.find(s, start)
+            self.chars_examined += length - start
+            i = self._pending.find(s, max(0, start - self.emitted))  # where in the pending
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         i, s = best
         self.stop_hit = s
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self._pending = self._pending[: i + len(s)] if self.include_stop else self._pending[:i]
         return True
