@@ -24,11 +24,6 @@ def sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def _new_logprobs(delta: Delta) -> list[TokenLogprobs]:
-    logprobs = delta.sample.logprobs
-    return logprobs[len(logprobs) - delta.num_new_logprobs:]
-
-
 class Formatter:
     object_name = ""
     chunk_object_name = ""
@@ -41,6 +36,19 @@ class Formatter:
         self.req = req
         self.created = int(time.time())
         self._texts = TokenTexts(tokenizer)
+        # a streamed choice's index -> (its sample, how many of its logprobs went out)
+        self._logprobs_sent: dict[int, tuple[Choice, int]] = {}
+
+    def _new_logprobs(self, delta: Delta) -> list[TokenLogprobs]:
+        """The delta's logprobs: the next ones its choice's stream has not sent. Counted from
+        the start, not the end: outputs are applied as they arrive, so the sample may hold
+        more by the time this delta is written."""
+        sample = delta.sample
+        last, sent = self._logprobs_sent.get(sample.index, (None, 0))
+        if last is not sample:  # a failover started the choice over
+            sent = 0
+        self._logprobs_sent[sample.index] = (sample, sent + delta.num_new_logprobs)
+        return sample.logprobs[sent : sent + delta.num_new_logprobs]
 
     def _entry_texts(self, entries: list[TokenLogprobs]) -> list[list[str]]:
         """Per entry, the sampled token's text then its alternatives': one batch decode."""
@@ -135,7 +143,7 @@ class CompletionFormatter(Formatter):
         if self.req.echo and choice.index not in self._echoed:
             text = self._prompt_text(choice) + text
             self._echoed.add(choice.index)
-        logprobs = self._logprobs(_new_logprobs(delta), self._offsets.get(
+        logprobs = self._logprobs(self._new_logprobs(delta), self._offsets.get(
             choice.index, len(text) - len(delta.text)))
         if logprobs is not None and logprobs["tokens"]:
             self._offsets[choice.index] = logprobs["text_offset"][-1] + len(
@@ -199,7 +207,7 @@ class ChatFormatter(Formatter):
         return self._envelope([{
             "index": choice.index,
             "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self._logprobs(_new_logprobs(delta)),
+            "logprobs": self._logprobs(self._new_logprobs(delta)),
             "finish_reason": choice.finish_reason if delta.finished else None,
         }], chunk=True)
 
@@ -229,11 +237,12 @@ class ChatFormatter(Formatter):
                     "arguments": event.text}}]})
         if not deltas and (delta.finished or delta.num_new_logprobs):
             deltas.append({})
+        logprobs = self._logprobs(self._new_logprobs(delta))
         finish = choice.finish_reason if delta.finished else None
         if finish == "stop" and ids:
             finish = "tool_calls"
         return [self._envelope([{
             "index": choice.index, "delta": d,
-            "logprobs": self._logprobs(_new_logprobs(delta)) if i == 0 else None,
+            "logprobs": logprobs if i == 0 else None,
             "finish_reason": finish if i == len(deltas) - 1 else None,
         }], chunk=True) for i, d in enumerate(deltas)]
