@@ -111,3 +111,41 @@ def test_stop_ends_accepting_and_lets_open_connections_drain(loop_kind):
         await runner.cleanup()
 
     run(loop_kind, main)
+
+
+def test_a_failed_resume_is_tried_again(monkeypatch):
+    """No descriptor left for the socket's duplicate when a slot frees: accepting resumes on
+    a later try, though no other connection is left to close."""
+    import parashift.serve.listener as listener_module
+
+    monkeypatch.setattr(listener_module, "RETRY_S", 0.01)
+
+    class FailingOnce:
+        def __init__(self, sock: socket.socket):
+            self.sock, self.failed = sock, False
+
+        def dup(self) -> socket.socket:
+            if not self.failed:
+                self.failed = True
+                raise OSError(24, "Too many open files")
+            return self.sock.dup()
+
+    async def main() -> None:
+        runner, listener, port = await serving(1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(REQUEST)
+        assert await answered(reader) == b"HTTP/1.1 200 OK"
+        while listener.accepting.is_set():
+            await asyncio.sleep(0)
+        listener.sock = FailingOnce(listener.sock)  # type: ignore[assignment]
+        writer.close()
+        await asyncio.wait_for(listener.accepting.wait(), 30)
+        assert listener.sock.failed
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(CLOSING)
+        assert await answered(reader) == b"HTTP/1.1 200 OK"
+        writer.close()
+        listener.stop()
+        await runner.cleanup()
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 
 from aiohttp import web
@@ -19,6 +20,9 @@ from aiohttp import web
 # aiohttp's default is an hour.
 KEEPALIVE_TIMEOUT_S = 75.0
 BACKLOG = 2048  # as the launcher listens (runtime/endpoints.py); each start listens again
+RETRY_S = 1.0  # after a failed start of accepting again
+
+logger = logging.getLogger(__name__)
 
 
 class _Parked(asyncio.Protocol):
@@ -59,7 +63,7 @@ class CappedListener:
         server.connection_lost = connection_lost  # type: ignore[method-assign]
 
     async def start(self) -> None:
-        await self._listen()
+        await self._create_server()
 
     def stop(self) -> None:
         """Stops accepting for good; open connections stay, to drain, parked ones close."""
@@ -90,6 +94,10 @@ class CappedListener:
 
     def _release(self) -> None:
         self.num_open -= 1
+        self._resume()
+
+    def _resume(self) -> None:
+        """Free slots go first to parked connections, then to accepting again."""
         if self._stopped:
             return
         while self._parked and self.num_open < self.max_connections:
@@ -113,15 +121,24 @@ class CappedListener:
             self.accepting.clear()
 
     async def _listen(self) -> None:
+        """Accepting again; on an error (no descriptor left for the duplicate) it tries again
+        after RETRY_S, since no connection may be left to close and call it."""
         try:
-            # A duplicate of the socket each time: closing a server closes the socket it was
-            # given, and the listening socket must stay open (and keep its backlog).
-            listening = await asyncio.get_running_loop().create_server(
-                self._accept, sock=self.sock.dup(), backlog=BACKLOG)
-            if self._stopped:
-                listening.close()
-                return
-            self._listening = listening
-            self.accepting.set()
+            await self._create_server()
+        except OSError as e:
+            logger.error("cannot accept connections again (%s); retrying in %g s", e, RETRY_S)
+            loop = asyncio.get_running_loop()
+            loop.call_later(RETRY_S, self._resume)
         finally:
             self._resuming = None
+
+    async def _create_server(self) -> None:
+        # A duplicate of the socket each time: closing a server closes the socket it was
+        # given, and the listening socket must stay open (and keep its backlog).
+        listening = await asyncio.get_running_loop().create_server(
+            self._accept, sock=self.sock.dup(), backlog=BACKLOG)
+        if self._stopped:
+            listening.close()
+            return
+        self._listening = listening
+        self.accepting.set()
