@@ -1,6 +1,5 @@
 """serve/intake.py: the tokenizer pool's bound (a 429 with Retry-After beyond it, the count kept
-until a task really ends), a large body decoded off the event loop, and a chat's size counted
-over every text it carries."""
+until a task really ends), and a chat's size counted over every text it carries."""
 
 from __future__ import annotations
 
@@ -13,11 +12,9 @@ import pytest
 
 from parashift.serve.http_guards import _error
 from parashift.serve.intake import (
-    OFF_LOOP_BYTES,
     BoundedPool,
     QueueFullError,
     chat_chars,
-    read_body,
 )
 from parashift.serve.openai_protocol import ChatCompletionRequest
 
@@ -51,37 +48,6 @@ def test_the_pool_refuses_past_its_bound_with_retry_after():
         pool.executor.shutdown()
 
     asyncio.run(main())
-
-
-def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
-    import parashift.serve.intake as intake
-
-    threads = []
-    real_parse = intake.parse
-
-    def parse(raw, kind):
-        threads.append(threading.current_thread())
-        return real_parse(raw, kind)
-
-    monkeypatch.setattr(intake, "parse", parse)
-
-    class Request:
-        def __init__(self, body: bytes):
-            self.body = body
-
-        async def read(self) -> bytes:
-            return self.body
-
-    async def main() -> None:
-        small = {"messages": [{"role": "user", "content": "hi"}]}
-        big = {"messages": [{"role": "user", "content": "x" * OFF_LOOP_BYTES}]}
-        for body in (small, big):
-            req = await read_body(Request(json.dumps(body).encode()), ChatCompletionRequest)
-            assert req.messages[0].content == body["messages"][0]["content"]
-
-    asyncio.run(main())
-    assert threads[0] is threading.main_thread()
-    assert threads[1] is not threading.main_thread()
 
 
 def test_chat_chars_counts_every_text_field():
