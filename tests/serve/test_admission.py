@@ -1,10 +1,13 @@
-"""Admission control against a real server: past --max-waiting-requests a request gets 429,
-past --request-timeout it gets 504 (a stream: an error event), and neither leaks KV blocks."""
+"""Admission control against a real server: past --max-waiting-requests a request gets 429
+with Retry-After, past --request-timeout it gets 504 (a stream: an error event), and neither
+leaks KV blocks."""
 
 from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -37,9 +40,16 @@ def test_a_full_queue_is_429_and_a_slow_request_is_504(server):
         waiting = pool.submit(server.request, "POST", COMPLETIONS, {**LONG, "stream": True},
                               timeout=60)
         wait_for_metric(server, "parashift_num_requests_waiting", 1)
-        status, raw = server.request("POST", COMPLETIONS, {"prompt": "x", "max_tokens": 2})
-        error = assert_openai_error(status, raw, 429, contains=("--max-waiting-requests",))
+        req = urllib.request.Request(server.url + COMPLETIONS, json.dumps(
+            {"prompt": "x", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        error = assert_openai_error(refused.value.code, refused.value.read(), 429,
+                                    contains=("--max-waiting-requests",))
         assert error["type"] == "rate_limit_error"
+        # nothing finished here yet to estimate from: the default, 1 s
+        assert refused.value.headers["Retry-After"] == "1"
+        assert refused.value.headers["retry-after-ms"] == "1000"
         status, raw = running.result()
         error = assert_openai_error(status, raw, 504, contains=("--request-timeout",))
         status, raw = waiting.result()  # streamed: the headers were out, so an error event

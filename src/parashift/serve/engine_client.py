@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Collection
 from typing import Any
 
 import zmq
@@ -117,11 +118,13 @@ class EngineClient:
     def alive_engines(self) -> list[int]:
         return self.ranks.serving()
 
-    def pick_engine(self, pinned: int | None = None, exclude: int | None = None,
+    def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
                     prompts: list[list[int]] | tuple = ()) -> int:
-        """A pinned rank, or the router's choice for the request's first prompt; the blocks of
+        """A pinned rank, or the router's choice for the request's first prompt among the live
+        ranks not in `exclude` (one that died, those whose queues refused it); the blocks of
         all its prompts are then recorded as living there."""
-        alive = [r for r in self.alive_engines() if r != exclude]
+        excluded = {exclude} if isinstance(exclude, int) else set(exclude)
+        alive = [r for r in self.alive_engines() if r not in excluded]
         prefix = self.router.config.policy == "prefix" and self.num_engines > 1
         hashes = [block_hashes(prompt, self.block_size) for prompt in prompts] if prefix else []
         if pinned is not None:

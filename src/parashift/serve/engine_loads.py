@@ -1,11 +1,13 @@
 """Each engine's load as one API server sees it, and the score its router picks the least
 loaded rank by: the coordinator's last vector plus what this server sent since, or, without a
-coordinator (dp1, or before its first vector), this server's own requests in flight."""
+coordinator (dp1, or before its first vector), this server's own requests in flight. With how
+fast its requests finish, it says when a refused client should come back (serve/overload.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from parashift.serve.overload import DrainRate, RoomWaiters, retry_after
 from parashift.wire import protocol as p
 
 
@@ -14,6 +16,8 @@ class EngineLoads:
         self.vector: dict[int, p.EngineLoad] = {}  # every rank's, from the coordinator
         self.sent_since_update: Counter[int] = Counter()
         self.in_flight: Counter[int] = Counter()  # this server's requests, by rank
+        self.drain = DrainRate()  # how fast this server's requests finish (on every rank)
+        self.room = RoomWaiters()  # requests every live rank refused, waiting for a finish
 
     def score(self, rank: int) -> int:
         """Waiting requests weigh more than running ones (they have not even started)."""
@@ -32,3 +36,15 @@ class EngineLoads:
         self.vector = {load.rank: load for load in vector.loads}
         self.sent_since_update.clear()
         return emptied
+
+    def on_finished(self) -> None:
+        """One of this server's requests finished: a slot on its rank is free."""
+        self.drain.on_finished()
+        self.room.on_finished()
+
+    def retry_after(self, ranks: list[int]) -> float:
+        """Seconds until this server's requests held on `ranks` (full ones), those waiting for
+        room, and then one more would have finished at the rate its requests finish: in a
+        first-come queue its share drains as fast as the whole."""
+        backlog = sum(self.in_flight[r] for r in ranks) + len(self.room) + 1
+        return retry_after(backlog, self.drain.per_second())

@@ -2,6 +2,16 @@
 deltas come back merged, detokenized and cut at stop strings. While streaming, text that could
 still turn out to be the start of a stop string is held back, so a stop string never leaks.
 
+Outputs go into the request's tracker as they arrive (in the engine client's receive task),
+and the stream reads what became final since its last read, merged per sample: a client that
+reads slowly gets larger deltas, and the request holds its own samples, never a backlog of
+messages (serve/sse.py drops a client that stops reading).
+
+Overload: a rank whose waiting queue is full refuses a sample (429); before anything of the
+request has reached the client, the whole request moves to the least loaded live rank that has
+not refused it (a pinned one stays). Refused by all, it waits a while for room, and then the
+client gets a 429 with Retry-After (serve/overload.py).
+
 Failover: when the engine of a request dies before the request has streamed anything, the
 request is sent again, once, to another live rank (waiting up to FAILOVER_WAIT_S for one, as
 when a lockstep group restarts), never to the rank that died; the client sees only a later
@@ -18,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from parashift.engine.request_tracker import RequestTracker, SampleDelta
+from parashift.engine.request_tracker import RequestTracker, Sample, SampleDelta
 from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_errors import (
     EngineDeadError,
@@ -26,6 +36,7 @@ from parashift.serve.engine_errors import (
     RequestFailedError,
 )
 from parashift.serve.openai_protocol import OpenAIError
+from parashift.serve.overload import RetryLaterError
 from parashift.types.outputs import EngineCoreOutput
 from parashift.types.sampling_params import SamplingParams
 
@@ -37,6 +48,25 @@ class Timing:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     finished: float | None = None
+
+
+@dataclass
+class _Unread:
+    """What one sample made final since the stream last read it."""
+
+    sample: Sample
+    texts: list[str] = field(default_factory=list)
+    num_new_logprobs: int = 0
+    finished: bool = False
+
+    def add(self, delta: SampleDelta) -> None:
+        self.texts.append(delta.text)
+        self.num_new_logprobs += delta.num_new_logprobs
+        self.finished = self.finished or delta.finished
+
+    def delta(self) -> SampleDelta:  # its abort, if any, went out when it arrived
+        return SampleDelta(self.sample, "".join(self.texts), self.num_new_logprobs,
+                           self.finished, False)
 
 
 class Generation:
@@ -51,10 +81,16 @@ class Generation:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.streamed = streamed
+        self.pinned = rank is not None
         self.on_failover = on_failover  # hook(outcome): "resent" or "failed", for metrics
         self.timing = Timing()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._attempt = 0  # items of an earlier attempt's requests are stale
+        self._arrived = asyncio.Event()  # something for the stream to read
+        self._unread: dict[str, _Unread] = {}  # sample id -> what it has not read yet
+        self._error: Exception | None = None  # the current attempt's first failure, unread
+        self._attempt = 0  # arrivals from an earlier attempt's requests are stale
+        self._failed_over = False  # a request fails over once
+        self._refused: set[int] = set()  # ranks whose full queues refused it
+        self._hold_until: float | None = None  # refused by all: until when it waits for room
         self._shown = False  # a delta with tokens went out to the client
         self._track()
         self.engine = engines.pick_engine(rank, prompts=prompts)
@@ -62,10 +98,8 @@ class Generation:
             try:
                 self._send_all()
             except EngineUnavailableError:  # it died before the engines heard: the next rank
-                self.abort_unfinished()
-                self.engine = engines.pick_engine(exclude=self.engine, prompts=prompts)
-                self._attempt = 1
-                self._send_all()
+                self._failed_over = True
+                self._restart(engines.pick_engine(exclude=self.engine, prompts=prompts))
                 self._count("resent")
         except BaseException:
             self.abort_unfinished()  # never leave half a request in flight
@@ -93,32 +127,105 @@ class Generation:
             self.engines.add_request(sample_id, prompt, params, self.eos_token_id, self.engine,
                                     functools.partial(self._receive, self._attempt, sample_id))
 
-    def _receive(self, attempt: int, child_id: str,
+    def _restart(self, rank: int) -> None:
+        """Every sample again, on `rank`, as a new attempt; what the client never saw is
+        dropped (the tokens of a request that is not streamed, or not streamed yet)."""
+        self.abort_unfinished()
+        self._attempt += 1
+        self.engine = rank
+        self._unread.clear()
+        self._error = None
+        if self.timing.first_token is not None:
+            self.timing.first_token = None
+            self._track()
+        self._send_all()
+
+    def _receive(self, attempt: int, sample_id: str,
                  item: EngineCoreOutput | Exception) -> None:
-        self._queue.put_nowait((attempt, child_id, item))
+        """In the engine client's receive task: never blocks, and a bug here fails this
+        request alone."""
+        if attempt != self._attempt:
+            return
+        if not isinstance(item, Exception):
+            try:
+                delta = self._apply(item)
+            except Exception as e:  # the stream raises it: a 500 for this request alone
+                item = e
+            else:
+                if delta is None or not (delta.text or delta.num_new_logprobs or
+                                         delta.finished):
+                    return  # nothing final yet (text held back), or late after a stop string
+                self._unread.setdefault(sample_id, _Unread(delta.sample)).add(delta)
+        if isinstance(item, Exception) and self._error is None:
+            self._error = item
+        self._arrived.set()
+
+    async def _recover(self, error: Exception) -> None:
+        """The current attempt failed: move or fail over the request, or raise."""
+        if isinstance(error, RequestFailedError):
+            if error.status != 429:
+                raise OpenAIError(error.status, str(error), error.type)
+            await self._move(error)
+        elif isinstance(error, EngineDeadError):
+            await self._fail_over(error)
+        else:
+            raise error
+
+    async def _move(self, error: RequestFailedError) -> None:
+        """A full rank refused it: the least loaded live rank that has not refused it yet;
+        when all have, it waits for room (serve/overload.py) and tries again; in the end a
+        429 that says when to retry."""
+        self._refused.add(self.engine)
+        while not (self.streamed and self._shown):
+            rank = self._rank_with_room()
+            if rank is not None:
+                try:
+                    self._restart(rank)
+                    return
+                except EngineUnavailableError:  # gone since it was picked
+                    self._refused.add(rank)
+                    continue
+            if self._hold_until is None:
+                self._hold_until = time.monotonic() + self._retry_after()
+            left = self._hold_until - time.monotonic()
+            if left <= 0 or not await self.engines.loads.room.wait(left):
+                break
+            self._refused.clear()  # a request finished: its rank has room now
+        where = (f"the pinned rank dp{self.engine}" if self.pinned
+                 else "every live rank's waiting queue is full")
+        raise RetryLaterError(f"{error} ({where})", self._retry_after()) from None
+
+    def _rank_with_room(self) -> int | None:
+        if self.pinned:
+            return None if self.engine in self._refused else self.engine
+        try:
+            return self.engines.pick_engine(exclude=self._refused, prompts=self.prompts)
+        except EngineUnavailableError:
+            return None
+
+    def _retry_after(self) -> float:
+        full = [self.engine] if self.pinned else self.engines.alive_engines()
+        return self.engines.loads.retry_after(full)
 
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
         dead = self.engine
-        if self._attempt or (self.streamed and self._shown) or self.engines.num_engines < 2:
+        if self._failed_over or (self.streamed and self._shown) or self.engines.num_engines < 2:
             self._count("failed")
             raise error
         deadline = time.monotonic() + FAILOVER_WAIT_S
         while True:
             try:
-                self.engine = self.engines.pick_engine(exclude=dead, prompts=self.prompts)
+                rank = self.engines.pick_engine(exclude=dead, prompts=self.prompts)
                 break
             except EngineUnavailableError:
                 if time.monotonic() > deadline:
                     self._count("failed")
                     raise error from None
                 await asyncio.sleep(0.1)
-        self._attempt += 1
-        if self.timing.first_token is not None:  # tokens the client never saw: start over
-            self.timing.first_token = None
-            self._track()
+        self._failed_over = True
         try:
-            self._send_all()
+            self._restart(rank)
         except EngineUnavailableError:
             self._count("failed")
             raise error from None
@@ -141,29 +248,24 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices.values())
 
     async def stream(self) -> AsyncIterator[SampleDelta]:
-        """Yields text deltas as they become final; returns when every choice finished."""
-        unfinished = len(self.choices)
+        """Yields, per sample, the text and logprobs that became final since the last read;
+        returns when every choice finished."""
         try:
-            while unfinished:
-                attempt, child_id, item = await self._queue.get()
-                if attempt != self._attempt:
-                    continue
-                if isinstance(item, RequestFailedError):
-                    raise OpenAIError(item.status, str(item), item.type)
-                if isinstance(item, EngineDeadError):
-                    await self._fail_over(item)
-                    unfinished = len(self.choices)
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                delta = self._apply(item)
-                if delta is None:
-                    continue  # ended by a stop string; its abort is on the way
-                if delta.finished:
-                    unfinished -= 1
-                if delta.text or delta.num_new_logprobs or delta.finished:
-                    self._shown = self._shown or bool(delta.text or delta.num_new_logprobs)
-                    yield delta
+            while True:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    await self._recover(error)
+                elif self._unread:
+                    unread, self._unread = self._unread, {}
+                    for pending in unread.values():
+                        delta = pending.delta()
+                        self._shown = self._shown or bool(delta.text or delta.num_new_logprobs)
+                        yield delta
+                elif self.tracker.num_unfinished:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                else:
+                    break
             self.timing.finished = time.monotonic()
         finally:
             self.abort_unfinished()

@@ -43,6 +43,7 @@ class InFlight:
             return
         sink(out)
         if out.finished:
+            self.loads.on_finished()
             self.forget(out.request_id)
 
     def fail(self, request_id: str, rank: int, error: Exception) -> None:

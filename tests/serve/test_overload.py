@@ -1,0 +1,184 @@
+"""Overload without engines: the drain rate and the Retry-After it gives, and the retry choice of
+a request a full rank refused (a real broker, its sends recorded instead of sent; the engines'
+answers delivered as its receive task would)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from parashift.serve.engine_client import EngineClient
+from parashift.serve.engine_errors import EngineUnavailableError, RequestFailedError
+from parashift.serve.generation import Generation
+from parashift.serve.overload import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    RETRY_AFTER_UNKNOWN_S,
+    DrainRate,
+    RetryLaterError,
+    retry_after,
+)
+from parashift.types.outputs import EngineCoreOutput, SchedulerStats
+from parashift.types.sampling_params import SamplingParams
+from parashift.wire import protocol as p
+
+FULL = "the engine holds 8 requests already, waiting (--max-waiting-requests): try again later"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_drain_rate_counts_recent_finishes_and_forgets_old_ones():
+    clock = Clock()
+    drain = DrainRate(window=4, horizon_s=10.0, clock=clock)
+    assert drain.per_second() is None
+    drain.on_finished()
+    assert drain.per_second() is None  # one finish is no rate
+    clock.now += 1.0
+    drain.on_finished(3)
+    assert drain.per_second() == 4 / 1.0
+    clock.now += 1.0  # nothing finished since: the rate falls
+    assert drain.per_second() == 4 / 2.0
+    drain.on_finished(2)  # the window keeps the last 4 finishes
+    assert drain.per_second() == 4 / 1.0
+    clock.now += 11.0
+    assert drain.per_second() is None  # all older than the horizon
+
+
+def test_retry_after_is_the_backlog_over_the_drain_rate_within_bounds():
+    assert retry_after(8, None) == RETRY_AFTER_UNKNOWN_S
+    assert retry_after(8, 4.0) == 2.0
+    assert retry_after(1, 1000.0) == RETRY_AFTER_MIN_S
+    assert retry_after(10_000, 0.01) == RETRY_AFTER_MAX_S
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """dp3, every rank ready; `sent` records (rank, message) instead of sending."""
+    client = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 3)
+    client.sent = []
+    client._send_to = lambda rank, msg: client.sent.append((rank, msg))
+    for rank in range(3):
+        client.on_ready(p.EngineReady(rank, 256, 100, 0, 16))
+    yield client
+    client.ctx.destroy(linger=0)
+
+
+def load(broker: EngineClient, waiting: dict[int, int]) -> None:
+    broker.take_load(p.LoadVector(1, [p.EngineLoad(r, SchedulerStats(n, 1, 0.0))
+                                      for r, n in waiting.items()]))
+
+
+def test_the_retry_choice_is_the_least_loaded_rank_that_has_not_refused(broker):
+    load(broker, {0: 8, 1: 3, 2: 1})
+    assert broker.pick_engine() == 2
+    assert broker.pick_engine(exclude={2}) == 1
+    assert broker.pick_engine(exclude={1, 2}) == 0
+    with pytest.raises(EngineUnavailableError):
+        broker.pick_engine(exclude={0, 1, 2})
+
+
+def adds(broker: EngineClient) -> list[tuple[int, str]]:
+    return [(rank, msg.request_id) for rank, msg in broker.sent
+            if isinstance(msg, p.AddRequest)]
+
+
+async def consume(gen: Generation) -> list[str]:
+    return [delta.text async for delta in gen.stream()]
+
+
+def test_a_refused_request_moves_to_a_rank_with_room(broker, tiny_tokenizer):
+    async def scenario() -> None:
+        load(broker, {0: 0, 1: 2, 2: 4})
+        gen = Generation(broker, tiny_tokenizer, "cmpl-x", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=2, n=2)], None, None)
+        assert adds(broker) == [(0, "cmpl-x-0-0"), (0, "cmpl-x-0-1")]
+        reader = asyncio.create_task(consume(gen))
+        broker.in_flight.fail("cmpl-x-0-1", 0, RequestFailedError(FULL, 429))
+        await asyncio.sleep(0)  # the stream moves the whole request: both samples to dp1
+        assert adds(broker)[2:] == [(1, "cmpl-x-0-0"), (1, "cmpl-x-0-1")]
+        aborts = [(r, m.request_ids) for r, m in broker.sent if isinstance(m, p.AbortRequests)]
+        assert aborts == [(0, ["cmpl-x-0-0"])]  # dp0 had taken one of them
+        for sample in ("cmpl-x-0-0", "cmpl-x-0-1"):
+            broker.in_flight.deliver(EngineCoreOutput(sample, [40, 41], finish_reason="length"))
+        await asyncio.wait_for(reader, 5)
+        assert [c.token_ids for c in gen.choices.values()] == [[40, 41], [40, 41]]
+        assert broker.in_flight.sinks == {}
+
+    asyncio.run(scenario())
+
+
+def test_refused_by_every_live_rank_is_a_429_that_says_when_to_retry(broker, tiny_tokenizer):
+    async def scenario() -> None:
+        broker.mark_dead(2, "killed")
+        clock = Clock()
+        broker.loads.drain = DrainRate(clock=clock)
+        broker.loads.drain.on_finished(10)  # this server saw 10 requests finish in 2 s
+        clock.now += 2.0
+        gen = Generation(broker, tiny_tokenizer, "cmpl-y", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=2)], None, None)
+        reader = asyncio.create_task(consume(gen))
+        first = adds(broker)[0][0]
+        broker.in_flight.fail("cmpl-y-0-0", first, RequestFailedError(FULL, 429))
+        await asyncio.sleep(0)
+        second = adds(broker)[1][0]
+        assert {first, second} == {0, 1}
+        broker.in_flight.fail("cmpl-y-0-0", second, RequestFailedError(FULL, 429))
+        with pytest.raises(RetryLaterError) as refused:
+            await asyncio.wait_for(reader, 5)
+        error = refused.value
+        assert error.status == 429 and error.type == "rate_limit_error"
+        assert "--max-waiting-requests" in error.message
+        assert "every live rank's waiting queue is full" in error.message
+        # it holds nothing else on the full ranks: one finish, at 5 per second
+        assert error.retry_after == 1 / 5
+        assert len(broker.loads.room) == 0
+
+    asyncio.run(scenario())
+
+
+def test_refused_by_every_live_rank_it_takes_the_slot_a_finish_frees(broker, tiny_tokenizer):
+    async def scenario() -> None:
+        broker.mark_dead(2, "killed")
+        broker.in_flight.add("other", 1, lambda item: None)  # another request, on dp1
+        gen = Generation(broker, tiny_tokenizer, "cmpl-w", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=2)], None, None)
+        reader = asyncio.create_task(consume(gen))
+        assert adds(broker) == [(0, "cmpl-w-0-0")]
+        broker.in_flight.fail("cmpl-w-0-0", 0, RequestFailedError(FULL, 429))
+        while len(adds(broker)) < 2:
+            await asyncio.sleep(0)
+        broker.in_flight.fail("cmpl-w-0-0", 1, RequestFailedError(FULL, 429))
+        while not broker.loads.room:  # every live rank refused it: it waits for room
+            await asyncio.sleep(0)
+        assert len(adds(broker)) == 2
+        broker.in_flight.deliver(EngineCoreOutput("other", [9], finish_reason="length"))
+        while len(adds(broker)) < 3:
+            await asyncio.sleep(0)
+        assert adds(broker)[2] == (0, "cmpl-w-0-0")  # the least loaded now
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-w-0-0", [40, 41],
+                                                  finish_reason="length"))
+        await asyncio.wait_for(reader, 5)
+        assert gen.choices["cmpl-w-0-0"].token_ids == [40, 41]
+
+    asyncio.run(scenario())
+
+
+def test_a_pinned_request_is_not_moved(broker, tiny_tokenizer):
+    async def scenario() -> None:
+        broker.loads.drain.on_finished(100)  # a fast drain: a short wait for room
+        gen = Generation(broker, tiny_tokenizer, "cmpl-z", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=2)], None, 1)
+        reader = asyncio.create_task(consume(gen))
+        broker.in_flight.fail("cmpl-z-0-0", 1, RequestFailedError(FULL, 429))
+        with pytest.raises(RetryLaterError):
+            await asyncio.wait_for(reader, 5)
+        assert adds(broker) == [(1, "cmpl-z-0-0")]
+
+    asyncio.run(scenario())
