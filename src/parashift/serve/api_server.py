@@ -291,20 +291,23 @@ class ApiServer:
                                              self.tokenizer, gen, req, tools=tools) if chat
                      else responses.CompletionFormatter(request_id, self.args.served_model_name,
                                                         self.tokenizer, gen, req))
+        limit, flag = sse.non_stream_limit(self.args.request_timeout,
+                                           self.args.limits.non_stream_timeout)
         status = "error"
         try:
             if req.stream:
                 response, status = await sse.stream(request, gen, formatter,
-                                                    self.args.request_timeout)
+                                                    self.args.request_timeout,
+                                                    self.args.limits.stream_idle_timeout)
                 return response
-            async with asyncio.timeout(self.args.request_timeout):
+            async with asyncio.timeout(limit):
                 async for _ in gen.stream():
                     pass
             status = "ok"
             return await self._full_response(formatter)
         except TimeoutError:
             status = "timeout"
-            raise sse.timed_out(self.args.request_timeout) from None
+            raise sse.timed_out(limit, flag) from None
         except asyncio.CancelledError:
             status = "disconnected"
             raise

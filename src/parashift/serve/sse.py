@@ -1,10 +1,14 @@
 """A streamed generation as server-sent events, and how the stream ended: the headers go out
 first, so every end after them (done, timed out, engine dead, a bug) is an event, then
-`[DONE]`; a client that left gets nothing more."""
+`[DONE]`; a client that left gets nothing more. A client that reads nothing for
+--stream-idle-timeout seconds (a write that cannot drain that long: aiohttp's write waits once
+the transport's buffer is past its high-water mark) is dropped, and its request aborted."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -15,52 +19,88 @@ from parashift.serve.http_guards import internal_error, request_key
 from parashift.serve.openai_protocol import OpenAIError
 
 CLIENT_LEFT = request_key("parashift.client_left", bool)  # the client went away mid-stream
+STREAM_SEND_BUFFER = 64 << 10  # bytes; tokens are small, and the kernel doubles it
 
 
-def timed_out(timeout: float | None) -> OpenAIError:
-    return OpenAIError(504, f"the request took longer than --request-timeout ({timeout:g} s) "
-                       "and was aborted", "timeout")
+class ClientStalledError(Exception):
+    """A write did not drain within --stream-idle-timeout: the client is reading nothing."""
+
+
+def timed_out(timeout: float | None, flag: str = "--request-timeout") -> OpenAIError:
+    return OpenAIError(504, f"the request took longer than {flag} ({timeout:g} s) and was "
+                       "aborted", "timeout")
+
+
+def non_stream_limit(request_timeout: float | None,
+                     non_stream_timeout: float) -> tuple[float, str]:
+    """Seconds a request that is not streamed may take, and the flag that says so: the shorter
+    of --request-timeout (when given: it bounds streams too) and --non-stream-timeout."""
+    if request_timeout is not None and request_timeout <= non_stream_timeout:
+        return request_timeout, "--request-timeout"
+    return non_stream_timeout, "--non-stream-timeout"
 
 
 async def stream(request: web.Request, gen: Generation, formatter: responses.Formatter,
-                 timeout: float | None) -> tuple[web.StreamResponse, str]:
-    """The SSE response and how it ended: ok, timeout or error (an event says which), or
-    disconnected (the client left; `request[CLIENT_LEFT]` is set)."""
+                 timeout: float | None,
+                 idle_timeout: float | None = None) -> tuple[web.StreamResponse, str]:
+    """The SSE response and how it ended: ok, timeout or error (an event says which),
+    disconnected (the client left) or idle (it read nothing for `idle_timeout` seconds and was
+    dropped); for the last two `request[CLIENT_LEFT]` is set."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        # The kernel grows a TCP send buffer up to tcp_wmem's max (4 MiB) for a client that
+        # reads nothing: a fixed one keeps what it holds small and its stall seen soon.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
     await response.prepare(request)
+
+    async def write(data: bytes) -> None:
+        try:
+            async with asyncio.timeout(idle_timeout):
+                await response.write(data)
+        except TimeoutError:
+            raise ClientStalledError from None
+
     try:
-        status = await _events(request, response, gen, formatter, timeout)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        status = await _events(request, write, gen, formatter, timeout)
+        await write(b"data: [DONE]\n\n")
+        async with asyncio.timeout(idle_timeout):
+            await response.write_eof()
     except ConnectionResetError:
         status = "disconnected"
         request[CLIENT_LEFT] = True
+    except (ClientStalledError, TimeoutError):
+        status = "idle"
+        request[CLIENT_LEFT] = True
+        if request.transport is not None:  # close() would wait for the buffer to drain
+            request.transport.abort()
     return response, status
 
 
-async def _events(request: web.Request, response: web.StreamResponse, gen: Generation,
-                  formatter: responses.Formatter, timeout: float | None) -> str:
+async def _events(request: web.Request, write: Callable[[bytes], Awaitable[None]],
+                  gen: Generation, formatter: responses.Formatter,
+                  timeout: float | None) -> str:
     status = "error"
     try:
         for chunk in formatter.stream_start():
-            await response.write(responses.sse(chunk))
+            await write(responses.sse(chunk))
         async with asyncio.timeout(timeout):
             async for delta in gen.stream():
                 for chunk in formatter.stream_chunks(delta):
-                    await response.write(responses.sse(chunk))
+                    await write(responses.sse(chunk))
         usage = formatter.stream_usage()
         if usage is not None:
-            await response.write(responses.sse(usage))
+            await write(responses.sse(usage))
         status = "ok"
-    except ConnectionResetError:
+    except (ConnectionResetError, ClientStalledError):
         raise
     except TimeoutError:
         status = "timeout"
-        await response.write(responses.sse(timed_out(timeout).body()))
+        await write(responses.sse(timed_out(timeout).body()))
     except (EngineDeadError, OpenAIError) as e:
         err = e if isinstance(e, OpenAIError) else OpenAIError(500, str(e), "engine_error")
-        await response.write(responses.sse(err.body()))
+        await write(responses.sse(err.body()))
     except Exception:  # the headers are out: a bug ends this stream with an event
-        await response.write(responses.sse(internal_error(request).body()))
+        await write(responses.sse(internal_error(request).body()))
     return status

@@ -1,0 +1,96 @@
+"""Clients that stop reading: 50 streams whose clients never read a byte (raw sockets with a
+small receive buffer) fill the socket buffers; each request's outputs then wait in its own
+samples, not in a queue of messages, so the API server's memory stays bounded; after
+--stream-idle-timeout each client is dropped, its request aborted and its KV blocks freed; a
+client that reads is served meanwhile."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+
+import psutil
+import pytest
+
+from .conftest import LONG_ARGS, LONG_MAX_MODEL_LEN, running_server
+
+IDLE_TIMEOUT_S = 2
+NUM_STALLED = 50
+# Many tokens, each with its top-20 logprobs (~1.5 kB an event): the stream outruns the
+# socket buffers within ~100 tokens, long before the request could end.
+STALLED = {"prompt": "hi", "max_tokens": LONG_MAX_MODEL_LEN - 100, "temperature": 0,
+           "ignore_eos": True, "logprobs": 20, "stream": True}
+RSS_GROWTH_LIMIT = 200 << 20  # 50 stalled requests hold their own samples, nothing more
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_long):
+    with running_server(tiny_llama_long, *LONG_ARGS, "--stream-idle-timeout",
+                        str(IDLE_TIMEOUT_S)) as s:
+        yield s
+
+
+def api_server(server) -> psutil.Process:
+    for proc in server.current_tree():
+        with contextlib.suppress(psutil.Error):
+            if "parashift-api-0" in proc.name() or "parashift-api-0" in " ".join(
+                    proc.cmdline()):
+                return proc
+    raise AssertionError("no parashift-api-0 process")
+
+
+def stalled_stream(port: int) -> socket.socket:
+    """A streamed request whose client never reads its answer."""
+    body = json.dumps(STALLED).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    return sock
+
+
+def wait_until(condition, what: str, timeout: float = 120.0, on_poll=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        if on_poll is not None:
+            on_poll()
+        time.sleep(0.05)
+
+
+def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
+    engine = 'engine="dp0"'
+    proc = api_server(server)
+    rss_before = proc.memory_info().rss
+    peak = [rss_before]
+
+    def sample_rss() -> None:
+        peak[0] = max(peak[0], proc.memory_info().rss)
+
+    port = int(server.url.rsplit(":", 1)[1])
+    socks = [stalled_stream(port) for _ in range(NUM_STALLED)]
+    try:
+        wait_until(lambda: server.metric("parashift_num_requests_running", engine)
+                   == NUM_STALLED, "the stalled streams never all ran", on_poll=sample_rss)
+        # A client that reads is served while the others are stuck.
+        status, raw = server.request("POST", "/v1/completions", {
+            "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] == 4
+        wait_until(lambda: server.metric("parashift_requests_total", 'status="idle"')
+                   == NUM_STALLED, "the stalled clients were never dropped",
+                   on_poll=sample_rss)
+        wait_until(lambda: server.metric("parashift_num_requests_running", engine) == 0
+                   and server.metric("parashift_kv_cache_usage_ratio", engine) == 0,
+                   "the dropped clients' requests kept running", timeout=30)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert server.metric("parashift_http_responses_total", 'code="499"') == NUM_STALLED
+    assert peak[0] - rss_before < RSS_GROWTH_LIMIT, (rss_before, peak[0])
+    status, health = server.get_json("/health")
+    assert status == 200 and health["status"] == "ok"
