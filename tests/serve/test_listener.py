@@ -149,3 +149,19 @@ def test_a_failed_resume_is_tried_again(monkeypatch):
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_the_descriptor_limit_is_raised_to_what_the_cap_needs(monkeypatch):
+    import resource
+
+    from parashift.serve import listener as listener_module
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, value: limits.update(now=value))
+    assert listener_module.allow_descriptors(1024) == 1024 + listener_module.OWN_DESCRIPTORS
+    assert limits["now"] == (1024 + listener_module.OWN_DESCRIPTORS, 4096)
+    limits["now"] = (1024, 1500)  # the hard limit caps it (and a warning says so)
+    assert listener_module.allow_descriptors(4096) == 1500
+    limits["now"] = (65536, 65536)  # enough already: unchanged
+    assert listener_module.allow_descriptors(1024) == 65536

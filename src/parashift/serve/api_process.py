@@ -19,7 +19,7 @@ from parashift.processes import (
     setup_child_logging,
 )
 from parashift.serve.api_server import ApiServer, ApiServerArgs
-from parashift.serve.listener import KEEPALIVE_TIMEOUT_S, CappedListener
+from parashift.serve.listener import KEEPALIVE_TIMEOUT_S, CappedListener, allow_descriptors
 
 
 async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
@@ -62,6 +62,7 @@ def run_api_server(args: ApiServerArgs, sock: socket.socket) -> None:
     die_with_parent()
     setup_child_logging(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher orchestrates shutdown
+    allow_descriptors(args.limits.max_connections)
     try:
         import uvloop
 

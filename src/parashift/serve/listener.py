@@ -25,6 +25,29 @@ RETRY_S = 1.0  # after a failed start of accepting again
 logger = logging.getLogger(__name__)
 
 
+# Descriptors an API server needs besides its connections: engine links, files, a burst of
+# parked connections.
+OWN_DESCRIPTORS = 512
+
+
+def allow_descriptors(max_connections: int) -> int:
+    """Raises this process's soft limit on open descriptors to what max_connections needs
+    (often 1,024 by default, while the hard limit allows far more); returns the limit now.
+    Below the need (a hard limit too low), a warning names the flag."""
+    import resource
+
+    need = max_connections + OWN_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < need:
+        logger.warning("open descriptors are limited to %d: fewer than --max-connections %d "
+                       "needs (%d); raise the hard limit (ulimit -Hn) or lower the flag",
+                       soft, max_connections, need)
+    return soft
+
+
 class _Parked(asyncio.Protocol):
     """A connection accepted past the cap: the loop accepts every pending connection in one
     go before the pause can take effect (uvloop cannot stop its server inside the accept).
