@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from parashift.types.field_types import check_field_types
 from parashift.types.structured_outputs import StructuredOutputsParams
 
 # Stop strings are matched on every new token: their number and length bound that work.
@@ -37,6 +38,9 @@ class SamplingParams:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # what vLLM's users write
+            self.structured_outputs = _constraint_from_dict(self.structured_outputs)
+        check_field_types(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -44,6 +48,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        check_field_types(self)  # (also after a change since construction)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -87,3 +92,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _constraint_from_dict(fields: dict) -> StructuredOutputsParams:
+    """{"json": schema} and the like, as StructuredOutputsParams; TypeError for another key."""
+    known = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+    unknown = [k for k in fields if k not in known]
+    if unknown:
+        raise TypeError(f"SamplingParams.structured_outputs: unknown field {unknown[0]!r} "
+                        f"(it takes {', '.join(known)})")
+    return StructuredOutputsParams(**fields)

@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from parashift.types.field_types import check_field_types
+
 MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or grammar: bounded work to compile
 MAX_CHOICES = 1024
 # JSON schema keywords xgrammar compiles as if they were absent (measured on 0.2.9: an
@@ -55,6 +57,7 @@ class StructuredOutputsParams:
     json_object: bool = False  # any JSON object
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if isinstance(self.json, dict):
             # (property order is kept: it is the order the object is generated in)
             self.json = json.dumps(self.json, separators=(",", ":"))
@@ -64,25 +67,23 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
                              f"grammar or json_object, got {', '.join(given) or 'none'}")
-        if self.choice is not None:
-            if not self.choice or len(self.choice) > MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice needs 1 to {MAX_CHOICES} strings")
-            if any(not isinstance(c, str) for c in self.choice):
-                raise ValueError("structured_outputs.choice takes strings")
+        if self.choice is not None and not 1 <= len(self.choice) <= MAX_CHOICES:
+            raise ValueError(f"structured_outputs.choice needs 1 to {MAX_CHOICES} strings")
+        # A choice's strings count too: they are one grammar's alternatives.
+        text = self.choice or [self.json or self.regex or self.grammar or ""]
+        if sum(map(len, text)) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs.{given[0]} has more than "
+                             f"{MAX_CONSTRAINT_CHARS} characters")
         if self.json is not None:
             try:
                 check_schema_keywords(json.loads(self.json))
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
-        text = self.json or self.regex or self.grammar or ""
-        if isinstance(text, str) and len(text) > MAX_CONSTRAINT_CHARS:
-            raise ValueError(f"structured_outputs.{given[0]} has more than "
-                             f"{MAX_CONSTRAINT_CHARS} characters")
 
     @property
     def kind(self) -> str:
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, name))
+        return next((name for name in ("json", "regex", "choice", "grammar")
+                     if getattr(self, name) is not None), "json_object")
 
     @property
     def key(self) -> tuple[str, str]:
