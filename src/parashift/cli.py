@@ -158,6 +158,9 @@ def run(
     non_stream_timeout: Annotated[float, typer.Option(
         "--non-stream-timeout", help="seconds a non-streamed request may take (504), unless "
         "--request-timeout says less")] = 600.0,
+    grammar_compile_timeout: Annotated[float, typer.Option(
+        "--grammar-compile-timeout", help="seconds a structured-output constraint may compile "
+        "before its compile is stopped and the request refused (400)")] = 30.0,
     allowed_hosts: Annotated[list[str] | None, typer.Option(
         "--allowed-hosts", help="Host names served besides localhost, 127.0.0.1 and [::1] on "
         "a loopback bind (DNS rebinding); repeat or separate by commas")] = None,
@@ -249,7 +252,8 @@ def run(
             allowed_hosts=tuple(h.strip() for hs in allowed_hosts or () for h in hs.split(",")
                                 if h.strip()),
             admin_api_key=admin_api_key or env.admin_api_key(),
-            enable_admin_routes=enable_admin_routes)
+            enable_admin_routes=enable_admin_routes,
+            grammar_compile_timeout=grammar_compile_timeout)
     except ValueError as e:
         fail(str(e))
     args = ServeArgs(

@@ -1,7 +1,8 @@
 """The grammar side of structured outputs on its own (engine/structured_output.py,
-layers/token_mask.py): one compile per constraint, the cache's byte bound and cached failures,
-a compile past its limit refused, choices as literals, no control characters or surrogates
-in JSON strings, and the bitmask applied to its rows only."""
+engine/grammar_compile.py, layers/token_mask.py): one compile per constraint, the cache's byte
+bound counting keys and failures, choices as literals, no control characters or surrogates
+in JSON strings, and the bitmask applied to its rows only. The compile process itself
+(limits, restarts, its end): test_grammar_process.py."""
 
 from __future__ import annotations
 
@@ -9,51 +10,54 @@ import pytest
 import torch
 
 from parashift import StructuredOutputsParams
-from parashift.engine.structured_output import Grammars, choice_grammar, text_only
+from parashift.engine.grammar_compile import choice_grammar, text_only
+from parashift.engine.structured_output import ENTRY_BYTES, Grammars
 from parashift.layers.token_mask import apply_token_bitmask
 
 
-def test_a_compile_past_its_time_limit_is_refused(tiny_llama):
-    import threading
-
-    release = threading.Event()
-    grammars = Grammars(tiny_llama, 320)
-    compile_ = grammars._compile
-    grammars._compile = lambda params: (release.wait(60), compile_(params))[1]
-    try:
-        with pytest.raises(ValueError, match="did not compile within 0 s"):
-            grammars.compile_now(StructuredOutputsParams(regex="a+"), timeout=0.2)
-    finally:
-        release.set()
-        grammars.shutdown()
+@pytest.fixture(scope="module")
+def grammars(tiny_llama):
+    made = Grammars(tiny_llama, 320)
+    yield made
+    made.shutdown()
 
 
-def test_each_constraint_compiles_once(tiny_llama):
-    grammars = Grammars(tiny_llama, 320)
-    try:
-        for _ in range(3):
-            grammars.compile_now(StructuredOutputsParams(json={"type": "integer"}))
-        grammars.compile_now(StructuredOutputsParams(choice=["a", "b"]))
-        assert (grammars.misses, grammars.hits) == (2, 2)
-    finally:
-        grammars.shutdown()
+def test_each_constraint_compiles_once(grammars):
+    grammars.clear()
+    for _ in range(3):
+        grammars.compile_now(StructuredOutputsParams(json={"type": "integer"}))
+    grammars.compile_now(StructuredOutputsParams(choice=["a", "b"]))
+    assert (grammars.misses, grammars.hits) == (2, 2)
 
 
-def test_the_cache_keeps_its_bytes_and_failures(tiny_llama, monkeypatch):
+def test_the_cache_counts_grammars_keys_and_failures(grammars, monkeypatch):
     from parashift.engine import structured_output
 
-    grammars = Grammars(tiny_llama, 320)
+    grammars.clear()
+    first = grammars.compile_now(StructuredOutputsParams(regex="a{1,4}"))
+    assert grammars.num_bytes == ENTRY_BYTES + 32 + first.memory_size_bytes
+    # A failure is kept (it fails again without compiling again) and counted, message and all;
+    # a long constraint costs no more than a short one (its key is a digest).
+    for _ in range(2):
+        with pytest.raises(ValueError, match="regex") as failed:
+            grammars.compile_now(StructuredOutputsParams(regex="(" + "x" * 100_000))
+    assert grammars.misses == 2 and grammars.hits == 1
+    assert grammars.num_bytes == (2 * (ENTRY_BYTES + 32) + first.memory_size_bytes
+                                  + len(str(failed.value)))
+    monkeypatch.setattr(structured_output, "CACHE_BYTES", grammars.num_bytes)
+    with pytest.raises(ValueError, match="regex"):
+        grammars.compile_now(StructuredOutputsParams(regex="[z"))
+    assert len(grammars._cache) == 2  # the least recently used went
+    assert grammars.num_bytes <= structured_output.CACHE_BYTES
+
+
+def test_an_api_servers_cache_keeps_no_grammar(tiny_llama):
+    checks = Grammars(tiny_llama, 320, keep_grammars=False)
     try:
-        first = grammars.compile_now(StructuredOutputsParams(regex="a{1,4}"))
-        monkeypatch.setattr(structured_output, "CACHE_BYTES", first.memory_size_bytes)
-        grammars.compile_now(StructuredOutputsParams(regex="b{1,4}"))
-        assert len(grammars._cache) == 1  # the least recently used went
-        for _ in range(2):  # a bad constraint fails again without compiling again
-            with pytest.raises(ValueError, match="regex"):
-                grammars.compile_now(StructuredOutputsParams(regex="("))
-        assert grammars.misses == 3 and grammars.hits == 1
+        assert checks.compile_now(StructuredOutputsParams(regex="a{1,4}")) is None
+        assert checks.num_bytes == ENTRY_BYTES + 32
     finally:
-        grammars.shutdown()
+        checks.shutdown()
 
 
 def test_choices_are_escaped_as_string_literals():
@@ -67,15 +71,11 @@ def test_negated_classes_lose_control_characters_and_surrogates_only():
         r'a ::= [^\0-\x1f\uD800-\uDFFF"\\] "[^x" [a^] "q\"[^" [\]^]')
 
 
-def test_json_strings_never_hold_control_characters_or_surrogates(tiny_llama):
+def test_json_strings_never_hold_control_characters_or_surrogates(tiny_llama, grammars):
     import xgrammar as xgr
 
-    grammars = Grammars(tiny_llama, 320)
-    try:
-        compiled = grammars.compile_now(StructuredOutputsParams(
-            json={"type": "string", "maxLength": 3}))
-    finally:
-        grammars.shutdown()
+    compiled = grammars.compile_now(StructuredOutputsParams(
+        json={"type": "string", "maxLength": 3}))
     from transformers import AutoTokenizer
 
     vocab = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_llama),

@@ -176,15 +176,26 @@ def test_the_embeddings_padding_ids_are_masked(llm):
 def test_a_compile_stalls_no_other_request(llm, monkeypatch):
     """While one request's grammar compiles (held here until the others are done), the
     engine steps the others; then the held one runs."""
+    import concurrent.futures
     import threading
 
     from parashift.engine.request import Request
 
     release = threading.Event()
     grammars = llm.engine.structured_grammars()
-    compile_ = grammars._compile
-    monkeypatch.setattr(grammars, "_compile",
-                        lambda params: (release.wait(60), compile_(params))[1])
+    submit = grammars.process.submit
+
+    def held(*job):  # the compile is sent to the compile process once released
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def later():
+            release.wait(60)
+            future.set_result(submit(*job).result())
+
+        threading.Thread(target=later, daemon=True).start()
+        return future
+
+    monkeypatch.setattr(grammars.process, "submit", held)
     core = llm.engine
     held = StructuredOutputsParams(regex="held-[0-9]{2}")  # not cached: compiled now
     core.add_request(Request("held", [1, 2], SamplingParams(
@@ -263,3 +274,12 @@ def test_a_bad_constraint_is_a_value_error(llm, constraint, message):
     StructuredOutputsParams(json={"type": "object", "properties": {"not": {}, "if": {}}})
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
+
+
+def test_a_dict_constraint_runs_as_vllms_users_write_it(llm):
+    """`structured_outputs={"regex": ...}` (a dict, as vLLM's older guided_* fields were
+    written) is converted at construction, not a crash inside the grammar cache."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                            structured_outputs={"regex": "d[0-9]{2}"})
+    (out,) = llm.generate([[1, 2]], params, use_tqdm=False)
+    assert re.fullmatch("d[0-9]{2}", out.outputs[0].text)

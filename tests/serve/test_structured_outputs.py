@@ -2,25 +2,34 @@
 --strategy dp2` on a tiny random-weight model (a byte-level vocabulary): whatever the model
 would say, the constraint holds. `response_format` (json_object, json_schema, the client's
 `parse()` with a pydantic model), vLLM's `structured_outputs` (json, regex, choice, grammar),
-streamed and not, n > 1 with logprobs; and every bad constraint a 400 naming its field, the
-server serving on."""
+streamed and not, n > 1 with logprobs; every bad constraint a 400 naming its field, the
+server serving on; a schema that would compile for minutes refused within
+--grammar-compile-timeout, its compile process killed, other constraints compiling beside it
+and after it in under a second; and the API server's memory bounded after 1,000 distinct
+failing regexes."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import re
+import threading
+import time
 
 import jsonschema
 import openai
+import psutil
 import pydantic
 import pytest
 
-from .conftest import running_server
+from .conftest import live, running_server, wait_gone
 
 MODEL = "tiny"
+COMPILE_TIMEOUT_S = 4.0  # the API server's check (the engines keep their own 30 s)
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB",
-        "--strategy", "dp2", "--served-model-name", MODEL)
+        "--strategy", "dp2", "--served-model-name", MODEL,
+        "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -159,3 +168,85 @@ def test_openai_client_sees_the_400(client):
     with pytest.raises(openai.BadRequestError, match="regex"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {"regex": "["}})
+
+
+def _process(procs: list[psutil.Process], name: str) -> psutil.Process | None:
+    for p in live(procs):
+        try:
+            if name in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
+def _wait_for(find, timeout: float = 60.0):
+    """find()'s first answer that is not None."""
+    deadline = time.monotonic() + timeout
+    while (found := find()) is None:
+        assert time.monotonic() < deadline, "not there in time"
+        time.sleep(0.02)
+    return found
+
+
+def _object_schema(*names: str) -> dict:
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names}}
+
+
+def _timed_constrained(server, schema: dict, rank: int | None = None) -> tuple[float, int]:
+    start = time.monotonic()
+    status, raw = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 1,
+        "structured_outputs": {"json": schema}},
+        headers={} if rank is None else {"X-data-parallel-rank": str(rank)}, timeout=120)
+    assert status == 200, raw
+    return time.monotonic() - start, status
+
+
+def test_a_schema_that_would_compile_for_minutes_is_stopped(server):
+    for rank in (0, 1):  # every compile process started (the first start takes seconds)
+        _timed_constrained(server, _object_schema(f"warm{rank}"), rank)
+    api = _process(server.current_tree(), "parashift-api-0")
+    warm = _process(api.children(), "parashift-grammar-api0")
+    assert warm is not None, api.children()
+    # N optional string properties: ~19 s at 1,600 here, ~9x per doubling.
+    slow = _object_schema(*(f"p{i}" for i in range(3200)))
+    answer: list = []
+    start = time.monotonic()
+    sender = threading.Thread(target=lambda: answer.append(server.request(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                    "structured_outputs": {"json": slow}}, timeout=120)))
+    sender.start()
+    compile_ = _wait_for(lambda: _process(warm.children(), "parashift-grammar-api0-compile"))
+    beside, _ = _timed_constrained(server, _object_schema("beside"))
+    sender.join(120)
+    elapsed = time.monotonic() - start
+    status, raw = answer[0]
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "structured_outputs", raw
+    assert f"did not compile within {COMPILE_TIMEOUT_S:g} s" in error["message"]
+    assert elapsed < COMPILE_TIMEOUT_S + 1.5, elapsed
+    assert not wait_gone([compile_], 0), "the stopped compile's process is still there"
+    after, _ = _timed_constrained(server, _object_schema("after"))
+    assert beside < 1.0 and after < 1.0, (beside, after)
+    assert server.get_json("/health")[0] == 200
+
+
+def test_memory_stays_bounded_after_1000_failing_regexes(server):
+    api = _process(server.current_tree(), "parashift-api-0")
+
+    def refused(i: int) -> None:
+        # 64 KiB each: kept as cache keys, 1,000 of them would be 64 MiB
+        regex = f"({i}" + "a" * (64 << 10)
+        status, raw = server.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": "x", "max_tokens": 4,
+            "structured_outputs": {"regex": regex}}, timeout=120)
+        assert status == 400 and b"regex" in raw, raw
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(refused, range(100)))  # allocator and caches warm
+        before = api.memory_info().rss
+        list(pool.map(refused, range(100, 1100)))
+    grown = api.memory_info().rss - before
+    assert grown < 24 << 20, f"the API server grew by {grown >> 20} MiB"
+    assert server.get_json("/health")[0] == 200

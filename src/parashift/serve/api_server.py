@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from parashift.engine.request import check_prompt_tokens
-from parashift.engine.structured_output import COMPILE_TIMEOUT_S, Grammars
+from parashift.engine.structured_output import Grammars
 from parashift.serve import responses, sse
 from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_routes import ADMIN_ROUTES, EngineRoutes
@@ -97,8 +97,11 @@ class ApiServer:
                                     args.num_engines, args.coordinator_address, args.bound,
                                     args.routing, args.head_keys, args.launcher_identity)
         # Structured outputs: each constraint is compiled here once first, so that a bad one
-        # is a 400 (its own tokenizer copy, loaded in its compile thread on first use).
-        self.grammars = Grammars(args.tokenizer_path, args.vocab_size)
+        # is a 400 (in a compile process of this server's, started on first use; only the
+        # outcome comes back: the engine compiles its own).
+        self.grammars = Grammars(args.tokenizer_path, args.vocab_size,
+                                 name=f"parashift-grammar-api{args.index}", keep_grammars=False,
+                                 timeout_s=args.limits.grammar_compile_timeout)
         self.metrics = Metrics()
         self.engines.on_outputs = self.metrics.on_engine_outputs
         self.engines.on_load = self.metrics.on_load_vector
@@ -238,14 +241,10 @@ class ApiServer:
                 raise OpenAIError(400, str(e), param=param) from None
 
     async def _check_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
-        """A 400 naming `param` for a constraint that does not compile, or not in time (the
-        compile then goes on in its thread; the engine's own is cached apart)."""
-        future = asyncio.wrap_future(self.grammars.compile(constraint))
+        """A 400 naming `param` for a constraint that does not compile, or not within the
+        time limit (the compile process kills it then: engine/grammar_worker.py)."""
         try:
-            await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise OpenAIError(400, f"the {constraint.kind} constraint did not compile within "
-                              f"{COMPILE_TIMEOUT_S:.0f} s", param=param) from None
+            (await asyncio.wrap_future(self.grammars.compile(constraint))).check()
         except ValueError as e:
             raise OpenAIError(400, str(e), param=param) from None
 

@@ -22,9 +22,10 @@ class ServeLimits:
     allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: more Host names served
     admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' own key
     enable_admin_routes: bool = False  # admin routes without a key (a trusted network only)
+    grammar_compile_timeout: float = 30.0  # seconds a constraint may compile (killed, 400)
 
     def __post_init__(self) -> None:
-        for name in ("stream_idle_timeout", "non_stream_timeout"):
+        for name in ("stream_idle_timeout", "non_stream_timeout", "grammar_compile_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         for name in ("max_connections", "max_tokenize_queue"):
