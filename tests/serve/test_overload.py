@@ -182,3 +182,34 @@ def test_a_pinned_request_is_not_moved(broker, tiny_tokenizer):
         assert adds(broker) == [(1, "cmpl-z-0-0")]
 
     asyncio.run(scenario())
+
+
+def test_waiters_wake_in_arrival_order_on_any_servers_finish(broker):
+    async def scenario() -> None:
+        room, woken = broker.loads.room, []
+
+        async def wait(name: str, first: bool = False) -> None:
+            if await room.wait(5, first):
+                woken.append(name)
+
+        async def until(count: int) -> None:
+            while len(woken) < count:
+                await asyncio.sleep(0)
+
+        tasks = [asyncio.create_task(wait(name)) for name in "abc"]
+        while len(room) < 3:
+            await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(wait("d", first=True)))  # beaten to a slot before
+        while len(room) < 4:
+            await asyncio.sleep(0)
+        broker.in_flight.add("r", 0, lambda item: None)
+        broker.in_flight.deliver(EngineCoreOutput("r", [1], finish_reason="length"))
+        await until(1)
+        load(broker, {0: 5, 1: 2})
+        load(broker, {0: 3, 1: 2})  # two requests of another server's finished on dp0
+        await until(3)
+        load(broker, {0: 4, 1: 1})  # one more on dp1 (dp0's new one is not a finish)
+        await asyncio.gather(*tasks)
+        assert woken == ["d", "a", "b", "c"]
+
+    asyncio.run(scenario())

@@ -1,8 +1,8 @@
 """Overload on dp2 with room for one running and 8 waiting requests per rank, two API servers
-and 16 concurrent clients (docs/NOTES' measurement): with both ranks up every request is
-served (a full rank's request moves to the other rank); with one rank killed, a client that
-cannot be served gets a 429 that says when to retry, and the openai client, retrying as it
-does by default, completes every request."""
+and 16 concurrent clients (the measurement in NOTES): with both ranks up every request is
+served (a full rank's request moves to the other rank); with one rank killed, a request is
+served, after a short wait for room, or gets a 429 that says when to retry, and the openai
+client, retrying as it does by default, completes every request."""
 
 from __future__ import annotations
 
@@ -76,7 +76,6 @@ def test_with_one_rank_down_a_429_says_when_to_retry_and_the_client_retries(serv
     refused = [(headers, raw) for status, headers, raw in answers if status == 429]
     assert {status for status, _, _ in answers} <= {200, 429}, [
         raw for status, _, raw in answers if status not in (200, 429)][:3]
-    assert refused, "16 clients never filled one rank's queue (9 requests)"
     for headers, raw in refused:
         assert int(headers["Retry-After"]) >= 1 and int(headers["retry-after-ms"]) >= 1
         assert json.loads(raw)["error"]["type"] == "rate_limit_error"

@@ -33,6 +33,9 @@ class EngineLoads:
         emptied = [load.rank for load in vector.loads
                    if (last := self.vector.get(load.rank)) is not None
                    and last.stats.num_prefix_cache_resets != load.stats.num_prefix_cache_resets]
+        for load in vector.loads:  # requests another server's clients had there finished
+            if (last := self.vector.get(load.rank)) is not None:
+                self.room.wake(_held(last) - _held(load))
         self.vector = {load.rank: load for load in vector.loads}
         self.sent_since_update.clear()
         return emptied
@@ -40,7 +43,7 @@ class EngineLoads:
     def on_finished(self) -> None:
         """One of this server's requests finished: a slot on its rank is free."""
         self.drain.on_finished()
-        self.room.on_finished()
+        self.room.wake()
 
     def retry_after(self, ranks: list[int]) -> float:
         """Seconds until this server's requests held on `ranks` (full ones), those waiting for
@@ -48,3 +51,7 @@ class EngineLoads:
         first-come queue its share drains as fast as the whole."""
         backlog = sum(self.in_flight[r] for r in ranks) + len(self.room) + 1
         return retry_after(backlog, self.drain.per_second())
+
+
+def _held(load: p.EngineLoad) -> int:
+    return load.stats.num_waiting + load.stats.num_running

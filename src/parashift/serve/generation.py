@@ -9,8 +9,8 @@ messages (serve/sse.py drops a client that stops reading).
 
 Overload: a rank whose waiting queue is full refuses a sample (429); before anything of the
 request has reached the client, the whole request moves to the least loaded live rank that has
-not refused it (a pinned one stays). Refused by all, it waits a while for room, and then the
-client gets a 429 with Retry-After (serve/overload.py).
+not refused it (a pinned one stays). Refused by all, it waits up to a second for room, and
+then the client gets a 429 with Retry-After (serve/overload.py).
 
 Failover: when the engine of a request dies before the request has streamed anything, the
 request is sent again, once, to another live rank (waiting up to FAILOVER_WAIT_S for one, as
@@ -36,7 +36,7 @@ from parashift.serve.engine_errors import (
     RequestFailedError,
 )
 from parashift.serve.openai_protocol import OpenAIError
-from parashift.serve.overload import RetryLaterError
+from parashift.serve.overload import HOLD_S, RetryLaterError
 from parashift.types.outputs import EngineCoreOutput
 from parashift.types.sampling_params import SamplingParams
 
@@ -91,6 +91,7 @@ class Generation:
         self._failed_over = False  # a request fails over once
         self._refused: set[int] = set()  # ranks whose full queues refused it
         self._hold_until: float | None = None  # refused by all: until when it waits for room
+        self._woken = False  # a freed slot woke it while it waited
         self._shown = False  # a delta with tokens went out to the client
         self._track()
         self.engine = engines.pick_engine(rank, prompts=prompts)
@@ -176,6 +177,7 @@ class Generation:
         when all have, it waits for room (serve/overload.py) and tries again; in the end a
         429 that says when to retry."""
         self._refused.add(self.engine)
+        self.abort_unfinished()  # its samples the rank did take: they run again elsewhere
         while not (self.streamed and self._shown):
             rank = self._rank_with_room()
             if rank is not None:
@@ -186,10 +188,11 @@ class Generation:
                     self._refused.add(rank)
                     continue
             if self._hold_until is None:
-                self._hold_until = time.monotonic() + self._retry_after()
+                self._hold_until = time.monotonic() + HOLD_S
             left = self._hold_until - time.monotonic()
-            if left <= 0 or not await self.engines.loads.room.wait(left):
+            if left <= 0 or not await self.engines.loads.room.wait(left, first=self._woken):
                 break
+            self._woken = True
             self._refused.clear()  # a request finished: its rank has room now
         where = (f"the pinned rank dp{self.engine}" if self.pinned
                  else "every live rank's waiting queue is full")

@@ -1,10 +1,11 @@
 """Overload. A request a full rank refused tries the least loaded live rank that has not refused
 it (the engine client's pick_engine, serve/generation.py). When every live rank has refused
-it, it waits here, in arrival order and at most as long as the queues take to drain, for one
-of this API server's requests to finish (a slot on that rank) and tries again: this server
-hears of the finish before that request's client can send its next one, so a refused request
-is not starved by clients that resubmit at once. Then the client gets a 429 that says when to
-come back (Retry-After), estimated from how fast this server sees requests finish."""
+it, it waits here, in arrival order and for at most HOLD_S, for a slot to free (one of this
+API server's requests finishing, or a coordinator vector saying another server's did) and
+tries again: this server hears of its own finishes before their clients can send their next
+requests, so a refused request is not starved by clients that resubmit at once. A short
+grace, not a second queue: past it the client gets a 429 that says when to come back
+(Retry-After), estimated from how fast this server sees requests finish."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from parashift.serve.openai_protocol import OpenAIError
 
 RETRY_AFTER_UNKNOWN_S = 1.0  # no finish seen lately to estimate from
+HOLD_S = 1.0  # how long a request every live rank refused waits for room
 RETRY_AFTER_MIN_S = 0.1  # sooner, a retry would likely find the queue as it left it
 RETRY_AFTER_MAX_S = 60.0  # the openai client honours up to 120 s; beyond, it backs off itself
 
@@ -45,8 +47,9 @@ class DrainRate:
 
 
 class RoomWaiters:
-    """Requests every live rank refused, waiting in arrival order: each finish of one of this
-    server's requests wakes the first of them."""
+    """Requests every live rank refused, waiting in arrival order to be woken when a slot
+    frees: a finish of one of this server's requests, or a coordinator vector in which a rank
+    holds fewer requests (another server's finished)."""
 
     def __init__(self) -> None:
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -54,17 +57,21 @@ class RoomWaiters:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def on_finished(self) -> None:
-        while self._waiters:
+    def wake(self, count: int = 1) -> None:
+        while count > 0 and self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():  # else it timed out or its client left
                 waiter.set_result(None)
-                return
+                count -= 1
 
-    async def wait(self, timeout: float) -> bool:
-        """Whether a finish woke it within `timeout` seconds."""
+    async def wait(self, timeout: float, first: bool = False) -> bool:
+        """Whether a slot freed within `timeout` seconds; `first`: woken before and beaten to
+        that slot, it keeps its place at the head."""
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if first:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter, timeout)
             return True
