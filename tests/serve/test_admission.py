@@ -40,16 +40,18 @@ def test_a_full_queue_is_429_and_a_slow_request_is_504(server):
         waiting = pool.submit(server.request, "POST", COMPLETIONS, {**LONG, "stream": True},
                               timeout=60)
         wait_for_metric(server, "parashift_num_requests_waiting", 1)
-        req = urllib.request.Request(server.url + COMPLETIONS, json.dumps(
-            {"prompt": "x", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=60)
-        error = assert_openai_error(refused.value.code, refused.value.read(), 429,
-                                    contains=("--max-waiting-requests",))
-        assert error["type"] == "rate_limit_error"
-        # nothing finished here yet to estimate from: the default, 1 s
-        assert refused.value.headers["Retry-After"] == "1"
-        assert refused.value.headers["retry-after-ms"] == "1000"
+        for stream in (False, True):  # a stream's refusal comes before its headers too
+            req = urllib.request.Request(server.url + COMPLETIONS, json.dumps(
+                {"prompt": "x", "max_tokens": 2, "stream": stream}).encode(),
+                {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=60)
+            error = assert_openai_error(refused.value.code, refused.value.read(), 429,
+                                        contains=("--max-waiting-requests",))
+            assert error["type"] == "rate_limit_error"
+            # nothing finished here yet to estimate from: the default, 1 s
+            assert refused.value.headers["Retry-After"] == "1"
+            assert refused.value.headers["retry-after-ms"] == "1000"
         status, raw = running.result()
         error = assert_openai_error(status, raw, 504, contains=("--request-timeout",))
         status, raw = waiting.result()  # streamed: the headers were out, so an error event

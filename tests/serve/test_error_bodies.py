@@ -48,10 +48,19 @@ class _BrokenFormatter:
         raise RuntimeError("secret prompt text")
 
 
+class _Finished:
+    """A generation with nothing more to stream (its first delta, awaited before the headers,
+    is the end)."""
+
+    async def stream(self):
+        return
+        yield
+
+
 def test_a_streamed_500_holds_no_exception_text(caplog):
     async def streaming(request: web.Request) -> web.StreamResponse:
         request[REQUEST_ID] = "cmpl-0-test"
-        response, status = await sse.stream(request, None, _BrokenFormatter(), None)
+        response, status = await sse.stream(request, _Finished(), _BrokenFormatter(), None)
         assert status == "error"
         return response
 

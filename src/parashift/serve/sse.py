@@ -1,6 +1,7 @@
 """A streamed generation as server-sent events, and how the stream ended: the headers go out
-first, so every end after them (done, timed out, engine dead, a bug) is an event, then
-`[DONE]`; a client that left gets nothing more. A client that reads nothing for
+with the first delta, or after ADMISSION_WAIT_S without one, so a refusal is an HTTP error and
+every end after them (done, timed out, engine dead, a bug) is an event, then `[DONE]`; a
+client that left gets nothing more. A client that reads nothing for
 --stream-idle-timeout seconds (a write that cannot drain that long: aiohttp's write waits once
 the transport's buffer is past its high-water mark) is dropped, and its request aborted."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -17,9 +18,11 @@ from parashift.serve.engine_errors import EngineDeadError
 from parashift.serve.generation import Generation
 from parashift.serve.http_guards import internal_error, request_key
 from parashift.serve.openai_protocol import OpenAIError
+from parashift.serve.overload import HOLD_S
 
 CLIENT_LEFT = request_key("parashift.client_left", bool)  # the client went away mid-stream
 STREAM_SEND_BUFFER = 64 << 10  # bytes; tokens are small, and the kernel doubles it
+ADMISSION_WAIT_S = HOLD_S + 0.5  # a refusal's 429 comes within this (its wait for room)
 
 
 class ClientStalledError(Exception):
@@ -45,7 +48,27 @@ async def stream(request: web.Request, gen: Generation, formatter: responses.For
                  idle_timeout: float | None = None) -> tuple[web.StreamResponse, str]:
     """The SSE response and how it ended: ok, timeout or error (an event says which),
     disconnected (the client left) or idle (it read nothing for `idle_timeout` seconds and was
-    dropped); for the last two `request[CLIENT_LEFT]` is set."""
+    dropped); for the last two `request[CLIENT_LEFT]` is set. The headers wait for the first
+    delta up to ADMISSION_WAIT_S: a refusal (a 429 with Retry-After, a 400) comes within it
+    and is then a plain HTTP error, which a client can retry."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    deltas = gen.stream()
+    first = asyncio.ensure_future(anext(deltas, None))
+    try:
+        await asyncio.wait({first}, timeout=min(ADMISSION_WAIT_S, timeout or ADMISSION_WAIT_S))
+        if first.done() and isinstance(first.exception(), OpenAIError | EngineDeadError):
+            raise first.exception()  # nothing was sent yet: an HTTP error
+        return await _respond(request, first, deltas, formatter, (timeout, deadline),
+                              idle_timeout)
+    finally:
+        first.cancel()  # the client left while it waited
+
+
+async def _respond(request: web.Request, first: asyncio.Future, deltas: AsyncIterator,
+                   formatter: responses.Formatter, limit: tuple[float | None, float | None],
+                   idle_timeout: float | None) -> tuple[web.StreamResponse, str]:
+    """`limit`: the request timeout and the loop time it ends at."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     sock = request.transport.get_extra_info("socket") if request.transport else None
@@ -63,7 +86,7 @@ async def stream(request: web.Request, gen: Generation, formatter: responses.For
             raise ClientStalledError from None
 
     try:
-        status = await _events(request, write, gen, formatter, timeout)
+        status = await _events(request, write, first, deltas, formatter, limit)
         await write(b"data: [DONE]\n\n")
         async with asyncio.timeout(idle_timeout):
             await response.write_eof()
@@ -79,16 +102,20 @@ async def stream(request: web.Request, gen: Generation, formatter: responses.For
 
 
 async def _events(request: web.Request, write: Callable[[bytes], Awaitable[None]],
-                  gen: Generation, formatter: responses.Formatter,
-                  timeout: float | None) -> str:
+                  first: asyncio.Future, deltas: AsyncIterator,
+                  formatter: responses.Formatter,
+                  limit: tuple[float | None, float | None]) -> str:
+    timeout, deadline = limit
     status = "error"
     try:
         for chunk in formatter.stream_start():
             await write(responses.sse(chunk))
-        async with asyncio.timeout(timeout):
-            async for delta in gen.stream():
+        async with asyncio.timeout_at(deadline):
+            delta = await first
+            while delta is not None:
                 for chunk in formatter.stream_chunks(delta):
                     await write(responses.sse(chunk))
+                delta = await anext(deltas, None)
         usage = formatter.stream_usage()
         if usage is not None:
             await write(responses.sse(usage))
