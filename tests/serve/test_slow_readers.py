@@ -94,3 +94,15 @@ def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
     assert peak[0] - rss_before < RSS_GROWTH_LIMIT, (rss_before, peak[0])
     status, health = server.get_json("/health")
     assert status == 200 and health["status"] == "ok"
+
+
+def test_a_request_not_streamed_has_a_limit_by_default():
+    """--non-stream-timeout (600 s) unless --request-timeout, which bounds streams too, is
+    shorter; the 504 names the flag that applied."""
+    from parashift.serve import sse
+
+    assert sse.non_stream_limit(None, 600.0) == (600.0, "--non-stream-timeout")
+    assert sse.non_stream_limit(4.0, 600.0) == (4.0, "--request-timeout")
+    assert sse.non_stream_limit(900.0, 600.0) == (600.0, "--non-stream-timeout")
+    error = sse.timed_out(600.0, "--non-stream-timeout")
+    assert error.status == 504 and "--non-stream-timeout (600 s)" in error.message
