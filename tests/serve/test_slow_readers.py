@@ -14,6 +14,8 @@ import time
 import psutil
 import pytest
 
+from parashift.serve import sse
+
 from .conftest import LONG_ARGS, LONG_MAX_MODEL_LEN, running_server
 
 IDLE_TIMEOUT_S = 2
@@ -99,8 +101,6 @@ def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
 def test_a_request_not_streamed_has_a_limit_by_default():
     """--non-stream-timeout (600 s) unless --request-timeout, which bounds streams too, is
     shorter; the 504 names the flag that applied."""
-    from parashift.serve import sse
-
     assert sse.non_stream_limit(None, 600.0) == (600.0, "--non-stream-timeout")
     assert sse.non_stream_limit(4.0, 600.0) == (4.0, "--request-timeout")
     assert sse.non_stream_limit(900.0, 600.0) == (600.0, "--non-stream-timeout")
