@@ -160,7 +160,11 @@ def run(
         "--request-timeout says less")] = 600.0,
     grammar_compile_timeout: Annotated[float, typer.Option(
         "--grammar-compile-timeout", help="seconds a structured-output constraint may compile "
-        "before its compile is stopped and the request refused (400)")] = 30.0,
+        "before its compile is stopped and the request refused (400); at most 30, the "
+        "engines' own limit")] = 30.0,
+    max_tokenize_queue: Annotated[int, typer.Option(
+        "--max-tokenize-queue", help="requests waiting for an API server's tokenizer thread "
+        "(429 with Retry-After beyond)")] = 64,
     allowed_hosts: Annotated[list[str] | None, typer.Option(
         "--allowed-hosts", help="Host names served besides localhost, 127.0.0.1 and [::1] on "
         "a loopback bind (DNS rebinding); repeat or separate by commas")] = None,
@@ -248,6 +252,7 @@ def run(
         limits = ServeLimits(
             max_request_output_units=max_request_output_units,
             stream_idle_timeout=stream_idle_timeout, max_connections=max_connections,
+            max_tokenize_queue=max_tokenize_queue,
             non_stream_timeout=non_stream_timeout, bind_host=host,
             allowed_hosts=tuple(h.strip() for hs in allowed_hosts or () for h in hs.split(",")
                                 if h.strip()),

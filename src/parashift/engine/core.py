@@ -117,7 +117,9 @@ class EngineCore:
     def structured_grammars(self) -> Grammars:
         if self.grammars is None:
             model = self.config.model
-            self.grammars = Grammars(model.tokenizer_path, model.vocab_size)
+            rank = self.config.parallel.data_parallel_rank
+            self.grammars = Grammars(model.tokenizer_path, model.vocab_size,
+                                     name=f"parashift-grammar-dp{rank}")
         return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:

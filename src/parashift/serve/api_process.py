@@ -53,6 +53,7 @@ async def _serve(args: ApiServerArgs, sock: socket.socket) -> None:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     await server.engines.close()
+    await asyncio.to_thread(server.grammars.shutdown)  # its compile process, if it started
     remove_launch_folder(args.request_address)  # here, where a 2nd SIGTERM cannot cut it short
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from parashift.engine.block_hash import block_hashes
 from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -25,7 +24,7 @@ from parashift.serve.engine_errors import (
 from parashift.serve.engine_loads import EngineLoads
 from parashift.serve.engine_ranks import EngineRanks, RankStatus
 from parashift.serve.in_flight import InFlight, Sink
-from parashift.serve.prefix_router import Router, RoutingConfig
+from parashift.serve.prefix_router import Router, RoutingConfig, prompt_hashes
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
@@ -119,14 +118,15 @@ class EngineClient:
         return self.ranks.serving()
 
     def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
-                    prompts: list[list[int]] | tuple = ()) -> int:
+                    prompts: list[list[int]] | tuple = (), salt: str | None = None) -> int:
         """A pinned rank, or the router's choice for the request's first prompt among the live
         ranks not in `exclude` (one that died, those whose queues refused it); the blocks of
-        all its prompts are then recorded as living there."""
+        all its prompts (hashed with the request's cache_salt, as the engine does) are then
+        recorded as living there."""
         excluded = {exclude} if isinstance(exclude, int) else set(exclude)
         alive = [r for r in self.alive_engines() if r not in excluded]
         prefix = self.router.config.policy == "prefix" and self.num_engines > 1
-        hashes = [block_hashes(prompt, self.block_size) for prompt in prompts] if prefix else []
+        hashes = prompt_hashes(prompts, self.block_size, salt) if prefix else []
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")
@@ -135,8 +135,8 @@ class EngineClient:
             raise EngineUnavailableError(self.health()[1])
         else:
             rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score)
-        for prompt_hashes in hashes:
-            self.router.record(rank, prompt_hashes)
+        for blocks in hashes:
+            self.router.record(rank, blocks)
         self.loads.sent_since_update[rank] += 1
         return rank
 
@@ -294,7 +294,10 @@ class EngineClient:
     def _mark_dead(self, rank: int, reason: str) -> None:
         logger.error("engine dp%d is down: %s", rank, reason)
         self.ranks.on_dead(rank, reason)
-        self.in_flight.fail_engine(rank, EngineDeadError(f"engine dp{rank} died: {reason}"))
+        # The reason stays in the log: an engine's is its traceback's last line, which may
+        # quote another client's request.
+        self.in_flight.fail_engine(rank, EngineDeadError(
+            f"engine dp{rank} died (the server's log says why)"))
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,13 +94,13 @@ class Generation:
         self._woken = False  # a freed slot woke it while it waited
         self._shown = False  # a delta with tokens went out to the client
         self._track()
-        self.engine = engines.pick_engine(rank, prompts=prompts)
+        self.engine = self._pick(pinned=rank)
         try:
             try:
                 self._send_all()
             except EngineUnavailableError:  # it died before the engines heard: the next rank
                 self._failed_over = True
-                self._restart(engines.pick_engine(exclude=self.engine, prompts=prompts))
+                self._restart(self._pick(exclude=self.engine))
                 self._count("resent")
         except BaseException:
             self.abort_unfinished()  # never leave half a request in flight
@@ -198,11 +198,16 @@ class Generation:
                  else "every live rank's waiting queue is full")
         raise RetryLaterError(f"{error} ({where})", self._retry_after()) from None
 
+    def _pick(self, pinned: int | None = None, exclude: int | Collection[int] = ()) -> int:
+        """The engine client's choice for this request's prompts, hashed with its salt."""
+        return self.engines.pick_engine(pinned, exclude, self.prompts,
+                                        self.params[0].cache_salt)
+
     def _rank_with_room(self) -> int | None:
         if self.pinned:
             return None if self.engine in self._refused else self.engine
         try:
-            return self.engines.pick_engine(exclude=self._refused, prompts=self.prompts)
+            return self._pick(exclude=self._refused)
         except EngineUnavailableError:
             return None
 
@@ -219,7 +224,7 @@ class Generation:
         deadline = time.monotonic() + FAILOVER_WAIT_S
         while True:
             try:
-                rank = self.engines.pick_engine(exclude=dead, prompts=self.prompts)
+                rank = self._pick(exclude=dead)
                 break
             except EngineUnavailableError:
                 if time.monotonic() > deadline:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parashift.engine.structured_output import COMPILE_TIMEOUT_S
+
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 
 
@@ -22,7 +24,9 @@ class ServeLimits:
     allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: more Host names served
     admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' own key
     enable_admin_routes: bool = False  # admin routes without a key (a trusted network only)
-    grammar_compile_timeout: float = 30.0  # seconds a constraint may compile (killed, 400)
+    # seconds a constraint may compile here (killed, 400); the engines' own limit is the
+    # ceiling, so that no constraint passes here and then fails in an engine
+    grammar_compile_timeout: float = COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("stream_idle_timeout", "non_stream_timeout", "grammar_compile_timeout"):
@@ -31,6 +35,9 @@ class ServeLimits:
         for name in ("max_connections", "max_tokenize_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.grammar_compile_timeout > COMPILE_TIMEOUT_S:
+            raise ValueError(f"--grammar-compile-timeout must be at most {COMPILE_TIMEOUT_S:g} "
+                             "(the engines' own compile limit)")
         if self.max_request_output_units is not None and self.max_request_output_units < 1:
             raise ValueError("--max-request-output-units must be >= 1")
 
