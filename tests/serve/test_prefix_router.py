@@ -127,9 +127,10 @@ def test_the_pin_wins_and_its_blocks_are_recorded_there(tmp_path):
     try:
         for rank in (0, 1):
             broker.on_ready(p.EngineReady(rank, 256, 100, 0, 16))
-        assert broker.pick_engine(prompts=[TOKENS]) == 0
-        assert broker.pick_engine(prompts=[TOKENS]) == 0  # its prefix lives there now
-        assert broker.pick_engine(pinned=1, prompts=[TOKENS]) == 1
+        hashes = broker.route_hashes([TOKENS], None)
+        assert broker.pick_engine(hashes=hashes) == 0
+        assert broker.pick_engine(hashes=hashes) == 0  # its prefix lives there now
+        assert broker.pick_engine(pinned=1, hashes=hashes) == 1
         assert broker.router.indexes[1].matched(block_hashes(TOKENS, 16)) == 6
     finally:
         broker.ctx.destroy(linger=0)

@@ -282,9 +282,11 @@ class ApiServer:
             await self._check_constraint(params[0].structured_outputs, field)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request[REQUEST_ID] = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
+        hashes = await self._off_loop(self.engines.route_hashes, prompts,
+                                      params[0].cache_salt)
         gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,
                          self.args.eos_token_id, self._rank(request), req.stream,
-                         lambda outcome: self.metrics.failovers.labels(outcome).inc())
+                         lambda outcome: self.metrics.failovers.labels(outcome).inc(), hashes)
         self.metrics.routed.labels(f"dp{gen.engine}").inc()
         formatter = (responses.ChatFormatter(request_id, self.args.served_model_name,
                                              self.tokenizer, gen, req, tools=tools) if chat

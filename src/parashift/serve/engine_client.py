@@ -10,7 +10,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import zmq
@@ -117,16 +117,21 @@ class EngineClient:
     def alive_engines(self) -> list[int]:
         return self.ranks.serving()
 
+    def route_hashes(self, prompts: list[list[int]], salt: str | None) -> list[list[int]]:
+        """What pick_engine routes by: each prompt's block hashes, with the request's
+        cache_salt as the engine hashes them (none unless routing follows prefixes). Linear in
+        the prompts: the API server computes them off the event loop."""
+        if self.router.config.policy != "prefix" or self.num_engines < 2:
+            return []
+        return prompt_hashes(prompts, self.block_size, salt)
+
     def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
-                    prompts: list[list[int]] | tuple = (), salt: str | None = None) -> int:
-        """A pinned rank, or the router's choice for the request's first prompt among the live
-        ranks not in `exclude` (one that died, those whose queues refused it); the blocks of
-        all its prompts (hashed with the request's cache_salt, as the engine does) are then
-        recorded as living there."""
+                    hashes: Sequence[Sequence[int]] = ()) -> int:
+        """A pinned rank, or the router's choice for the request's first prompt (its
+        `route_hashes`) among the live ranks not in `exclude` (one that died, those whose
+        queues refused it); the blocks of all its prompts are then recorded as living there."""
         excluded = {exclude} if isinstance(exclude, int) else set(exclude)
         alive = [r for r in self.alive_engines() if r not in excluded]
-        prefix = self.router.config.policy == "prefix" and self.num_engines > 1
-        hashes = prompt_hashes(prompts, self.block_size, salt) if prefix else []
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +73,10 @@ class Generation:
     def __init__(self, engines: EngineClient, tokenizer: Any, request_id: str,
                  prompts: list[list[int]], params: list[SamplingParams],
                  eos_token_id: int | None, rank: int | None, streamed: bool = False,
-                 on_failover: Callable[[str], None] | None = None):
+                 on_failover: Callable[[str], None] | None = None,
+                 hashes: Sequence[Sequence[int]] = ()):
         self.engines = engines
+        self.hashes = hashes  # what the router routes it by (EngineClient.route_hashes)
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -199,9 +201,8 @@ class Generation:
         raise RetryLaterError(f"{error} ({where})", self._retry_after()) from None
 
     def _pick(self, pinned: int | None = None, exclude: int | Collection[int] = ()) -> int:
-        """The engine client's choice for this request's prompts, hashed with its salt."""
-        return self.engines.pick_engine(pinned, exclude, self.prompts,
-                                        self.params[0].cache_salt)
+        """The engine client's choice for this request's prompts."""
+        return self.engines.pick_engine(pinned, exclude, self.hashes)
 
     def _rank_with_room(self) -> int | None:
         if self.pinned:
