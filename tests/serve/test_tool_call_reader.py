@@ -76,6 +76,18 @@ def test_a_named_call_is_complete_once_its_object_closes():
     assert reader_for(PLANS["named"]).read('{"a": "}\\"{"}')[1][0].complete
 
 
+def test_a_named_call_ends_with_its_object():
+    """What follows the arguments' object (whitespace the constraint allows, or anything a
+    model without one writes) is dropped, in one piece or across deltas."""
+    content, calls = reader_for(PLANS["named"]).read('{"a": 1}\n  trailing {"b": 2}')
+    assert (content, calls[0].arguments, calls[0].complete) == ("", '{"a": 1}', True)
+    reader = reader_for(PLANS["named"])
+    events = [e for piece in ('{"a": [1', ']} ', 'x}', "") for e in reader.feed(piece, False)]
+    assert [(e.kind, e.text) for e in events] == [("call", "f"), ("arguments", '{"a": [1'),
+                                                  ("arguments", "]}")]
+    assert reader.calls[0].arguments == '{"a": [1]}' and reader.calls[0].complete
+
+
 TEXTS = {
     "named": ['{"a": [1, 2, {"b": "}\\\\\\"]"}], "c": "x"}', '{"a": 1'],
     "required": ['[{"name": "f", "parameters": {"s": "}{\\""}}, {"name": "g", '

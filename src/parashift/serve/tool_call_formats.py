@@ -26,7 +26,8 @@ def reader_for(plan: ToolPlan) -> ToolCallReader:
 
 class _Named(ToolCallReader):
     """The reply is the named function's arguments, complete once its object closes
-    (max_tokens may cut it)."""
+    (max_tokens may cut it). What follows the object is dropped: the constraint allows only
+    whitespace there, and arguments must stay one JSON object."""
 
     def __init__(self, plan: ToolPlan):
         super().__init__(plan)
@@ -36,11 +37,12 @@ class _Named(ToolCallReader):
         if not self.calls:
             self._open(self.plan.name or "")
         call = self.calls[0]
-        if not call.complete and text:
-            end = self._end.feed(text)
-            self.chars_examined += len(text) if end is None else end
-            call.complete = end is not None
-        self._add(text)
+        if call.complete or not text:
+            return
+        end = self._end.feed(text)
+        self.chars_examined += len(text) if end is None else end
+        call.complete = end is not None
+        self._add(text[:end])
 
 
 _REQUIRED_ITEM = re.compile(r'\{"name": "([^"]*)"(, "parameters": )?')
