@@ -89,6 +89,11 @@ def adds(broker: EngineClient) -> list[tuple[int, str]]:
             if isinstance(msg, p.AddRequest)]
 
 
+def aborts(broker: EngineClient) -> list[tuple[int, list[str]]]:
+    return [(rank, msg.request_ids) for rank, msg in broker.sent
+            if isinstance(msg, p.AbortRequests)]
+
+
 async def consume(gen: Generation) -> list[str]:
     return [delta.text async for delta in gen.stream()]
 
@@ -102,10 +107,9 @@ def test_a_refused_request_moves_to_a_rank_with_room(broker, tiny_tokenizer):
         reader = asyncio.create_task(consume(gen))
         broker.in_flight.fail("cmpl-x-0-1", 0, RequestFailedError(FULL, 429))
         await asyncio.sleep(0)  # the stream moves the whole request: both samples to dp1
-        assert adds(broker)[2:] == [(1, "cmpl-x-0-0"), (1, "cmpl-x-0-1")]
-        aborts = [(r, m.request_ids) for r, m in broker.sent if isinstance(m, p.AbortRequests)]
-        assert aborts == [(0, ["cmpl-x-0-0"])]  # dp0 had taken one of them
-        for sample in ("cmpl-x-0-0", "cmpl-x-0-1"):
+        assert adds(broker)[2:] == [(1, "cmpl-x-0-0.1"), (1, "cmpl-x-0-1.1")]
+        assert aborts(broker) == [(0, ["cmpl-x-0-0"])]  # dp0 had taken one of them
+        for sample in ("cmpl-x-0-0.1", "cmpl-x-0-1.1"):
             broker.in_flight.deliver(EngineCoreOutput(sample, [40, 41], finish_reason="length"))
         await asyncio.wait_for(reader, 5)
         assert [c.token_ids for c in gen.choices.values()] == [[40, 41], [40, 41]]
@@ -129,7 +133,7 @@ def test_refused_by_every_live_rank_is_a_429_that_says_when_to_retry(broker, tin
         await asyncio.sleep(0)
         second = adds(broker)[1][0]
         assert {first, second} == {0, 1}
-        broker.in_flight.fail("cmpl-y-0-0", second, RequestFailedError(FULL, 429))
+        broker.in_flight.fail("cmpl-y-0-0.1", second, RequestFailedError(FULL, 429))
         with pytest.raises(RetryLaterError) as refused:
             await asyncio.wait_for(reader, 5)
         error = refused.value
@@ -154,15 +158,15 @@ def test_refused_by_every_live_rank_it_takes_the_slot_a_finish_frees(broker, tin
         broker.in_flight.fail("cmpl-w-0-0", 0, RequestFailedError(FULL, 429))
         while len(adds(broker)) < 2:
             await asyncio.sleep(0)
-        broker.in_flight.fail("cmpl-w-0-0", 1, RequestFailedError(FULL, 429))
+        broker.in_flight.fail("cmpl-w-0-0.1", 1, RequestFailedError(FULL, 429))
         while not broker.loads.room:  # every live rank refused it: it waits for room
             await asyncio.sleep(0)
         assert len(adds(broker)) == 2
         broker.in_flight.deliver(EngineCoreOutput("other", [9], finish_reason="length"))
         while len(adds(broker)) < 3:
             await asyncio.sleep(0)
-        assert adds(broker)[2] == (0, "cmpl-w-0-0")  # the least loaded now
-        broker.in_flight.deliver(EngineCoreOutput("cmpl-w-0-0", [40, 41],
+        assert adds(broker)[2] == (0, "cmpl-w-0-0.2")  # the least loaded now
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-w-0-0.2", [40, 41],
                                                   finish_reason="length"))
         await asyncio.wait_for(reader, 5)
         assert gen.choices["cmpl-w-0-0"].token_ids == [40, 41]
@@ -180,6 +184,40 @@ def test_a_pinned_request_is_not_moved(broker, tiny_tokenizer):
         with pytest.raises(RetryLaterError):
             await asyncio.wait_for(reader, 5)
         assert adds(broker) == [(1, "cmpl-z-0-0")]
+
+    asyncio.run(scenario())
+
+
+def test_each_attempt_has_engine_ids_of_its_own(broker, tiny_tokenizer):
+    """A pinned request refused, woken by a finish and sent to the same rank again: the retry's
+    engine ids are new, an output of the aborted first attempt still on the way never reaches
+    it, and a stop string's abort names the retry's id."""
+    async def scenario() -> None:
+        broker.in_flight.add("other", 1, lambda item: None)  # its finish will free a slot
+        gen = Generation(broker, tiny_tokenizer, "cmpl-p", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=16, n=2, stop=["stop"])], None, 1)
+        reader = asyncio.create_task(consume(gen))
+        assert adds(broker) == [(1, "cmpl-p-0-0"), (1, "cmpl-p-0-1")]
+        broker.in_flight.fail("cmpl-p-0-1", 1, RequestFailedError(FULL, 429))
+        while not broker.loads.room:
+            await asyncio.sleep(0)
+        assert aborts(broker) == [(1, ["cmpl-p-0-0"])]
+        broker.in_flight.deliver(EngineCoreOutput("other", [9], finish_reason="length"))
+        while len(adds(broker)) < 4:
+            await asyncio.sleep(0)
+        assert adds(broker)[2:] == [(1, "cmpl-p-0-0.1"), (1, "cmpl-p-0-1.1")]
+        late = tiny_tokenizer.encode(" late", add_special_tokens=False)
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-p-0-0", late))  # the first attempt's
+        stopped = tiny_tokenizer.encode(" go stop here", add_special_tokens=False)
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-p-0-0.1", stopped))
+        assert aborts(broker)[1:] == [(1, ["cmpl-p-0-0.1"])]  # the stop string ended it
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-p-0-1.1", [40, 41],
+                                                  finish_reason="length"))
+        await asyncio.wait_for(reader, 5)
+        choices = list(gen.choices.values())
+        assert choices[0].token_ids == stopped and choices[0].text == " go "
+        assert choices[1].token_ids == [40, 41]
+        assert broker.in_flight.sinks == {} and len(aborts(broker)) == 2
 
     asyncio.run(scenario())
 

@@ -22,6 +22,7 @@ and the rank is gone. A stream that had sent tokens gets the engine's death as i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
@@ -127,8 +128,14 @@ class Generation:
 
     def _send_all(self) -> None:
         for sample_id, (prompt, params) in self._samples.items():
-            self.engines.add_request(sample_id, prompt, params, self.eos_token_id, self.engine,
-                                    functools.partial(self._receive, self._attempt, sample_id))
+            self.engines.add_request(self._wire_id(sample_id), prompt, params,
+                                     self.eos_token_id, self.engine,
+                                     functools.partial(self._receive, self._attempt, sample_id))
+
+    def _wire_id(self, sample_id: str) -> str:
+        # An attempt's own: an earlier one's outputs still on the way never reach it (the
+        # engine client forgot those ids) and no engine sees an id reused while it may hold it.
+        return sample_id if self._attempt == 0 else f"{sample_id}.{self._attempt}"
 
     def _restart(self, rank: int) -> None:
         """Every sample again, on `rank`, as a new attempt; what the client never saw is
@@ -151,7 +158,7 @@ class Generation:
             return
         if not isinstance(item, Exception):
             try:
-                delta = self._apply(item)
+                delta = self._apply(sample_id, item)
             except Exception as e:  # the stream raises it: a 500 for this request alone
                 item = e
             else:
@@ -279,19 +286,22 @@ class Generation:
         finally:
             self.abort_unfinished()
 
-    def _apply(self, out: EngineCoreOutput) -> SampleDelta | None:
+    def _apply(self, sample_id: str, out: EngineCoreOutput) -> SampleDelta | None:
+        wire_id = out.request_id  # the attempt's id; the tracker knows the sample's
+        if wire_id != sample_id:
+            out = dataclasses.replace(out, request_id=sample_id)
         if out.new_token_ids and self.timing.first_token is None:
             self.timing.first_token = time.monotonic()
-        if out.request_id not in self._seen and out.request_id in self.choices:
-            self._seen.add(out.request_id)
-            prompt = self.choices[out.request_id].prompt_index
+        if sample_id not in self._seen and sample_id in self.choices:
+            self._seen.add(sample_id)
+            prompt = self.choices[sample_id].prompt_index
             self._cached[prompt] = max(self._cached.get(prompt, 0), out.num_cached_tokens)
         delta = self.tracker.apply(out)
         if delta is not None and delta.abort:
-            self.engines.abort([out.request_id])
+            self.engines.abort([wire_id])
         return delta
 
     def abort_unfinished(self) -> None:
-        pending = self.tracker.unfinished_ids()
+        pending = [self._wire_id(s) for s in self.tracker.unfinished_ids()]
         if pending:
             self.engines.abort(pending)
