@@ -1,17 +1,19 @@
 """SamplingParams and StructuredOutputsParams check their fields' types at construction
 (types/field_types.py): a wrong type is a TypeError naming the field, a dict for the
 constraint (what vLLM's users write) becomes StructuredOutputsParams, and a choice's strings
-fall under the constraint's character cap."""
+fall under the constraint's character cap, and a schema nested past the recursion limit is
+a ValueError naming the field."""
 
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from parashift import SamplingParams, StructuredOutputsParams
-from parashift.types.structured_outputs import MAX_CONSTRAINT_CHARS
+from parashift.types.structured_outputs import MAX_CONSTRAINT_CHARS, check_schema_keywords
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
@@ -82,3 +84,38 @@ def test_a_choice_falls_under_the_character_cap():
     StructuredOutputsParams(choice=["a" * half, "b" * half])
     with pytest.raises(ValueError, match="choice has more than"):
         StructuredOutputsParams(choice=["a" * half, "b" * half, "c"])
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("schema", [
+    _nested(5000),  # past json.dumps's recursion
+    "[" * 5000 + "]" * 5000,  # past json.loads's
+])
+def test_a_schema_nested_too_deeply_is_a_value_error(schema):
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
+        StructuredOutputsParams(json=schema)
+
+
+def test_the_keyword_check_builds_its_path_only_for_an_error():
+    """Built at every level, 300 levels of 1,000-character names held 90 MB of paths."""
+    name = "n" * 1000
+    schema: dict = {"type": "integer"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {name: schema}}
+    tracemalloc.start()
+    try:
+        check_schema_keywords(schema)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    schema["properties"][name]["properties"][name]["items"] = [{}, {"uniqueItems": True}]
+    with pytest.raises(ValueError, match=rf"'uniqueItems' \(at /properties/{name}/properties/"
+                                         rf"{name}/items/1/uniqueItems\)"):
+        check_schema_keywords(schema)

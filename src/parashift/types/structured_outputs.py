@@ -13,6 +13,7 @@ from parashift.types.field_types import check_field_types
 
 MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or grammar: bounded work to compile
 MAX_CHOICES = 1024
+TOO_DEEP = "structured_outputs.json is nested too deeply"  # past Python's recursion limit
 # JSON schema keywords xgrammar compiles as if they were absent (measured on 0.2.9: an
 # instance that breaks them is accepted): refused, so that every output validates. (`oneOf`
 # is taken as `anyOf`, as vLLM takes it: its branches' overlap is the schema's own.)
@@ -24,28 +25,45 @@ UNENFORCED_KEYWORDS = frozenset({
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 
-def check_schema_keywords(schema: Any, at: str = "") -> None:
+def check_schema_keywords(schema: Any) -> None:
     """ValueError naming the first keyword of `schema` the grammar would not enforce, or a
     `$ref` outside the schema."""
+    _check_keywords(schema, None)
+
+
+# Where a value sits: (where its parent sits, its key), joined into a path only for an error
+# (built at every level, the path would cost time and memory quadratic in the depth).
+_At = tuple[Any, str] | None
+
+
+def _path(at: _At) -> str:
+    parts = []
+    while at is not None:
+        at, key = at
+        parts.append(key)
+    return "/" + "/".join(reversed(parts))
+
+
+def _check_keywords(schema: Any, at: _At) -> None:
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            check_schema_keywords(item, f"{at}/{i}")
+            _check_keywords(item, (at, str(i)))
         return
     if not isinstance(schema, dict):
         return
     for key, value in schema.items():
-        where = f"{at}/{key}"
+        where = (at, key)
         if key in UNENFORCED_KEYWORDS:
-            raise ValueError(f"structured_outputs.json: the keyword {key!r} (at {where}) is "
-                             "not supported")
+            raise ValueError(f"structured_outputs.json: the keyword {key!r} (at "
+                             f"{_path(where)}) is not supported")
         if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
-            raise ValueError(f"structured_outputs.json: $ref {value!r} (at {where}): only "
-                             "references inside the schema are supported")
+            raise ValueError(f"structured_outputs.json: $ref {value!r} (at {_path(where)}): "
+                             "only references inside the schema are supported")
         if key in _NAMED_SCHEMAS and isinstance(value, dict):
             for name, sub in value.items():
-                check_schema_keywords(sub, f"{where}/{name}")
+                _check_keywords(sub, (where, name))
         elif key not in ("enum", "const", "required", "examples", "default"):
-            check_schema_keywords(value, where)
+            _check_keywords(value, where)
 
 
 @dataclass
@@ -60,7 +78,10 @@ class StructuredOutputsParams:
         check_field_types(self)
         if isinstance(self.json, dict):
             # (property order is kept: it is the order the object is generated in)
-            self.json = json.dumps(self.json, separators=(",", ":"))
+            try:
+                self.json = json.dumps(self.json, separators=(",", ":"))
+            except RecursionError:
+                raise ValueError(TOO_DEEP) from None
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                         else [])
@@ -79,6 +100,8 @@ class StructuredOutputsParams:
                 check_schema_keywords(json.loads(self.json))
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+            except RecursionError:  # (json's and the keyword check's)
+                raise ValueError(TOO_DEEP) from None
 
     @property
     def kind(self) -> str:
