@@ -2,7 +2,8 @@
 processes throughout: a compile past its time limit is killed (its process gone) and refused
 within the limit while a simple constraint compiles beside it; one past its memory limit is
 refused; a compile process that dies is started again and its lost compile is not remembered
-as the constraint's failure; and nothing is left after a shutdown or the owner's death."""
+as the constraint's failure; and nothing is left after a shutdown (a job sent after it
+fails at once) or the owner's death."""
 
 from __future__ import annotations
 
@@ -97,6 +98,17 @@ def test_shutdown_leaves_nothing(tiny_llama):
     assert not psutil.pid_exists(child.pid) and not warm.is_running()
     with pytest.raises(ValueError, match="compile process ended"):
         slow.result(10)
+
+
+def test_a_job_after_shutdown_fails_at_once(tiny_llama):
+    """Never queued behind the sender's end, where nothing would answer it."""
+    owned = Grammars(tiny_llama, 320)
+    owned.shutdown()
+    late = owned.process.submit("regex", "late", TIMEOUT_S, False)
+    assert late.done()
+    with pytest.raises(ValueError, match="shut down"):
+        owned.compile_now(StructuredOutputsParams(regex="late"))
+    assert owned.process.pid is None  # no process started for it
 
 
 def _pid_once_started(grammars: Grammars, timeout: float = 30.0) -> int:

@@ -6,10 +6,14 @@ streamed and not, n > 1 with logprobs; every bad constraint a 400 naming its fie
 server serving on; a schema that would compile for minutes refused within
 --grammar-compile-timeout, its compile process killed, other constraints compiling beside it
 and after it in under a second; and the API server's memory bounded after 1,000 distinct
-failing regexes."""
+failing regexes. Without a server (serve/request_params.py): a schema nested past the
+recursion limit is a 400 naming its field, and the compile check is a 429 with Retry-After
+while too many compiles wait and a 503, never a hang, when the compile process does not
+answer."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import math
@@ -22,6 +26,19 @@ import openai
 import psutil
 import pydantic
 import pytest
+
+from parashift import StructuredOutputsParams
+from parashift.engine.grammar_process import CompileResult
+from parashift.engine.structured_output import CompilesBusy
+from parashift.serve.openai_protocol import (
+    CompletionRequest,
+    JsonSchemaFormat,
+    OpenAIError,
+    ResponseFormat,
+    StructuredOutputsRequest,
+)
+from parashift.serve.overload import RetryLaterError
+from parashift.serve.request_params import check_compiles, structured_outputs
 
 from .conftest import live, running_server, wait_gone
 
@@ -250,3 +267,66 @@ def test_memory_stays_bounded_after_1000_failing_regexes(server):
     grown = api.memory_info().rss - before
     assert grown < 24 << 20, f"the API server grew by {grown >> 20} MiB"
     assert server.get_json("/health")[0] == 200
+
+
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("constraint,param", [
+    ({"structured_outputs": StructuredOutputsRequest(json="[" * 5000 + "]" * 5000)},
+     "structured_outputs"),
+    ({"structured_outputs": StructuredOutputsRequest(json='{"items":' * 5000 + "}" * 5000)},
+     "structured_outputs"),
+    # (a body this deep is refused by its decode; one decoded deeper in the stack is not)
+    ({"response_format": ResponseFormat("json_schema", JsonSchemaFormat(
+        "x", schema_=_deep_schema(5000)))}, "response_format"),
+])
+def test_a_schema_nested_too_deeply_is_a_400_naming_its_field(constraint, param):
+    req = CompletionRequest(model=MODEL, prompt="x", **constraint)
+    with pytest.raises(OpenAIError) as refused:
+        structured_outputs(req)
+    assert refused.value.status == 400 and refused.value.param == param
+    assert "nested too deeply" in refused.value.message
+
+
+class FakeGrammars:
+    """Grammars.compile's answers, chosen by the test."""
+
+    def __init__(self, answer: concurrent.futures.Future | Exception, max_wait_s: float = 5.0):
+        self.answer = answer
+        self.max_wait_s = max_wait_s
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def _check(grammars: FakeGrammars) -> OpenAIError:
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(check_compiles(grammars, StructuredOutputsParams(regex="a"),  # type: ignore[arg-type]
+                                   "structured_outputs"))
+    return refused.value
+
+
+def test_too_many_compiles_waiting_is_a_429_with_retry_after():
+    refused = _check(FakeGrammars(CompilesBusy("12 constraints are compiling", 7.5)))
+    assert isinstance(refused, RetryLaterError) and refused.status == 429
+    assert refused.retry_after == 7.5 and "compiling" in refused.message
+
+
+def test_a_constraint_that_fails_is_a_400_and_one_never_answered_a_503():
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_result(CompileResult(error="structured_outputs.regex: unclosed"))
+    refused = _check(FakeGrammars(failed))
+    assert (refused.status, refused.param) == (400, "structured_outputs")
+    # A compile process hung at its start: the request ends at the bound, not never.
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    never.set_running_or_notify_cancel()
+    refused = _check(FakeGrammars(never, max_wait_s=0.05))
+    assert refused.status == 503 and "does not answer" in refused.message
+    assert not never.done()  # still there for the others that share it

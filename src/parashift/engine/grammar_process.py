@@ -77,9 +77,15 @@ class GrammarProcess:
     def __init__(self, start: StartCompiler, name: str):
         self.start = start
         self.name = name  # the process's, as `ps` shows it
+        # Bounded by the owner: an API server's Grammars refuses past a few waiting, an
+        # engine's waiting requests (one compile each) are bounded by --max-waiting-requests.
         self._jobs: queue.SimpleQueue[tuple[CompileJob, concurrent.futures.Future] | None] = (
             queue.SimpleQueue())
         self._job_ids = itertools.count()
+        # Its own lock: the owner calls submit holding its lock, which the futures' callbacks
+        # take, and the sender resolves futures holding `_lock`.
+        self._queue_lock = threading.Lock()
+        self._is_closed = False  # no job queued after shutdown's sentinel
         self._lock = threading.Lock()  # the instance and its pending jobs
         self._instance: _Instance | None = None
         self._is_shut_down = False
@@ -102,12 +108,18 @@ class GrammarProcess:
         # on a client's disconnect) cannot cancel it for the others that share it.
         future.set_running_or_notify_cancel()
         job = CompileJob(next(self._job_ids), kind, text, timeout_s, send_grammar)
-        self._jobs.put((job, future))
+        with self._queue_lock:  # a job queued behind shutdown's sentinel is never answered
+            if not self._is_closed:
+                self._jobs.put((job, future))
+                return future
+        future.set_exception(CompileProcessEnded("the grammar compiler was shut down"))
         return future
 
     def shutdown(self) -> None:
-        """The process and its compiles are gone when this returns."""
-        self._jobs.put(None)
+        """The process and its compiles are gone when this returns; a later job fails at once."""
+        with self._queue_lock:
+            self._is_closed = True
+            self._jobs.put(None)
         with self._lock:
             self._is_shut_down = True  # no job queued before it starts another
             instance, self._instance = self._instance, None

@@ -56,6 +56,7 @@ class WarmCompiler:
         self.compiler = compiler
         self.memory_bytes = start.memory_bytes
         self.max_compiles = start.max_compiles
+        # (bounded by the owner: engine/structured_output.py `Grammars`)
         self.waiting: collections.deque[CompileJob] = collections.deque()
         self.running: dict[Connection, _Running] = {}
 

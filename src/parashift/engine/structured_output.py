@@ -23,7 +23,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import math
+import sys
 import threading
+import time
 from typing import Any
 
 from parashift.engine.grammar_process import CompileProcessEnded, CompileResult, GrammarProcess
@@ -32,18 +35,42 @@ from parashift.types.structured_outputs import StructuredOutputsParams
 from parashift.wire.grammar_protocol import StartCompiler
 
 CACHE_BYTES = 256 << 20  # compiled grammars, keys and failures kept, least recently used out
+# An API server keeps only outcomes, and any client can add them (one distinct failing regex
+# each): a smaller budget, about 8,000 entries.
+CHECK_CACHE_BYTES = 16 << 20
 COMPILE_TIMEOUT_S = 30.0  # past it a compile is killed and its constraint refused
 COMPILE_MEMORY_BYTES = 2 << 30  # address space one compile may add (RLIMIT_AS)
 MAX_COMPILES = 4  # at once, each in its own process; more wait for a slot
+# An API server's compiles waiting for a slot; past them a new constraint is refused at once
+# (CompilesBusy, a 429): N slow distinct constraints can then make a request wait at most
+# (1 + MAX_PENDING_CHECKS / MAX_COMPILES) time limits, not N / MAX_COMPILES of them.
+MAX_PENDING_CHECKS = 2 * MAX_COMPILES
 START_TIMEOUT_S = 120.0  # the compile process's own start (imports, the tokenizer)
-ENTRY_BYTES = 256  # a cache entry's own objects beside its grammar and error text
+# A cache entry's own objects beside its grammar and error text: the digest, its Future (with
+# its Condition and lock: 1,600 bytes alone), the CompileResult, the done callback, the dicts'
+# slots. Measured with tracemalloc through compile() on CPython 3.11: about 1,910 bytes
+# (tests/engine/test_grammars.py checks the count against the measure).
+ENTRY_BYTES = 2000
+RETRY_AFTER_MIN_S = 1.0
+
+
+class CompilesBusy(Exception):
+    """Too many compiles pending to take another: retry after `retry_after` seconds (not the
+    constraint's fault, so not a ValueError and never cached)."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Grammars:
     """The compiler of one model's vocabulary and its cache. The compile process starts on
     the first constraint: an engine with no constrained request never loads it.
     `keep_grammars=False` (an API server, which only checks that a constraint compiles): no
-    compiled grammar crosses back, and the cache keeps only the outcome."""
+    compiled grammar crosses back, the cache keeps only the outcome (in CHECK_CACHE_BYTES),
+    and past MAX_PENDING_CHECKS compiles waiting a new one is refused (CompilesBusy). An
+    engine never refuses: each of its waiting requests holds at most one compile and
+    --max-waiting-requests bounds those, so its queue is bounded already."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, *, name: str = "parashift-grammar",
                  keep_grammars: bool = True, timeout_s: float = COMPILE_TIMEOUT_S,
@@ -51,19 +78,34 @@ class Grammars:
         self.vocab_size = vocab_size
         self.keep_grammars = keep_grammars
         self.timeout_s = timeout_s
+        self.cache_bytes = CACHE_BYTES if keep_grammars else CHECK_CACHE_BYTES
+        self.max_pending: int | None = None if keep_grammars else MAX_PENDING_CHECKS
         self.process = GrammarProcess(
             StartCompiler(tokenizer_path, vocab_size, memory_bytes, MAX_COMPILES), name)
         # By a digest of the constraint: a key costs 32 bytes, whatever the schema's size.
         self._cache: collections.OrderedDict[bytes, concurrent.futures.Future] = (
             collections.OrderedDict())
         self._sizes: dict[bytes, int] = {}  # each entry's bytes, as far as known
-        self.num_bytes = 0  # their sum: at most CACHE_BYTES once evicted
+        self.num_bytes = 0  # their sum: at most cache_bytes once evicted
+        # Compiles sent and not yet ended (evicted from the cache or not), by when they were
+        # sent, oldest first: running (at most MAX_COMPILES) or waiting for a slot.
+        self._in_flight: dict[concurrent.futures.Future, float] = {}
         self._lock = threading.Lock()  # callers and the reader thread (completions)
         self.hits = self.misses = 0
 
+    @property
+    def max_wait_s(self) -> float:
+        """The longest a compile sent now can take to answer: the process's start, the
+        compiles waiting ahead of it (MAX_COMPILES at a time), then its own time limit."""
+        rounds = 1  # its own
+        if self.max_pending is not None:
+            rounds += math.ceil(self.max_pending / MAX_COMPILES)
+        return START_TIMEOUT_S + rounds * self.timeout_s
+
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """A CompileResult, now or later (a failure is its `error`, kept like a grammar: the
-        same constraint fails the same way without compiling again), or CompileProcessEnded."""
+        same constraint fails the same way without compiling again), or CompileProcessEnded.
+        CompilesBusy for a constraint not cached while too many compiles wait."""
         kind, text = params.key
         try:
             key = hashlib.sha256(kind.encode() + b"\n" + text.encode()).digest()
@@ -75,23 +117,39 @@ class Grammars:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return future
+            self._check_room()
             self.misses += 1
             future = self.process.submit(kind, text, self.timeout_s, self.keep_grammars)
             self._cache[key] = future
-            self._sizes[key] = ENTRY_BYTES + len(key)
-            self.num_bytes += self._sizes[key]
+            self._sizes[key] = ENTRY_BYTES
+            self.num_bytes += ENTRY_BYTES
+            self._in_flight[future] = time.monotonic()
         future.add_done_callback(lambda f: self._on_compiled(key, f))
         return future
 
+    def _check_room(self) -> None:
+        if self.max_pending is None or len(self._in_flight) < MAX_COMPILES + self.max_pending:
+            return
+        # The oldest compile has most likely run since it was sent: it ends (and a slot frees)
+        # by its time limit.
+        oldest = next(iter(self._in_flight.values()))
+        left = oldest + self.timeout_s - time.monotonic()
+        raise CompilesBusy(f"{len(self._in_flight)} constraints are compiling on this server, "
+                           "as many as it takes: retry later",
+                           min(self.timeout_s, max(RETRY_AFTER_MIN_S, left)))
+
     def _on_compiled(self, key: bytes, future: concurrent.futures.Future) -> None:
         with self._lock:
+            self._in_flight.pop(future, None)
             if self._cache.get(key) is not future:
                 return  # evicted (or cleared) while it compiled
             if isinstance(future.exception(), CompileProcessEnded):  # not the constraint's
                 self._remove(key)
                 return
             result: CompileResult = future.result()
-            size = ENTRY_BYTES + len(key) + len(result.error or "")
+            size = ENTRY_BYTES
+            if result.error is not None:
+                size += sys.getsizeof(result.error)
             if result.grammar is not None:
                 size += result.memory_size_bytes
             self.num_bytes += size - self._sizes[key]
@@ -99,8 +157,8 @@ class Grammars:
             self._evict()
 
     def _evict(self) -> None:
-        """Least recently used first, past CACHE_BYTES (the most recent stays)."""
-        while self.num_bytes > CACHE_BYTES and len(self._cache) > 1:
+        """Least recently used first, past cache_bytes (the most recent stays)."""
+        while self.num_bytes > self.cache_bytes and len(self._cache) > 1:
             self._remove(next(iter(self._cache)))
 
     def _remove(self, key: bytes) -> None:
@@ -112,7 +170,7 @@ class Grammars:
         problem (a compile past the time limit included)."""
         future = self.compile(params)
         try:
-            result = future.result(self.timeout_s + START_TIMEOUT_S)
+            result = future.result(self.max_wait_s)
         except concurrent.futures.TimeoutError:  # the process never answered (not started)
             raise ValueError(f"the {params.kind} constraint did not compile: the grammar "
                              "compile process does not answer") from None

@@ -42,7 +42,12 @@ from parashift.serve.openai_protocol import (
 from parashift.serve.openapi import openapi_document
 from parashift.serve.output_budget import check_output_budget
 from parashift.serve.prefix_router import RoutingConfig
-from parashift.serve.request_params import chat_messages, constrained, sampling_params
+from parashift.serve.request_params import (
+    chat_messages,
+    check_compiles,
+    constrained,
+    sampling_params,
+)
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
 from parashift.wire.cluster_auth import HeadKeys
@@ -241,12 +246,9 @@ class ApiServer:
                 raise OpenAIError(400, str(e), param=param) from None
 
     async def _check_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
-        """A 400 naming `param` for a constraint that does not compile, or not within the
-        time limit (the compile process kills it then: engine/grammar_worker.py)."""
-        try:
-            (await asyncio.wrap_future(self.grammars.compile(constraint))).check()
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param=param) from None
+        """A 400 naming `param` for a constraint that does not compile, a 429 while too many
+        compiles wait, bounded in time (serve/request_params.py `check_compiles`)."""
+        await check_compiles(self.grammars, constraint, param)
 
     async def _full_response(self, formatter: responses.Formatter) -> web.Response:
         """The whole body, built and encoded in the tokenizer's thread (its logprob texts are

@@ -4,12 +4,14 @@ SamplingParams per prompt, and the output constraint (`response_format` or vLLM'
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
 
 import msgspec
 
+from parashift.engine.structured_output import CompilesBusy, Grammars
 from parashift.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -17,8 +19,9 @@ from parashift.serve.openai_protocol import (
     OpenAIError,
     check_supported,
 )
+from parashift.serve.overload import RetryLaterError
 from parashift.types.sampling_params import SamplingParams
-from parashift.types.structured_outputs import StructuredOutputsParams
+from parashift.types.structured_outputs import TOO_DEEP, StructuredOutputsParams
 
 
 def message_text(message: ChatMessage) -> str:
@@ -150,6 +153,25 @@ def constrained(req: CompletionRequest | ChatCompletionRequest,
     return params, "structured_outputs" if req.structured_outputs else "response_format"
 
 
+async def check_compiles(grammars: Grammars, constraint: StructuredOutputsParams,
+                         param: str) -> None:
+    """A 400 naming `param` for a constraint that does not compile, or not within the time
+    limit (the compile process kills it then: engine/grammar_worker.py); a 429 with
+    Retry-After while too many compiles wait; a 503 if the compile process never answers
+    (hung at its start): no request waits longer than Grammars.max_wait_s."""
+    try:
+        async with asyncio.timeout(grammars.max_wait_s):
+            (await asyncio.wrap_future(grammars.compile(constraint))).check()
+    except CompilesBusy as e:
+        raise RetryLaterError(str(e), e.retry_after) from None
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param=param) from None
+    except TimeoutError:
+        raise OpenAIError(503, f"the {constraint.kind} constraint was not checked: the "
+                          "grammar compile process does not answer",
+                          "service_unavailable") from None
+
+
 def _schema_text(text: str) -> str:
     try:
         if not isinstance(json.loads(text), dict):
@@ -157,4 +179,6 @@ def _schema_text(text: str) -> str:
     except ValueError:
         raise OpenAIError(400, "structured_outputs.json must be a JSON schema object",
                           param="structured_outputs") from None
+    except RecursionError:
+        raise OpenAIError(400, TOO_DEEP, param="structured_outputs") from None
     return text
