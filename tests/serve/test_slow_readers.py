@@ -2,7 +2,8 @@
 small receive buffer) fill the socket buffers; each request's outputs then wait in its own
 samples, not in a queue of messages, so the API server's memory stays bounded; after
 --stream-idle-timeout each client is dropped, its request aborted and its KV blocks freed; a
-client that reads is served meanwhile."""
+client that reads is served meanwhile. A whole (non-streamed) body that is not read is dropped
+the same way; a request body that stops arriving is a 408, and its connection closed."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def api_server(server) -> psutil.Process:
     raise AssertionError("no parashift-api-0 process")
 
 
-def stalled_stream(port: int) -> socket.socket:
-    """A streamed request whose client never reads its answer."""
-    body = json.dumps(STALLED).encode()
+def stalled_stream(port: int, request: dict = STALLED) -> socket.socket:
+    """A request whose client never reads its answer."""
+    body = json.dumps(request).encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
@@ -64,8 +65,14 @@ def wait_until(condition, what: str, timeout: float = 120.0, on_poll=None) -> No
         time.sleep(0.05)
 
 
+def count(server, name: str, labels: str) -> float:
+    return server.metric(name, labels) or 0.0
+
+
 def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
     engine = 'engine="dp0"'
+    idle_before = count(server, "parashift_requests_total", 'status="idle"')
+    left_before = count(server, "parashift_http_responses_total", 'code="499"')
     proc = api_server(server)
     rss_before = proc.memory_info().rss
     peak = [rss_before]
@@ -83,8 +90,8 @@ def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
             "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert status == 200, raw
         assert json.loads(raw)["usage"]["completion_tokens"] == 4
-        wait_until(lambda: server.metric("parashift_requests_total", 'status="idle"')
-                   == NUM_STALLED, "the stalled clients were never dropped",
+        wait_until(lambda: count(server, "parashift_requests_total", 'status="idle"')
+                   == idle_before + NUM_STALLED, "the stalled clients were never dropped",
                    on_poll=sample_rss)
         wait_until(lambda: server.metric("parashift_num_requests_running", engine) == 0
                    and server.metric("parashift_kv_cache_usage_ratio", engine) == 0,
@@ -92,7 +99,8 @@ def test_clients_that_never_read_are_dropped_and_their_requests_freed(server):
     finally:
         for sock in socks:
             sock.close()
-    assert server.metric("parashift_http_responses_total", 'code="499"') == NUM_STALLED
+    assert count(server, "parashift_http_responses_total", 'code="499"') == \
+        left_before + NUM_STALLED
     assert peak[0] - rss_before < RSS_GROWTH_LIMIT, (rss_before, peak[0])
     status, health = server.get_json("/health")
     assert status == 200 and health["status"] == "ok"
@@ -106,3 +114,53 @@ def test_a_request_not_streamed_has_a_limit_by_default():
     assert sse.non_stream_limit(900.0, 600.0) == (600.0, "--non-stream-timeout")
     error = sse.timed_out(600.0, "--non-stream-timeout")
     assert error.status == 504 and "--non-stream-timeout (600 s)" in error.message
+
+
+def test_a_whole_body_not_read_is_dropped(server):
+    """A non-streamed answer (~1 MB: 16 x 250 tokens with their top-20 logprobs) to a client
+    that reads nothing: written by the API server in paced pieces, the client dropped after
+    --stream-idle-timeout (counted idle, 499), not holding its connection and body for ever."""
+    idle_before = count(server, "parashift_requests_total", 'status="idle"')
+    left_before = count(server, "parashift_http_responses_total", 'code="499"')
+    request = {**STALLED, "max_tokens": 250, "n": 16, "stream": False}
+    sock = stalled_stream(int(server.url.rsplit(":", 1)[1]), request)
+    try:
+        wait_until(lambda: count(server, "parashift_requests_total", 'status="idle"')
+                   == idle_before + 1, "the client that did not read was never dropped")
+        assert count(server, "parashift_http_responses_total", 'code="499"') == left_before + 1
+        received = b""
+        sock.settimeout(30)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):  # what was in the buffers, then the end
+                received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")  # a reset may discard it all
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                assert len(body) < int(line.split(b":")[1])  # cut short: aborted
+    finally:
+        sock.close()
+
+
+def test_a_request_body_that_stops_arriving_is_a_408(server):
+    """Headers, then part of the body, then nothing: a 408 after --stream-idle-timeout, and
+    the connection closed (here at once: the client ends its side, which ends aiohttp's
+    lingering read of the rest)."""
+    sock = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])),
+                                    timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                     b'{"prompt": "hi", ')
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 408"), received
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(4096):
+            pass  # the rest of the 408's body, then the server's close
+    finally:
+        sock.close()
+    status, health = server.get_json("/health")
+    assert status == 200 and health["status"] == "ok"

@@ -4,7 +4,6 @@ serve/api_process.py."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import time
@@ -48,6 +47,7 @@ from parashift.serve.request_params import (
     constrained,
     sampling_params,
 )
+from parashift.serve.respond import Responder
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
 from parashift.wire.cluster_auth import HeadKeys
@@ -111,6 +111,8 @@ class ApiServer:
         self.engines.on_outputs = self.metrics.on_engine_outputs
         self.engines.on_load = self.metrics.on_load_vector
         self.metrics.api_server.labels(str(args.index)).set(1)
+        self.responder = Responder(args.request_timeout, args.limits,
+                                   self.tokenize_pool.executor, self.metrics)
 
     def app(self) -> web.Application:
         limits = self.args.limits
@@ -165,7 +167,7 @@ class ApiServer:
         return _json(openapi_document(version("parashift"), self.args.limits.admin_routes))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await read_body(request, CompletionRequest)
+        req = await read_body(request, CompletionRequest, self.args.limits.stream_idle_timeout)
         self._check_model(req.model)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
@@ -177,7 +179,8 @@ class ApiServer:
         return await self._generate(request, req, prompts, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = await read_body(request, ChatCompletionRequest)
+        req = await read_body(request, ChatCompletionRequest,
+                              self.args.limits.stream_idle_timeout)
         self._check_model(req.model)
         tools = tool_plan(req, self.args.tool_call_parser)
         # Every text counted before any is decoded or rendered (tool-call arguments too).
@@ -250,17 +253,6 @@ class ApiServer:
         compiles wait, bounded in time (serve/request_params.py `check_compiles`)."""
         await check_compiles(self.grammars, constraint, param)
 
-    async def _full_response(self, formatter: responses.Formatter) -> web.Response:
-        """The whole body, built and encoded in the tokenizer's thread (its logprob texts are
-        decoded there), never on the event loop; a finished generation is never refused, so
-        it skips the pool's queue bound."""
-        def build() -> bytes:
-            return msgspec.json.encode(formatter.full_response())
-
-        body = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool.executor,
-                                                                build)
-        return web.Response(body=body, content_type="application/json")
-
     def _rank(self, request: web.Request) -> int | None:
         pinned = request.headers.get("X-data-parallel-rank")
         if pinned is None:
@@ -294,28 +286,4 @@ class ApiServer:
                                              self.tokenizer, gen, req, tools=tools) if chat
                      else responses.CompletionFormatter(request_id, self.args.served_model_name,
                                                         self.tokenizer, gen, req))
-        limit, flag = sse.non_stream_limit(self.args.request_timeout,
-                                           self.args.limits.non_stream_timeout)
-        status = "error"
-        try:
-            if req.stream:
-                response, status = await sse.stream(request, gen, formatter,
-                                                    self.args.request_timeout,
-                                                    self.args.limits.stream_idle_timeout)
-                return response
-            async with asyncio.timeout(limit):
-                async for _ in gen.stream():
-                    pass
-            status = "ok"
-            return await self._full_response(formatter)
-        except TimeoutError:
-            status = "timeout"
-            raise sse.timed_out(limit, flag) from None
-        except asyncio.CancelledError:
-            status = "disconnected"
-            raise
-        finally:
-            gen.abort_unfinished()  # a timeout or a disconnect leaves no sample running
-            t = gen.timing
-            self.metrics.observe_request(status, gen.num_prompt_tokens, gen.num_output_tokens,
-                                         t.arrival, t.first_token, time.monotonic())
+        return await self.responder.respond(request, gen, formatter)

@@ -1,7 +1,8 @@
-"""The work a request costs before any of its limits can be checked, bounded: the tokenizer
-thread's queue per API server (a 429 with Retry-After beyond), and a chat's size counted over
-every text it carries before anything decodes or renders it. The JSON body itself is decoded
-on the event loop, bounded by --max-body-size only (read_body says why)."""
+"""The work a request costs before any of its limits can be checked, bounded: its body read
+within --max-body-size (413) and in time (serve/pacing.py: a 408 and the connection closed),
+the tokenizer thread's queue per API server (a 429 with Retry-After beyond), and a chat's size
+counted over every text it carries before anything decodes or renders it. The JSON body itself
+is decoded on the event loop, bounded by --max-body-size only (read_body says why)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import msgspec
 from aiohttp import web
 
 from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError, parse
+from parashift.serve.pacing import MIN_RATE, Pace
 
 T = TypeVar("T")
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-async def read_body(request: web.Request, kind: type[S]) -> S:
+async def read_body(request: web.Request, kind: type[S], idle_timeout: float) -> S:
     """The request's body as `kind`; a 400 naming the field where it does not fit.
 
     On the loop, not in a thread: msgspec holds the GIL for the whole of one decode, so a
@@ -29,7 +31,33 @@ async def read_body(request: web.Request, kind: type[S]) -> S:
     loop's longest gap 178 ms in a thread, 169 ms inline). The stall grows with the number
     of JSON values, at most some millions under the 8 MiB body cap; a real bound needs the
     decode in another process with a cheaper hand-back, or a smaller cap."""
-    return parse(await request.read(), kind)  # type: ignore[return-value]
+    return parse(await _read(request, idle_timeout), kind)  # type: ignore[return-value]
+
+
+async def _read(request: web.Request, idle_timeout: float) -> bytes:
+    """The body, chunk by chunk as aiohttp's request.read() does, each wait paced: aiohttp's
+    own timers end with the request's head (keep-alive), and a body trickled or stalled would
+    hold a connection and what it sent so far for ever."""
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(limit, request.content_length)
+    body, pace = bytearray(), Pace(idle_timeout)
+    while True:
+        try:
+            async with asyncio.timeout(pace.timeout()):
+                chunk = await request.content.readany()
+        except TimeoutError:
+            # Closed after the 408 (and aiohttp's lingering read, at most 10 s), not kept.
+            request.protocol.close()
+            raise OpenAIError(408, f"the request body did not arrive in time (nothing for "
+                              f"--stream-idle-timeout, {idle_timeout:g} s, or under "
+                              f"{MIN_RATE >> 10} KiB/s on average)", "timeout") from None
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        pace.moved(len(chunk))
+        if len(body) > limit:
+            raise web.HTTPRequestEntityTooLarge(limit, len(body))
 
 
 class QueueFullError(OpenAIError):

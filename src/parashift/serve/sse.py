@@ -8,7 +8,6 @@ the transport's buffer is past its high-water mark) is dropped, and its request 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -19,9 +18,9 @@ from parashift.serve.generation import Generation
 from parashift.serve.http_guards import internal_error, request_key
 from parashift.serve.openai_protocol import OpenAIError
 from parashift.serve.overload import HOLD_S
+from parashift.serve.pacing import small_send_buffer
 
 CLIENT_LEFT = request_key("parashift.client_left", bool)  # the client went away mid-stream
-STREAM_SEND_BUFFER = 64 << 10  # bytes; tokens are small, and the kernel doubles it
 ADMISSION_WAIT_S = HOLD_S + 0.5  # a refusal's 429 comes within this (its wait for room)
 
 
@@ -71,11 +70,7 @@ async def _respond(request: web.Request, first: asyncio.Future, deltas: AsyncIte
     """`limit`: the request timeout and the loop time it ends at."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        # The kernel grows a TCP send buffer up to tcp_wmem's max (4 MiB) for a client that
-        # reads nothing: a fixed one keeps what it holds small and its stall seen soon.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+    small_send_buffer(request)
     await response.prepare(request)
 
     async def write(data: bytes) -> None:
