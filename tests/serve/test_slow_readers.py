@@ -7,6 +7,7 @@ the same way; a request body that stops arriving is a 408, and its connection cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -14,8 +15,9 @@ import time
 
 import psutil
 import pytest
+from aiohttp import web
 
-from parashift.serve import sse
+from parashift.serve import respond, sse
 
 from .conftest import LONG_ARGS, LONG_MAX_MODEL_LEN, running_server
 
@@ -164,3 +166,37 @@ def test_a_request_body_that_stops_arriving_is_a_408(server):
         sock.close()
     status, health = server.get_json("/health")
     assert status == 200 and health["status"] == "ok"
+
+
+def test_a_client_that_pipelines_and_reads_nothing_is_dropped():
+    """Any route's answer is written within the idle timeout (serve/respond.py
+    paced_answers): a client that pipelines requests for 8 MiB of answers and reads none
+    fills the buffers (the kernel's send buffer grows to 4 MiB), and its connection is then
+    aborted instead of held for ever. On a small aiohttp server of its own."""
+    async def main() -> None:
+        async def big(request: web.Request) -> web.Response:
+            return web.Response(body=b"x" * (256 << 10))
+
+        app = web.Application(middlewares=[respond.paced_answers(0.5)])
+        app.router.add_get("/", big)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", runner.addresses[0][1]))
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n" * 32)
+        assert runner.server is not None
+
+        async def dropped() -> None:
+            while not runner.server.connections:  # accepted
+                await asyncio.sleep(0.01)
+            while runner.server.connections:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(dropped(), 30)
+        sock.close()
+        await runner.cleanup()
+
+    asyncio.run(main())

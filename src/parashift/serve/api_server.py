@@ -47,7 +47,7 @@ from parashift.serve.request_params import (
     constrained,
     sampling_params,
 )
-from parashift.serve.respond import Responder
+from parashift.serve.respond import Responder, paced_answers
 from parashift.serve.tool_calls import ToolPlan, template_messages, tool_plan
 from parashift.types.structured_outputs import StructuredOutputsParams
 from parashift.wire.cluster_auth import HeadKeys
@@ -117,8 +117,8 @@ class ApiServer:
     def app(self) -> web.Application:
         limits = self.args.limits
         app = web.Application(
-            middlewares=[self._count, errors_to_openai, check_host(allowed_hosts(limits)),
-                         refuse_cross_site,
+            middlewares=[paced_answers(limits.stream_idle_timeout), self._count,
+                         errors_to_openai, check_host(allowed_hosts(limits)), refuse_cross_site,
                          require_key(self.args.api_key, limits.admin_api_key, ADMIN_ROUTES)],
             client_max_size=self.args.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)

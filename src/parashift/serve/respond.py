@@ -67,6 +67,30 @@ class Responder:
         return await asyncio.get_running_loop().run_in_executor(self.executor, build)
 
 
+def paced_answers(idle_timeout: float):
+    """A middleware, outermost: every answer not yet written (any route's, an error's), which
+    aiohttp would write after the handler with no time limit, written here within
+    `idle_timeout`; a client that pipelines requests and reads none of the answers is dropped
+    instead of holding its connection. Streams and whole bodies write their own."""
+
+    @web.middleware
+    async def paced(request: web.Request, handler) -> web.StreamResponse:
+        response = await handler(request)
+        if not response.prepared:
+            try:
+                async with asyncio.timeout(idle_timeout):
+                    await response.prepare(request)
+                    await response.write_eof()
+            except ConnectionResetError:
+                pass  # aiohttp's own write_eof after this sees it, and ends the connection
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+        return response
+
+    return paced
+
+
 async def write_whole(request: web.Request, body: bytes,
                       idle_timeout: float) -> tuple[web.StreamResponse, str]:
     """A JSON body written in pieces of the send buffer's size, each paced; "ok",
