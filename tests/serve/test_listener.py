@@ -1,7 +1,8 @@
 """serve/listener.py on a real socket, under uvloop and asyncio: at most max_connections are
 handed to aiohttp at once; at the cap it stops accepting and the next client waits (in the
-backlog, or parked unread when accepted in the same burst), then is served once a slot frees;
-stop() ends accepting and closes what is parked. Every wait is for an event."""
+backlog, or parked unread when accepted in the same burst, at most MAX_PARKED of them, the
+rest of a burst closed at once), then is served once a slot frees; stop() ends accepting at
+any count and closes what is parked. Every wait is for an event."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import pytest
 from aiohttp import web
 
+from parashift.serve import listener as listener_module
 from parashift.serve.listener import CappedListener
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"
@@ -113,11 +115,72 @@ def test_stop_ends_accepting_and_lets_open_connections_drain(loop_kind):
     run(loop_kind, main)
 
 
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_stop_below_the_cap_ends_accepting(loop_kind):
+    """Below the cap too: a client that connects after stop() waits in the backlog (for
+    another API server), and one accepted in the same burst is closed, not parked."""
+    async def main() -> None:
+        runner, listener, port = await serving(5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(REQUEST)
+        assert await answered(reader) == b"HTTP/1.1 200 OK"
+        listener.stop()
+        assert not listener.accepting.is_set() and listener._listening is None
+        late_reader, late_writer = await asyncio.open_connection("127.0.0.1", port)
+        late_writer.write(REQUEST)
+        writer.write(REQUEST)  # a round trip after the late client's request
+        assert await answered(reader) == b"HTTP/1.1 200 OK"
+        assert listener.num_open == 1 and not listener._parked and not late_reader.at_eof()
+
+        class Transport:
+            closed = False
+
+            def close(self) -> None:
+                self.closed = True
+
+        transport = Transport()
+        listener._accept().connection_made(transport)  # type: ignore[arg-type]
+        assert transport.closed and not listener._parked
+        for w in (writer, late_writer):
+            w.close()
+        await runner.cleanup()
+
+    run(loop_kind, main)
+
+
+def test_a_burst_parks_at_most_max_parked(monkeypatch):
+    """One burst of accepts past the cap parks MAX_PARKED connections and closes the rest at
+    once, so that parked ones never take the descriptors the server needs for itself. On
+    asyncio, which accepts every pending connection in one go (uvloop here accepted one per
+    wake-up, its burst not reproducible)."""
+    monkeypatch.setattr(listener_module, "MAX_PARKED", 2)
+
+    async def main() -> None:
+        runner, listener, port = await serving(1)
+        # Connected before the loop runs again: all accepted in one go.
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(5)]
+        while len(listener._parked) < 2 or listener.accepting.is_set():
+            await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        for sock in socks[3:]:  # closed at once, before any request
+            assert await loop.run_in_executor(None, sock.recv, 1) == b""
+        assert listener.num_open == 1 and len(listener._parked) == 2
+        clients = [await asyncio.open_connection(sock=sock) for sock in socks[:3]]
+        for _, writer in clients:
+            writer.write(CLOSING)
+        heads = await asyncio.gather(*(answered(reader) for reader, _ in clients))
+        assert heads == [b"HTTP/1.1 200 OK"] * 3 and listener.most_open == 1
+        for sock in socks:
+            sock.close()
+        listener.stop()
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
 def test_a_failed_resume_is_tried_again(monkeypatch):
     """No descriptor left for the socket's duplicate when a slot frees: accepting resumes on
     a later try, though no other connection is left to close."""
-    import parashift.serve.listener as listener_module
-
     monkeypatch.setattr(listener_module, "RETRY_S", 0.01)
 
     class FailingOnce:
@@ -153,8 +216,6 @@ def test_a_failed_resume_is_tried_again(monkeypatch):
 
 def test_the_descriptor_limit_is_raised_to_what_the_cap_needs(monkeypatch):
     import resource
-
-    from parashift.serve import listener as listener_module
 
     limits = {"now": (1024, 4096)}
     monkeypatch.setattr(resource, "getrlimit", lambda kind: limits["now"])

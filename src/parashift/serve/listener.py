@@ -5,12 +5,18 @@ the listening socket's backlog (the same wait as during start-up), where another
 the same socket may take them, and none holds a descriptor or buffers of this process. Each
 connection that closes lets one more in. A refusal (accept, then 503) would still cost one
 accept and one descriptor per attempt, and would refuse a client another API server could
-serve; an idle connection is closed after KEEPALIVE_TIMEOUT_S, so the wait is bounded."""
+serve. The wait is bounded by how long one connection may hold its slot: a request's head
+must arrive within KEEPALIVE_TIMEOUT_S of connecting (or of the last answer), its body keep
+pace (serve/pacing.py: no pause of --stream-idle-timeout, a minimum rate), every answer be
+read as it is written (no write waits --stream-idle-timeout: serve/respond.py, serve/sse.py);
+a generation ends within --non-stream-timeout, a stream with its max_tokens (or
+--request-timeout)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 
@@ -25,9 +31,12 @@ RETRY_S = 1.0  # after a failed start of accepting again
 logger = logging.getLogger(__name__)
 
 
-# Descriptors an API server needs besides its connections: engine links, files, a burst of
-# parked connections.
-OWN_DESCRIPTORS = 512
+# Connections accepted past the cap in one burst that wait, parked, for a slot; the rest of a
+# burst is closed at once (the loop accepts up to BACKLOG in one go before the pause).
+MAX_PARKED = 256
+# Descriptors an API server needs besides its connections: parked ones, engine links, files,
+# the grammar compile process.
+OWN_DESCRIPTORS = MAX_PARKED + 256
 
 
 def allow_descriptors(max_connections: int) -> int:
@@ -53,8 +62,9 @@ class _Parked(asyncio.Protocol):
     go before the pause can take effect (uvloop cannot stop its server inside the accept).
     Read from by no one (reading paused) until a slot frees, then handed to aiohttp."""
 
-    def __init__(self) -> None:
+    def __init__(self, parked: collections.deque[_Parked]) -> None:
         self.transport: asyncio.Transport | None = None
+        self.parked = parked  # where it waits: it leaves when its client goes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -63,6 +73,16 @@ class _Parked(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
+        with contextlib.suppress(ValueError):
+            self.parked.remove(self)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection accepted after stop() or past MAX_PARKED: closed at once (the client sees
+    the connection closed, and may retry, on another API server)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
 
 
 class CappedListener:
@@ -91,7 +111,10 @@ class CappedListener:
     def stop(self) -> None:
         """Stops accepting for good; open connections stay, to drain, parked ones close."""
         self._stopped = True
-        self._pause()
+        if self._listening is not None:  # at any count: no connection waits for a slot now
+            self._listening.close()
+            self._listening = None
+            self.accepting.clear()
         if self._resuming is not None:
             self._resuming.cancel()
         while self._parked:
@@ -100,8 +123,11 @@ class CappedListener:
                 parked.transport.close()
 
     def _accept(self) -> asyncio.BaseProtocol:
-        if self.num_open >= self.max_connections or self._stopped:
-            parked = _Parked()
+        if self._stopped or (self.num_open >= self.max_connections
+                             and len(self._parked) >= MAX_PARKED):
+            return _Refused()
+        if self.num_open >= self.max_connections:
+            parked = _Parked(self._parked)
             self._parked.append(parked)
             return parked
         self._opened()
