@@ -86,4 +86,8 @@ def test_requests_without_a_token_fail_over_to_the_live_rank(server):
             assert reply["choices"][0]["text"] == json.loads(again)["choices"][0]["text"]
     assert server.metric("parashift_request_failovers_total", 'outcome="resent"') == 3
     assert server.metric("parashift_request_failovers_total", 'outcome="failed"') == 1
-    assert server.metric("parashift_kv_cache_usage_ratio", 'engine="dp1"') == 0.0
+    # The load vector reaches the API server up to 100 ms after the engine freed the blocks.
+    deadline = time.monotonic() + 10
+    while server.metric("parashift_kv_cache_usage_ratio", 'engine="dp1"') != 0.0:
+        assert time.monotonic() < deadline, "dp1 kept KV blocks of finished requests"
+        time.sleep(0.02)
