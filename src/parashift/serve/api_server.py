@@ -276,8 +276,8 @@ class ApiServer:
             await self._check_constraint(params[0].structured_outputs, field)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request[REQUEST_ID] = f"{prefix}-{self.args.index}-{uuid.uuid4().hex}"
-        hashes = await self._off_loop(self.engines.route_hashes, prompts,
-                                      params[0].cache_salt)
+        hashes = (await self._off_loop(self.engines.route_hashes, prompts, params[0].cache_salt)
+                  if self.engines.routes_by_prefix else [])
         gen = Generation(self.engines, self.tokenizer, request_id, prompts, params,
                          self.args.eos_token_id, self._rank(request), req.stream,
                          lambda outcome: self.metrics.failovers.labels(outcome).inc(), hashes)

@@ -117,12 +117,14 @@ class EngineClient:
     def alive_engines(self) -> list[int]:
         return self.ranks.serving()
 
+    @property
+    def routes_by_prefix(self) -> bool:
+        return self.router.config.policy == "prefix" and self.num_engines > 1
+
     def route_hashes(self, prompts: list[list[int]], salt: str | None) -> list[list[int]]:
-        """What pick_engine routes by: each prompt's block hashes, with the request's
-        cache_salt as the engine hashes them (none unless routing follows prefixes). Linear in
-        the prompts: the API server computes them off the event loop."""
-        if self.router.config.policy != "prefix" or self.num_engines < 2:
-            return []
+        """What pick_engine routes by when `routes_by_prefix`: each prompt's block hashes, with
+        the request's cache_salt as the engine hashes them. Linear in the prompts: the API
+        server computes them off the event loop."""
         return prompt_hashes(prompts, self.block_size, salt)
 
     def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
