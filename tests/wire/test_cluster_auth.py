@@ -5,31 +5,23 @@ sockets stay plain. The secret file is checked."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import zmq
 
 from parashift.wire.cluster_auth import (
     ClusterKeys,
-    handshake_failed,
     read_secret_file,
     secured_context,
 )
+
+from . import handshakes
 
 SECRET = "a-cluster-secret-0123456789"
 
 
 def context(secret: str | None) -> zmq.Context:
     return secured_context(ClusterKeys.from_secret(secret)) if secret else zmq.Context()
-
-
-def wait_failed(monitor: zmq.Socket) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if monitor.poll(100) and handshake_failed(monitor):
-            return True
-    return False
 
 
 def test_keys_are_a_function_of_the_secret():
@@ -52,7 +44,7 @@ def test_peers_with_the_secret_talk_and_others_get_nothing():
             monitor = stranger.get_monitor_socket()
             stranger.connect(f"tcp://127.0.0.1:{port}")
             stranger.send(b"Hello from a stranger")
-            assert wait_failed(monitor), secret  # the handshake failed: nothing went through
+            assert handshakes.refused(monitor), secret  # the handshake failed: nothing went through
             assert not router.poll(0)
             stranger_ctx.destroy(linger=0)
         friend_ctx = context(SECRET)

@@ -6,7 +6,6 @@ a worker, another worker at the first one's command socket, and a holder of the 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import pytest
 import zmq
@@ -14,8 +13,10 @@ import zmq
 from parashift.executor.ray_executor import worker_links
 from parashift.wire import protocol as p
 from parashift.wire import worker_protocol as wp
-from parashift.wire.cluster_auth import Role, WorkerKeys, handshake_failed
+from parashift.wire.cluster_auth import Role, WorkerKeys
 from parashift.wire.sockets import zmq_context
+
+from . import handshakes
 
 SECRET = "worker-keys-test-secret-0123456789"
 
@@ -35,9 +36,8 @@ def refused(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket()
     sock.connect(address)
-    deadline = time.monotonic() + 10
-    while not (monitor.poll(100) and handshake_failed(monitor)):
-        assert time.monotonic() < deadline, f"a peer got into {address}"
+    assert handshakes.refused(monitor), f"a peer got into {address}"
+    monitor.close(linger=0)
     return sock
 
 
