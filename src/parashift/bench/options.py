@@ -12,7 +12,18 @@ OutputLen = Annotated[int | None, typer.Option("--output-len")]
 InputRange = Annotated[str | None, typer.Option("--input-len-range", help="A:B")]
 OutputRange = Annotated[str | None, typer.Option("--output-len-range", help="A:B")]
 Dataset = Annotated[str | None, typer.Option(
-    help=".jsonl (prompt or prompt_len, output_len) or ShareGPT .json/.jsonl")]
+    help=".jsonl (prompt or prompt_len, output_len) or ShareGPT .json/.jsonl; for bench "
+         "serve also multi-turn: chat users, sized by --multi-turn-* and --output-len")]
+MultiTurnUsers = Annotated[int, typer.Option(
+    "--multi-turn-users", help="--dataset multi-turn: users, each holding one conversation")]
+MultiTurnRounds = Annotated[int, typer.Option(
+    "--multi-turn-rounds", help="--dataset multi-turn: requests per user, each sent when the "
+                                "one before has finished and carrying the conversation so far")]
+MultiTurnSystemLen = Annotated[int, typer.Option(
+    "--multi-turn-system-len", help="--dataset multi-turn: tokens of the system prompt that "
+                                    "every user's conversation starts with")]
+MultiTurnQuestionLen = Annotated[int, typer.Option(
+    "--multi-turn-question-len", help="--dataset multi-turn: tokens of each new question")]
 Seed = Annotated[int, typer.Option(help="seeds the workload and the arrivals")]
 SaveJson = Annotated[str | None, typer.Option("--save-json", help="write everything here")]
 Plot = Annotated[str | None, typer.Option(help="write a PNG here")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from typing import Annotated
 
@@ -12,6 +13,10 @@ from parashift.bench.options import (
     Dataset,
     InputLen,
     InputRange,
+    MultiTurnQuestionLen,
+    MultiTurnRounds,
+    MultiTurnSystemLen,
+    MultiTurnUsers,
     NumPrompts,
     OutputLen,
     OutputRange,
@@ -54,6 +59,10 @@ def serve(
     input_len_range: InputRange = None,
     output_len_range: OutputRange = None,
     dataset: Dataset = None,
+    multi_turn_users: MultiTurnUsers = 8,
+    multi_turn_rounds: MultiTurnRounds = 4,
+    multi_turn_system_len: MultiTurnSystemLen = 1000,
+    multi_turn_question_len: MultiTurnQuestionLen = 100,
     tokenizer: Annotated[str | None, typer.Option(
         help="for text datasets (default: the embedded SmolLM2's)")] = None,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="random prompt ids below")
@@ -71,7 +80,7 @@ def serve(
     setup_logging()
     from tqdm import tqdm
 
-    from parashift.bench import report
+    from parashift.bench import multi_turn, report
     from parashift.bench.metrics import parse_goodput, summarize
     from parashift.bench.serve_client import run_load
 
@@ -82,42 +91,61 @@ def serve(
     try:
         fields = sampling_fields(sampling)
         slos = parse_goodput(goodput or [])
-        tok = None
-        if dataset is not None:
+        tok, sizes, follows, tags = None, None, None, None
+        if dataset == multi_turn.NAME:
+            if input_len or input_len_range or output_len_range:
+                raise ValueError("--dataset multi-turn sets the prompts: drop --input-len, "
+                                 "--input-len-range and --output-len-range (its sizes: "
+                                 "--multi-turn-*, --output-len)")
+            sizes = multi_turn.MultiTurnSizes(multi_turn_users, multi_turn_rounds,
+                                              multi_turn_system_len, multi_turn_question_len,
+                                              output_len or 128)
+        elif dataset is not None:
             from transformers import AutoTokenizer
 
             from parashift.models.loader import resolve_model_path
 
             tok = AutoTokenizer.from_pretrained(tokenizer or resolve_model_path(None))  # nosec B615
-        requests = workload(num_prompts, input_len, output_len, input_len_range,
-                            output_len_range, dataset, seed, tok, vocab_size)
+        if sizes is None:
+            requests = workload(num_prompts, input_len, output_len, input_len_range,
+                                output_len_range, dataset, seed, tok, vocab_size)
     except ValueError as e:
         fail(str(e))
     runs, summaries = {}, {}
-    for rate in rates:
+    for k, rate in enumerate(rates):
         label = "inf" if math.isinf(rate) else f"{rate:g}"
+        if sizes is not None:  # new conversations at each rate: none finds the last's cached
+            conversations = multi_turn.load(sizes, vocab_size, seed + k)
+            requests, follows = conversations.requests, conversations.follows
+            tags = [{"user": u, "round": r + 1}
+                    for u, r in zip(conversations.users, conversations.rounds, strict=True)]
         bar = tqdm(total=len(requests), desc=f"rate {label}", unit="req")
         try:
             records, duration = asyncio.run(run_load(
                 base_url, model, requests, rate, burstiness, max_concurrency, seed, api_key,
-                on_done=lambda _, bar=bar: bar.update(), sampling=fields))
+                on_done=lambda _, bar=bar: bar.update(), sampling=fields, follows=follows))
         except OSError as e:  # nothing listening, bad host
             fail(f"--base-url {base_url}: {e}")
         finally:
             bar.close()
         runs[label] = records
         summaries[label] = summarize(records, duration, slos or None)
-        typer.echo(report.format_serve(summaries[label], f"request rate {label}"))
+        text = report.format_serve(summaries[label], f"request rate {label}")
+        if sizes is not None:
+            summaries[label]["rounds"] = multi_turn.per_round(records, conversations.rounds)
+            text += "\n" + multi_turn.format_rounds(summaries[label]["rounds"])
+        typer.echo(text)
     settings = {"base_url": base_url, "model": model, "num_prompts": len(requests),
                 "request_rates": list(runs), "burstiness": burstiness,
                 "max_concurrency": max_concurrency, "dataset": dataset, "seed": seed,
                 "sampling": fields,
+                "multi_turn": dataclasses.asdict(sizes) if sizes is not None else None,
                 "goodput_slos_ms": slos}
     if save_json:
         report.save_json(save_json, "serve", settings,
                          summaries if len(runs) > 1 else next(iter(summaries.values())),
-                         [{"rate": label, **_record_dict(r)} for label, records in runs.items()
-                          for r in records])
+                         [{"rate": label, **(tags[i] if tags else {}), **_record_dict(r)}
+                          for label, records in runs.items() for i, r in enumerate(records)])
     if plot:
         from parashift.bench import plots
 
@@ -155,6 +183,4 @@ def sweep(
 
 
 def _record_dict(record) -> dict:
-    import dataclasses
-
     return {**dataclasses.asdict(record), "tpot": record.tpot}

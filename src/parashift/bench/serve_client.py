@@ -1,6 +1,7 @@
 """`parashift bench serve`: a streaming load generator for any OpenAI-compatible
 /v1/completions server. Arrivals follow a gamma process (Poisson at burstiness 1) at the
-requested rate, or all at once at rate inf; --max-concurrency caps requests in flight."""
+requested rate, or all at once at rate inf; --max-concurrency caps requests in flight. A request
+may follow another (a conversation's next turn): it is sent once that one has finished."""
 
 from __future__ import annotations
 
@@ -33,15 +34,23 @@ async def run_load(base_url: str, model: str | None, requests: list[BenchRequest
                    rate: float, burstiness: float = 1.0, max_concurrency: int | None = None,
                    seed: int = 0, api_key: str | None = None,
                    on_done: Callable[[RequestRecord], None] | None = None,
-                   sampling: dict | None = None) -> tuple[list[RequestRecord], float]:
+                   sampling: dict | None = None, follows: list[int | None] | None = None
+                   ) -> tuple[list[RequestRecord], float]:
     """Sends every request (greedy, or with `sampling`'s fields); returns their records and
-    the run's duration in seconds."""
+    the run's duration in seconds. `follows[i]`, where not None, is the request that request i
+    waits for: i is sent when that one has finished, and the arrivals pace only the requests
+    that follow none."""
     url = base_url.rstrip("/")
     url = url + ("/completions" if url.endswith("/v1") else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if model is None:
         model = await _first_model(url.rsplit("/completions", 1)[0], headers)
-    offsets = arrival_times(len(requests), rate, burstiness, seed)
+    follows = follows or [None] * len(requests)
+    heads = [i for i, f in enumerate(follows) if f is None]
+    offsets = [0.0] * len(requests)
+    for i, offset in zip(heads, arrival_times(len(heads), rate, burstiness, seed), strict=True):
+        offsets[i] = offset
+    finished = [asyncio.Event() for _ in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(r.prompt_len, r.output_len) for r in requests]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
@@ -51,13 +60,18 @@ async def run_load(base_url: str, model: str | None, requests: list[BenchRequest
         start = time.perf_counter()
 
         async def one(i: int) -> None:
+            if follows[i] is not None:
+                await finished[follows[i]].wait()
             await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - start)))
-            if limit is None:
-                await _stream(session, url, model, requests[i], records[i], start, sampling)
-            else:
-                async with limit:
-                    await _stream(session, url, model, requests[i], records[i], start,
-                                  sampling)
+            try:
+                if limit is None:
+                    await _stream(session, url, model, requests[i], records[i], start, sampling)
+                else:
+                    async with limit:
+                        await _stream(session, url, model, requests[i], records[i], start,
+                                      sampling)
+            finally:
+                finished[i].set()
             if on_done is not None:
                 on_done(records[i])
 
