@@ -37,6 +37,14 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_gib(text: str, flag: str) -> int:
+    """'4' (GiB, as vLLM's --kv-offloading-size) or '512MiB' -> bytes."""
+    try:
+        return int(float(text) * 2**30)
+    except ValueError:
+        return parse_size(text, flag)
+
+
 def parse_counts(text: str, flag: str, example: str = "1,4,32") -> list[int]:
     """'1,4,32' -> [1, 4, 32]: whole numbers >= 1 joined by commas."""
     try:
@@ -81,6 +89,17 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "block_size": Annotated[int, typer.Option("--block-size")],
     "kv_cache_memory": Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],
+    "kv_offloading_size": Annotated[str | None, typer.Option(
+        "--kv-offloading-size", help="host memory for the node's KV tier, shared by its DP "
+        "ranks: GiB (vLLM's unit) or a size like 512MiB; blocks evicted from the KV cache "
+        "load from it instead of being recomputed")],
+    "kv_offloading_backend": Annotated[Literal["native"], typer.Option(
+        "--kv-offloading-backend", help="the KV tiers' implementation")],
+    "kv_disk_dir": Annotated[str | None, typer.Option(
+        "--kv-disk-dir", help="a disk KV tier in this folder (mode 0700, yours), warm across "
+        "restarts; needs --kv-offloading-size and --kv-disk-size")],
+    "kv_disk_size": Annotated[str | None, typer.Option(
+        "--kv-disk-size", help="the disk KV tier's size: GiB or a size like 20GiB")],
     "gpu_memory_utilization": Annotated[float, typer.Option("--gpu-memory-utilization")],
     "enable_prefix_caching": Annotated[bool, typer.Option(
         "--enable-prefix-caching/--no-enable-prefix-caching")],
@@ -149,6 +168,9 @@ def engine_options(command: Callable[..., Any] | None = None, *,
         values = {p.name: kwargs.pop(p.name) for p in engine}
         if values.get("kv_cache_memory") is not None:
             values["kv_cache_memory"] = parse_size(values["kv_cache_memory"], "--kv-cache-memory")
+        for name in ("kv_offloading_size", "kv_disk_size"):
+            if values.get(name) is not None:
+                values[name] = parse_gib(values[name], "--" + name.replace("_", "-"))
         return command(engine_args=EngineArgs(**values), **kwargs)
 
     params = [engine[0], *own, *engine[1:]]

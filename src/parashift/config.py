@@ -66,6 +66,11 @@ class CacheConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    # KV tiers (kv_tiers/): the node's host arena of this many bytes, and a disk folder
+    kv_offloading_size: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: int | None = None
+    kv_host_tier: str | None = None  # the arena's file, made by the launcher for its engines
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -78,6 +83,19 @@ class CacheConfig:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"--kv-offloading-size must be positive, got "
+                             f"{self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (its blocks are found "
+                             "by their prefix hashes): drop --no-enable-prefix-caching")
+        if (self.kv_disk_dir is None) != (self.kv_disk_size is None):
+            raise ValueError("--kv-disk-dir and --kv-disk-size go together")
+        if self.kv_disk_dir is not None and not self.kv_offloading_size:
+            raise ValueError("--kv-disk-dir needs --kv-offloading-size (disk blocks are read "
+                             "through the host tier)")
+        if self.kv_disk_size is not None and self.kv_disk_size <= 0:
+            raise ValueError(f"--kv-disk-size must be positive, got {self.kv_disk_size}")
 
 
 @dataclass(frozen=True)

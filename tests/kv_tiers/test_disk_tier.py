@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from parashift.kv_tiers.disk_tier import HEADER, DiskTier, DiskWriter
+from parashift.kv_tiers.disk_tier import HEADER, DiskTier
+from parashift.kv_tiers.disk_writer import DiskWriter
 
 PAYLOAD = 256
 FILE = HEADER.size + PAYLOAD

@@ -62,6 +62,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
+    kv_offloading_size: int | None = None  # bytes of the node's host KV tier (vLLM's flag)
+    kv_offloading_backend: str = "native"
+    kv_disk_dir: str | None = None  # a disk KV tier, warm across restarts
+    kv_disk_size: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -170,8 +174,12 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests,
                                 args.while_asleep, async_scheduling)
+    if args.kv_offloading_size and processes.lockstep:
+        raise ValueError("--kv-offloading-size is not supported with lockstep expert "
+                         "parallel yet")
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
-                        args.enable_prefix_caching, args.num_gpu_blocks_override)
+                        args.enable_prefix_caching, args.num_gpu_blocks_override,
+                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
 
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
+import time
+import uuid
 
 from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.kv_tier_connector import MAX_JOBS, TierConnector
 from parashift.engine.placement import engine_placement, ray_engine_placement
 from parashift.engine.request import Request, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
@@ -66,6 +70,7 @@ class EngineCore:
                  placement: EnginePlacement | None = None):
         self.config = config
         self.grammars: Grammars | None = None  # structured outputs: made on first use
+        self.connector: TierConnector | None = None  # the KV tiers, with --kv-offloading-size
         self.executor = executor or make_executor(config, placement)
         try:
             self._init_kv_cache()
@@ -99,10 +104,46 @@ class EngineCore:
         depth = 2 if self.async_scheduling else self.executor.max_batches_in_flight
         if self.async_scheduling:
             logger.info("async scheduling: step N+1 is scheduled while step N runs")
+        self.connector = self._kv_tiers(kv_cache)
         self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size,
-                                   placeholders=self.async_scheduling)
+                                   placeholders=self.async_scheduling, connector=self.connector)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
             collections.deque() if depth > 1 else None)
+
+    def _kv_tiers(self, kv_cache: KVCacheManager) -> TierConnector | None:
+        """The host tier (the node's arena: the launcher's, else this engine's own) and the
+        disk tier, behind their connector; the workers attach to the arena."""
+        cache, model = self.config.cache, self.config.model
+        if not cache.kv_offloading_size:
+            return None
+        from parashift.kv_tiers.disk_tier import DiskTier
+        from parashift.kv_tiers.host_arena import HostArena, shm_path
+        from parashift.kv_tiers.identity import tier_identity
+
+        num_workers = self.executor.num_workers
+        worker_bytes = self.executor.kv_block_bytes()
+        slot_bytes = worker_bytes * num_workers
+        # The shard layout, not the DP size: every DP rank of the node shares the tier.
+        layout = ",".join(f"{axis}{size}" for axis, size in
+                          sorted(self.config.parallel.strategy.sizes().items()) if axis != "dp")
+        identity = tier_identity(model.path, str(model.dtype), cache.block_size, layout,
+                                 worker_bytes, num_workers)
+        path = cache.kv_host_tier or shm_path(f"parashift-kv-{os.getpid()}-{uuid.uuid4().hex}")
+        arena = HostArena.open(path, cache.kv_offloading_size, slot_bytes,
+                               owner=cache.kv_host_tier is None)
+        try:
+            disk = (DiskTier(cache.kv_disk_dir, cache.kv_disk_size, identity, slot_bytes,
+                             writer=False) if cache.kv_disk_dir else None)
+            connector = TierConnector(kv_cache, arena, identity, slot_bytes, num_workers, disk,
+                                      cache.kv_disk_dir, cache.kv_disk_size or 0)
+        except BaseException:
+            arena.close()
+            raise
+        self.executor.attach_kv_tiers(arena.path, slot_bytes, connector.board.path, MAX_JOBS,
+                                      num_workers, worker_bytes)
+        logger.info("KV host tier: %d blocks of %d bytes in %s%s", arena.num_slots, slot_bytes,
+                    arena.path, f"; disk tier in {cache.kv_disk_dir}" if disk else "")
+        return connector
 
     def add_request(self, request: Request) -> None:
         """Raises ValueError for a request the model cannot run: it fails alone, the engine
@@ -132,7 +173,8 @@ class EngineCore:
         if self.batch_queue is not None:
             return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not scheduler_output.freed_req_ids:
+        if scheduler_output.is_empty and not (scheduler_output.freed_req_ids
+                                              or scheduler_output.kv_jobs):
             return self._idle_step()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -142,7 +184,8 @@ class EngineCore:
         while len(queue) < self.scheduler.max_batches_in_flight:
             scheduler_output = self.scheduler.schedule()
             empty = scheduler_output.is_empty  # everything left is in flight already
-            if not empty or scheduler_output.freed_req_ids:  # workers must drop those
+            # (workers must drop the freed requests and start the KV transfers)
+            if not empty or scheduler_output.freed_req_ids or scheduler_output.kv_jobs:
                 self.executor.submit(scheduler_output)
                 queue.append(scheduler_output)
             if empty:
@@ -159,7 +202,9 @@ class EngineCore:
     def _idle_step(self) -> list[EngineCoreOutput]:
         """Nothing to run: what finished unscheduled; with only compiling requests left, a
         wait for a compile (not a spin)."""
-        if self.grammars is not None:
+        if self.connector is not None and self.connector.busy:
+            time.sleep(0.001)  # copies in flight report on the job board, which has no wake-up
+        elif self.grammars is not None:
             self.grammars.wait_for_any(0.05)
         return self.scheduler.take_unscheduled_outputs()
 
@@ -172,15 +217,23 @@ class EngineCore:
     def sleep(self, level: int) -> int:
         """Level 1 frees the KV cache, level 2 the weights too; only with no request left (the
         engine process drains first). Returns the bytes the workers released."""
+        self._drain_kv_transfers()
         # The blocks' contents are about to go: no hash may outlive them. Drained, every
         # block is free, so the reset cannot be refused.
         assert self.reset_prefix_cache(), "sleep with KV blocks in use"
         return sum(self.executor.sleep(level))
 
+    def _drain_kv_transfers(self) -> None:
+        """Stores still copying hold their blocks: they end before the cache goes."""
+        while self.connector is not None and self.connector.busy:
+            self.step()  # no request is left: a step only settles and starts transfers
+
     def wake_up(self) -> None:
         self.executor.wake_up()
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
         if self.grammars is not None:
             self.grammars.shutdown()
         self.executor.shutdown()

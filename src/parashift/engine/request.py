@@ -29,11 +29,13 @@ class RequestStatus(enum.Enum):
     queue per state that waits (`waiting_for_grammar`, `waiting`) and the running list.
 
     The states the next capabilities add go here, each with its transition methods and
-    the scheduler function that moves requests out of it: WAITING_FOR_KV (its blocks load
-    from a KV tier or another engine; admitted once they are in) and, for a rank that
-    drains, a request moved to another rank leaves as FINISHED_ABORTED with a reason."""
+    the scheduler function that moves requests out of it: for a rank that drains, a request
+    moved to another rank leaves as FINISHED_ABORTED with a reason."""
 
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiles (vLLM: WAITING_FOR_FSM)
+    # Its blocks load from a KV tier (a KV connector, engine/kv_connector.py); it waits for
+    # admission again once they are in (vLLM: WAITING_FOR_REMOTE_KVS).
+    WAITING_FOR_KV = "waiting_for_kv"
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its KV freed; recomputed on resume
@@ -52,9 +54,12 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING,
                                                    RequestStatus.FINISHED_ABORTED}),
-    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
-    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING,
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.WAITING_FOR_KV,
+                                      RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.WAITING_FOR_KV,
                                          RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.WAITING_FOR_KV: frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                              RequestStatus.FINISHED_ABORTED}),
     RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, *_FINISHED}),
     **{status: frozenset() for status in _FINISHED},
 }
@@ -79,6 +84,8 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
+        self.kv_load_tried = False  # a KV connector loaded for it once (until a preemption)
+        self._kv_resume = RequestStatus.WAITING  # the waiting state it left for WAITING_FOR_KV
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         # Its blocks are shared only with requests of the same salt (a tenant's).
@@ -111,6 +118,15 @@ class Request:
         """Its constraint is ready: it queues for admission."""
         self._move(RequestStatus.WAITING)
 
+    def wait_for_kv(self) -> None:
+        """Its blocks beyond the prefix hit load from a KV connector."""
+        self._kv_resume = self.status
+        self._move(RequestStatus.WAITING_FOR_KV)
+
+    def kv_arrived(self) -> None:
+        """Its load ended (the blocks that arrived are cached): it waits for admission."""
+        self._move(self._kv_resume)
+
     def admit(self, num_hit_tokens: int) -> None:
         """Admitted to run, its first `num_hit_tokens` already in KV blocks (the prefix
         cache's; a resumed request's hits do not count as cached prompt tokens)."""
@@ -128,6 +144,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_synced_tokens = 0
         self.num_preemptions += 1
+        self.kv_load_tried = False
 
     def finish(self, status: RequestStatus) -> None:
         self._move(status)

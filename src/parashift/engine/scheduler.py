@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.kv_connector import KVConnector
 from parashift.engine.request import Request, RequestStatus
 from parashift.engine.run_ahead import OneStep, run_ahead_policy
 from parashift.engine.step_batch import StepBatch
@@ -39,8 +40,9 @@ class QueueFullError(ValueError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  max_batches_in_flight: int = 1, vocab_size: int = 0,
-                 placeholders: bool = False):
+                 placeholders: bool = False, connector: KVConnector | None = None):
         self.config = config
+        self.connector = connector  # KV beyond the pool (tiers), or None
         self.vocab_size = vocab_size  # the bitmask's width, for structured outputs
         self.kv_cache = kv_cache
         self.run_ahead: OneStep = run_ahead_policy(max_batches_in_flight, placeholders,
@@ -48,6 +50,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: list[Request] = []
+        self.waiting_for_kv: list[Request] = []
         self.waiting: deque[Request] = deque()  # WAITING, and PREEMPTED at its head
         self.running: list[Request] = []
         # Requests whose runner-side state must be dropped at the next step.
@@ -61,11 +64,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_grammar)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.waiting_for_kv)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar)
+        return bool(self.waiting or self.running or self.waiting_for_grammar
+                    or self.waiting_for_kv)
 
     def check_room(self, num_held: int = 0) -> None:
         """The one admission cap (--max-waiting-requests), over the requests waiting here and
@@ -88,6 +92,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._settle_grammars()
+        if self.connector is not None:
+            self._settle_kv()
         budget = self.config.max_num_batched_tokens
         target = self.run_ahead.batch_token_target(budget, self._ready())
         batch = StepBatch(budget, budget - target)
@@ -117,6 +123,17 @@ class Scheduler:
                 req.grammar_compiled()
                 self._enqueue_by_arrival(req)
         self.waiting_for_grammar = still
+
+    def _settle_kv(self) -> None:
+        """Requests whose blocks arrived (or failed to) wait for admission again, in order."""
+        for req in self.connector.settle():
+            if req.status == RequestStatus.WAITING_FOR_KV:
+                self.waiting_for_kv.remove(req)
+                req.kv_arrived()
+                if req.status == RequestStatus.PREEMPTED:
+                    self.waiting.appendleft(req)
+                else:
+                    self._enqueue_by_arrival(req)
 
     def _enqueue_by_arrival(self, req: Request) -> None:
         """Behind the preempted requests and those that arrived before it."""
@@ -173,6 +190,11 @@ class Scheduler:
             if req.num_in_flight:  # preempted while its batch runs
                 break
             computed_blocks, num_hit = kv_cache.get_computed_blocks(req)
+            if self.connector is not None and self.connector.begin_load(req, computed_blocks):
+                waiting.popleft()
+                req.wait_for_kv()
+                self.waiting_for_kv.append(req)
+                continue
             num_new = min(req.num_tokens - num_hit, batch.budget)
             if not self.config.enable_chunked_prefill and num_new < req.num_tokens - num_hit:
                 break
@@ -189,11 +211,13 @@ class Scheduler:
             batch.add(req, num_new)
 
     def _output(self, batch: StepBatch) -> SchedulerOutput:
-        constrained, requests = [], self.requests
+        constrained, requests, connector = [], self.requests, self.connector
         scheduled = batch.num_scheduled
         for req_id, num_new in scheduled.items():
             req = requests[req_id]
             req.num_computed_tokens += num_new
+            if connector is not None:
+                connector.store(req)
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # it samples this step
                 if req.grammar is not None:
@@ -203,6 +227,8 @@ class Scheduler:
         freed, self._freed_req_ids = self._freed_req_ids, set()
         out = SchedulerOutput(batch.new_reqs, batch.cached_reqs, scheduled,
                               sum(scheduled.values()), freed)
+        if connector is not None:
+            out.kv_jobs = connector.take_jobs()
         if batch.pending_grammar:  # as vLLM: the mask is made once the in-flight tokens are in
             out.deferred_grammar_req_ids = constrained
         else:
@@ -280,6 +306,8 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting_for_grammar.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_KV:
+                self.waiting_for_kv.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -288,6 +316,8 @@ class Scheduler:
         """Out of its queue already: its blocks and its runner state go."""
         req.finish(status)
         self.kv_cache.free(req)
+        if self.connector is not None:
+            self.connector.forget(req)
         self._freed_req_ids.add(req.request_id)
         del self.requests[req.request_id]
 

@@ -28,6 +28,7 @@ from parashift.types.outputs import GrammarBitmask, ModelRunnerOutput, Scheduler
 
 class LocalExecutor:
     max_batches_in_flight = 1  # one step at a time: the model runs in this process
+    num_workers = 1
     worker_base: type[Worker] = Worker
 
     def __init__(self, config: EngineConfig, placement: EnginePlacement):
@@ -67,6 +68,9 @@ class LocalExecutor:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._call(self.worker.initialize_cache, num_blocks)
+
+    def attach_kv_tiers(self, *link) -> None:
+        self._call(self.worker.attach_kv_tiers, *link)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         result = self._call(self.worker.execute_model, scheduler_output)

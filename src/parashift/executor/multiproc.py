@@ -124,6 +124,13 @@ class MultiprocExecutor:
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", num_blocks)
 
+    @property
+    def num_workers(self) -> int:
+        return len(self.commands)
+
+    def attach_kv_tiers(self, *link) -> None:
+        self.collective_rpc("attach_kv_tiers", *link)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)
         return self.wait()

@@ -9,12 +9,14 @@ import importlib
 import logging
 
 import torch
+import torch.distributed as dist
 
 from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.executor.model_runner import ModelRunner
 from parashift.executor.step_result import StepResult
+from parashift.kv_tiers.transfers import KVTransfers, TierLink
 from parashift.layers.attention.backend import get_attention_backend
 from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
@@ -62,6 +64,9 @@ class Worker:
         torch.manual_seed(config.model.seed)
         self.backend = get_attention_backend(config.device.attention_backend)
         self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.tier_link: TierLink | None = None  # the KV tiers' arena and job board, if any
+        self.kv_transfers: KVTransfers | None = None
         self.sleep_level = 0  # 1: the KV cache is freed; 2: the weights too
         self._load_model()
 
@@ -85,6 +90,7 @@ class Worker:
         """Free the KV cache (level 1) and the weights too (level 2); the engine has no request
         left. Returns the bytes released (resident memory on CPU, device memory on GPU)."""
         before = self.memory_bytes()
+        self._close_transfers()  # (the engine ended its transfers before it slept)
         self._allocate_cache(0)
         self.runner.graphs = None  # captured on the freed cache
         if level >= 2:  # every reference to the weights
@@ -126,6 +132,7 @@ class Worker:
         """Before the process exits: the last activations sent must reach the next stage."""
         if self.runner is not None:  # None: asleep at level 2, nothing in flight
             self.runner.pp.wait_sends()
+        self._close_transfers()
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over this worker's layers (its pipeline stage's), K and V."""
@@ -177,8 +184,10 @@ class Worker:
         # touch, fresh 2 MiB pages fault in slowly enough to add seconds to start-up, and the
         # decode ran no faster from them.
         zeros = functools.partial(torch.zeros, shape, dtype=dtype, device=self.device)
-        kv = [(zeros(), zeros()) for _ in layers]
-        self.runner.bind_kv_cache(kv)
+        self.kv_caches = [(zeros(), zeros()) for _ in layers]
+        self.runner.bind_kv_cache(self.kv_caches)
+        if num_blocks and self.tier_link is not None:  # woken up: the new cache's transfers
+            self.kv_transfers = KVTransfers(self.tier_link, self._tier_index(), self.kv_caches)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -189,8 +198,31 @@ class Worker:
                 and not device.enforce_eager and shard.tp_size == 1
                 and self.runner.pp.world_size == 1 and self.runner.dispatcher is None)
 
+    def attach_kv_tiers(self, arena_path: str, slot_bytes: int, board_path: str,
+                        num_jobs: int, num_workers: int, worker_bytes: int) -> None:
+        """The engine's KV tiers: copies between this worker's cache and the node's arena."""
+        self.tier_link = TierLink(arena_path, slot_bytes, board_path, num_jobs, num_workers,
+                                  worker_bytes)
+        self.kv_transfers = KVTransfers(self.tier_link, self._tier_index(), self.kv_caches)
+
+    @staticmethod
+    def _tier_index() -> int:
+        """Its share's place in an arena slot: its rank among the engine's workers."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def _close_transfers(self) -> None:
+        if self.kv_transfers is not None:
+            self.kv_transfers.close()
+            self.kv_transfers = None
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepResult:
-        return self.runner.execute_model(scheduler_output)
+        transfers, jobs = self.kv_transfers, scheduler_output.kv_jobs
+        if transfers is None or not jobs:
+            return self.runner.execute_model(scheduler_output)
+        transfers.before_forward(jobs)
+        result = self.runner.execute_model(scheduler_output)
+        transfers.after_forward(jobs)
+        return result
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> StepResult:
         return self.runner.sample_tokens(grammar)

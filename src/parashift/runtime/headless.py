@@ -26,6 +26,7 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY, resolve_dtype_name
 from parashift.engine.args import EngineArgs, config_for_this_node, gemm_paths, strategy_spec
 from parashift.engine.placement import node_mesh
+from parashift.kv_tiers import host_arena
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs, StartupError
 from parashift.strategies.mesh import DeviceMesh
@@ -47,6 +48,7 @@ class HeadlessLauncher:
         self.head = tcp_url(args.data_parallel_address or "127.0.0.1",
                             args.data_parallel_rpc_port)
         self.engines: LocalEngines | None = None  # once the head's config is checked
+        self.kv_host_tier: str | None = None  # the node's arena, named by the head
         self.ctx = zmq_context()
         self.to_head = self.ctx.socket(zmq.DEALER)
         self.to_head.setsockopt(zmq.IDENTITY, routing_id(f"node-{self.local_ranks[0]}"))
@@ -67,6 +69,7 @@ class HeadlessLauncher:
         init = self._wait_for_head(monitor)
         try:
             mesh = check_node(self.args, init.config, self.local_ranks)
+            self.kv_host_tier = init.config.cache.kv_host_tier
         except ValueError as e:
             self._refuse(str(e))
         logger.info("the head's config checked; this node runs:\n%s", mesh.table())
@@ -136,6 +139,7 @@ class HeadlessLauncher:
     def shutdown(self) -> None:
         if self.engines is not None:
             self.engines.stop()
+        host_arena.remove(self.kv_host_tier)
         self.ctx.destroy(linger=500)
 
 

@@ -6,9 +6,11 @@ handshake socket, which stays open so that restarted ranks can join again."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import time
@@ -19,6 +21,7 @@ from parashift import env
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
+from parashift.kv_tiers import host_arena
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.api_servers import ApiServers
@@ -41,6 +44,11 @@ class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = create_config(args.engine)  # validates flags, converts a GGUF once
+        if self.config.cache.kv_offloading_size and args.backend != "ray":
+            # One host tier per node, shared by its engines (on Ray each engine has its own).
+            cache = dataclasses.replace(
+                self.config.cache, kv_host_tier=host_arena.node_arena_path(secrets.token_hex(8)))
+            self.config = dataclasses.replace(self.config, cache=cache)
         self.spec = self.config.parallel.strategy
         self.processes = self.spec.processes()  # what to launch: the strategy's answer
         self.num_engines = self.processes.num_engines
@@ -248,6 +256,7 @@ class Launcher:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
         self.engines.stop(grace or 10.0)
+        host_arena.remove(self.config.cache.kv_host_tier)
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=500 if self.handshake.nodes else 0)

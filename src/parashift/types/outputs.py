@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parashift.types.sampling_params import SamplingParams
 
@@ -31,6 +31,18 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTransferJob:
+    """Copies between the KV cache and the host tier (kv_tiers/): `load` fills `block_ids`
+    from `slots`, a store reads them into the slots. Every worker of the engine copies its
+    share and reports job `job` done on the engine's job board."""
+
+    job: int
+    load: bool
+    block_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
     cached_reqs: list[CachedRequestData]
@@ -41,6 +53,7 @@ class SchedulerOutput:
     # Async scheduling: constrained rows whose mask depends on tokens still in flight. The
     # mask follows the batch (the runner runs the forward, then waits for it to sample).
     deferred_grammar_req_ids: list[str] | None = None
+    kv_jobs: list[KVTransferJob] = field(default_factory=list)  # started with this step
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,298 @@
+"""The KV connector of the host and disk tiers (engine/kv_connector.py is the seam).
+
+Stores: a request's prompt blocks, once a step filled them, are copied to the node's host
+arena (write-through; a block some rank stored already is skipped), the pool's block held
+until its copy is reported. The node's disk writer (the engine holding the disk folder's
+writer lock) persists what the arena holds in the background.
+
+Loads: for a waiting request, the blocks beyond its local prefix hit that the arena holds
+(pinned there), then those on disk (read into arena slots by a reader thread first), are
+copied into blocks of the pool allocated for the job; when every worker reported its share,
+the blocks are cached in the pool under their hashes and the request waits for admission
+again, where they are its prefix hit. A request that needs a block another job is loading
+waits for that job. A job owns its blocks and pins, so a request aborted while loading frees
+nothing the copy still writes: the job frees them when it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from parashift.engine.kv_cache import KVCacheBlock, KVCacheManager
+from parashift.engine.request import Request
+from parashift.kv_tiers.host_arena import HostArena
+from parashift.kv_tiers.identity import tier_key
+from parashift.kv_tiers.job_board import DONE, PENDING, JobBoard
+from parashift.types.outputs import KVTransferJob
+
+if TYPE_CHECKING:
+    from parashift.kv_tiers.disk_tier import DiskTier
+    from parashift.kv_tiers.disk_writer import DiskWriter
+
+logger = logging.getLogger(__name__)
+
+MAX_JOBS = 64  # transfers in flight; past it stores are skipped and loads recompute
+_WRITER_RETRY_S = 2.0
+
+
+@dataclass
+class TierStats:
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    load_seconds: float = 0.0  # summed over loads, from lookup to the blocks in the pool
+    loads: int = 0
+    failed_loads: int = 0
+
+
+@dataclass
+class _Job:
+    id: int
+    load: bool
+    blocks: list[KVCacheBlock]
+    hashes: list[int]
+    slots: list[int]
+    num_host: int = 0  # of a load: slots found in the arena; the rest are read from disk
+    waiters: list[Request] = field(default_factory=list)
+    reading: Future | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class TierConnector:
+    def __init__(self, kv_cache: KVCacheManager, arena: HostArena, identity: bytes,
+                 block_bytes: int, num_workers: int, disk: DiskTier | None = None,
+                 disk_folder: str | None = None, disk_size: int = 0):
+        self.kv_cache, self.pool = kv_cache, kv_cache.pool
+        self.block_size = kv_cache.block_size
+        self.arena, self.identity, self.block_bytes = arena, identity, block_bytes
+        self.board = JobBoard.create(MAX_JOBS, num_workers)
+        self.disk = disk
+        self._disk_args = (disk_folder, disk_size)
+        self._writer: DiskWriter | None = None
+        self._writer_lock: int | None = None
+        self._writer_tried = 0.0
+        self._reader = ThreadPoolExecutor(1, "parashift-kv-read") if disk is not None else None
+        self.jobs: dict[int, _Job] = {}
+        self._free_ids = list(range(MAX_JOBS - 1, -1, -1))
+        self._loading: dict[int, int] = {}  # block hash -> the job loading it
+        self._stored: dict[str, int] = {}  # request id -> its blocks considered for storing
+        self._emitted: list[KVTransferJob] = []
+        self.stats = TierStats()
+        self._try_disk_writer()
+
+    # --- loads ------------------------------------------------------------------------------
+    def begin_load(self, request: Request, hits: list[KVCacheBlock]) -> bool:
+        if request.kv_load_tried:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[len(hits):max_blocks]
+        if not hashes:
+            return False
+        loading = self._loading.get(hashes[0])
+        if loading is not None:  # its next block is on its way for another request
+            self.jobs[loading].waiters.append(request)
+            return True
+        started = time.monotonic()
+        keys = [tier_key(self.identity, h) for h in hashes]
+        slots = self.arena.lookup(keys)
+        read_slots = self._reserve_reads(keys[len(slots):]) if self.disk is not None else []
+        num = len(slots) + len(read_slots)
+        if not num:
+            return False
+        blocks = self._allocate(hits, num) if self._free_ids else None
+        if blocks is None:  # no room: it computes them
+            self.arena.unpin(slots)
+            self.arena.abandon(read_slots)
+            return False
+        request.kv_load_tried = True
+        job = _Job(self._free_ids.pop(), True, blocks, hashes[:num], slots + read_slots,
+                   num_host=len(slots), waiters=[request], started=started)
+        self.jobs[job.id] = job
+        for block_hash in job.hashes:
+            self._loading[block_hash] = job.id
+        if read_slots:
+            reads = list(zip(keys[len(slots):num], read_slots, strict=True))
+            job.reading = self._reader.submit(self._read, reads)
+        else:
+            self._emit(job)
+        return True
+
+    def _reserve_reads(self, keys: list[int]) -> list[int]:
+        """Arena slots for the run of `keys` the disk holds, to read them into."""
+        on_disk = []
+        for key in keys:
+            if not self.disk.contains(key):
+                break
+            on_disk.append(key)
+        reserved = self.arena.reserve(on_disk) if on_disk else []
+        cut = next((i for i, slot in enumerate(reserved) if slot is None), len(reserved))
+        self.arena.abandon([slot for slot in reserved[cut:] if slot is not None])
+        return reserved[:cut]
+
+    def _allocate(self, hits: list[KVCacheBlock], num: int) -> list[KVCacheBlock] | None:
+        """`num` blocks of the pool, leaving the request's hits cached and one block more
+        for it to compute into; None without room."""
+        pool = self.pool
+        pool.touch(hits)  # not evicted for the blocks they precede
+        try:
+            if pool.num_free_blocks < num + 1:
+                return None
+            return pool.allocate(num)
+        finally:
+            pool.free(hits)
+
+    def _read(self, reads: list[tuple[int, int]]) -> int:
+        """In the reader thread: how many of the blocks, from the first, read intact."""
+        for done, (key, slot) in enumerate(reads):
+            if not self.disk.read_into(key, self.arena.slot(slot)):
+                return done
+        return len(reads)
+
+    # --- stores -----------------------------------------------------------------------------
+    def store(self, request: Request) -> None:
+        """Its prompt blocks this step filled (write-through)."""
+        req_id = request.request_id
+        upto = min(self.kv_cache.num_cached_blocks.get(req_id, 0),
+                   request.num_prompt_tokens // self.block_size)
+        start = self._stored.get(req_id, 0)
+        if upto <= start:
+            return
+        self._stored[req_id] = upto
+        if not self._free_ids:
+            return
+        blocks = self.kv_cache.req_blocks[req_id][start:upto]
+        hashes = request.block_hashes[start:upto]
+        slots = self.arena.reserve([tier_key(self.identity, h) for h in hashes])
+        kept = [(b, h, s) for b, h, s in zip(blocks, hashes, slots, strict=True)
+                if s is not None]
+        if not kept:
+            return
+        held = [b for b, _, _ in kept]
+        self.pool.touch(held)  # not reused before the copy is out
+        job = _Job(self._free_ids.pop(), False, held, [h for _, h, _ in kept],
+                   [s for _, _, s in kept])
+        self.jobs[job.id] = job
+        self._emit(job)
+
+    # --- the step ---------------------------------------------------------------------------
+    def _emit(self, job: _Job) -> None:
+        self.board.start(job.id)
+        self._emitted.append(KVTransferJob(job.id, job.load, [b.block_id for b in job.blocks],
+                                           list(job.slots)))
+
+    def take_jobs(self) -> list[KVTransferJob]:
+        jobs, self._emitted = self._emitted, []
+        return jobs
+
+    def settle(self) -> list[Request]:
+        """Ends the jobs that are done; returns the requests whose loads ended."""
+        if not time.monotonic() - self._writer_tried < _WRITER_RETRY_S:
+            self._try_disk_writer()
+        ready: list[Request] = []
+        for job in list(self.jobs.values()):
+            if job.reading is not None:
+                if job.reading.done():
+                    self._read_done(job, ready)
+                continue
+            outcome = self.board.outcome(job.id)
+            if outcome != PENDING:
+                self._end(job, outcome == DONE, ready)
+        return ready
+
+    def _read_done(self, job: _Job, ready: list[Request]) -> None:
+        """Its disk reads are in: the intact ones are published (pinned for the load), the
+        rest and their blocks dropped."""
+        job.reading, num_read = None, job.reading.result()
+        reads = job.slots[job.num_host:]
+        self.arena.publish(reads[:num_read], persisted=True, pin=True)
+        self.arena.abandon(reads[num_read:])
+        keep = job.num_host + num_read
+        self.stats.disk_hit_blocks += num_read
+        for block_hash in job.hashes[keep:]:
+            self._loading.pop(block_hash, None)
+        self.pool.free(job.blocks[keep:])
+        del job.blocks[keep:], job.hashes[keep:], job.slots[keep:]
+        if job.blocks:
+            self._emit(job)
+        else:
+            self._end(job, False, ready)
+
+    def _end(self, job: _Job, ok: bool, ready: list[Request]) -> None:
+        del self.jobs[job.id]
+        self._free_ids.append(job.id)
+        if job.load:
+            if ok:
+                for block, block_hash in zip(job.blocks, job.hashes, strict=True):
+                    self.pool.cache(block, block_hash)
+                self.stats.loads += 1
+                self.stats.host_hit_blocks += job.num_host
+                self.stats.loaded_bytes += len(job.blocks) * self.block_bytes
+                self.stats.load_seconds += time.monotonic() - job.started
+            else:
+                self.stats.failed_loads += 1
+            self.arena.unpin(job.slots)
+            for block_hash in job.hashes:
+                self._loading.pop(block_hash, None)
+            ready.extend(job.waiters)
+        elif ok:
+            self.arena.publish(job.slots)
+            self.stats.stored_bytes += len(job.slots) * self.block_bytes
+            if self._writer is not None:
+                self._writer.wake()
+        else:
+            self.arena.abandon(job.slots)
+        self.pool.free(job.blocks)
+
+    def forget(self, request: Request) -> None:
+        self._stored.pop(request.request_id, None)
+        for job in self.jobs.values():
+            if request in job.waiters:
+                job.waiters.remove(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    # --- the node's disk writer ---------------------------------------------------------------
+    def _try_disk_writer(self) -> None:
+        """Becomes the node's disk writer if none is (the lock of a writer that died is free)."""
+        self._writer_tried = time.monotonic()
+        folder, size = self._disk_args
+        if self.disk is None or self._writer is not None or folder is None:
+            return
+        fd = os.open(os.path.join(folder, ".writer.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return
+        self._writer_lock = fd
+        from parashift.kv_tiers.disk_tier import DiskTier
+        from parashift.kv_tiers.disk_writer import DiskWriter
+
+        tier = DiskTier(folder, size, self.identity, self.arena.slot_bytes, writer=True)
+        self._writer = DiskWriter(tier, self.arena)
+        self._writer.start()
+        logger.info("KV disk tier: this engine writes %s (%d blocks held)", folder,
+                    tier.num_blocks())
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.stop()
+            while self._writer.persist_batch()[0]:  # what the arena holds, for a restart
+                pass
+        if self._writer_lock is not None:
+            os.close(self._writer_lock)
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+        with contextlib.suppress(Exception):
+            self.board.close()
+        self.arena.close()
