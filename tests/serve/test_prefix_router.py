@@ -160,3 +160,17 @@ def test_a_cache_emptied_through_another_api_server_is_forgotten_here(tmp_path):
         assert broker.router.indexes[1].matched(hashes) == 0
     finally:
         broker.ctx.destroy(linger=0)
+
+
+def test_a_prefix_in_a_shared_host_tier_counts_on_every_rank_of_its_node():
+    r = Router(RoutingConfig(), num_engines=3)
+    r.add_rank(0, 100, "/dev/shm/node-a", 1000)
+    r.add_rank(1, 100, "/dev/shm/node-a", 1000)
+    r.add_rank(2, 100, "/dev/shm/node-b", 1000)
+    prompt = block_hashes(TOKENS, 16)
+    r.record(0, prompt)  # computed on dp0: stored in node a's tier
+    loads = {0: 3, 1: 0, 2: 0}
+    assert r.choose([0, 1, 2], prompt, loads.get) == 1  # node a's less loaded rank loads it
+    r.forget(0)  # dp0's pool reset: the tier keeps the blocks
+    assert r.choose([0, 1, 2], prompt, {0: 0, 1: 2, 2: 0}.get) == 0
+    assert r.choose([2], prompt, loads.get) == 2

@@ -127,8 +127,10 @@ class EngineProcess:
             self.links, init.coordinator_publish_address), self._publish) if lockstep
             else Steps(self.core, self._publish))
         cfg = self.core.config
+        arena = self.core.connector.arena if self.core.connector is not None else None
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
-                              self.incarnation, cfg.cache.block_size, lockstep)
+                              self.incarnation, cfg.cache.block_size, lockstep,
+                              arena and arena.path, arena.num_slots if arena else 0)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,

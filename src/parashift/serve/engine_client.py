@@ -264,7 +264,7 @@ class EngineClient:
         if route is not None:
             self.routes[msg.rank] = route
         self.block_size = msg.block_size
-        self.router.add_rank(msg.rank, msg.num_blocks)
+        self.router.add_rank(msg.rank, msg.num_blocks, msg.kv_tier, msg.kv_tier_blocks)
         if left == RankStatus.DEAD:
             logger.info("engine dp%d is back (%d KV blocks)", msg.rank, msg.num_blocks)
         else:

@@ -6,7 +6,9 @@
   rank's KV cache holds. The rank with the best score (matched blocks minus its load score)
   wins when at least `min_match` of the prompt's full blocks are there and its load is within
   `balance_threshold` of the least loaded rank's (the balance guard); otherwise the load rule
-  decides (and the request's blocks then live there).
+  decides (and the request's blocks then live there). With a host KV tier shared by a node's
+  ranks (--kv-offloading-size), what was routed to any of them is in the tier: it counts as
+  matched on each of them (an index per tier), so the load picks among them.
 - `load`: the lowest load score (the coordinator's view plus what this server sent since).
 - `round-robin`: each rank in turn.
 
@@ -84,11 +86,19 @@ class Router:
         self.config = config
         self.num_engines = num_engines
         self.indexes: dict[int, RankPrefixIndex] = {}
+        self.tiers: dict[str, RankPrefixIndex] = {}  # a host KV tier's name -> its index
+        self.tier_of: dict[int, str] = {}
         self._turn = itertools.count()
 
-    def add_rank(self, rank: int, capacity_blocks: int) -> None:
-        """A rank became ready (again: a restarted rank's cache starts empty)."""
+    def add_rank(self, rank: int, capacity_blocks: int, tier: str | None = None,
+                 tier_blocks: int = 0) -> None:
+        """A rank became ready (again: a restarted rank's cache starts empty; the tier it
+        shares keeps what it held)."""
         self.indexes[rank] = RankPrefixIndex(max(1, capacity_blocks))
+        if tier is not None:
+            self.tier_of[rank] = tier
+            if tier not in self.tiers:
+                self.tiers[tier] = RankPrefixIndex(max(1, tier_blocks))
 
     def forget(self, rank: int) -> None:
         """The rank's prefix cache was emptied (reset, sleep, wake)."""
@@ -104,8 +114,7 @@ class Router:
         by_load = min(alive, key=lambda r: (load(r), (r - turn) % self.num_engines))
         if self.config.policy == "load" or not hashes:
             return by_load
-        matched = {r: self.indexes[r].matched(hashes) if r in self.indexes else 0
-                   for r in alive}
+        matched = {r: self._matched(r, hashes) for r in alive}
         # ranks whose cache holds enough of the prompt, within the balance guard; of those,
         # the best score: the blocks its cache would serve minus its load score
         enough = max(1.0, self.config.min_match * len(hashes))
@@ -115,6 +124,13 @@ class Router:
             return by_load
         return max(eligible, key=lambda r: (matched[r] - load(r), matched[r]))
 
+    def _matched(self, rank: int, hashes: Sequence[int]) -> int:
+        local = self.indexes[rank].matched(hashes) if rank in self.indexes else 0
+        tier = self.tiers.get(self.tier_of.get(rank, ""))
+        return max(local, tier.matched(hashes)) if tier is not None else local
+
     def record(self, rank: int, hashes: Sequence[int]) -> None:
         if self.config.policy == "prefix" and rank in self.indexes:
             self.indexes[rank].record(hashes)
+            if rank in self.tier_of:
+                self.tiers[self.tier_of[rank]].record(hashes)

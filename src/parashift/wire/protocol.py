@@ -101,6 +101,10 @@ class EngineReady(_Msg):
     incarnation: int = 0
     block_size: int = 16  # the API servers' prefix routing hashes blocks of this size
     lockstep: bool = False  # expert parallel over engines: this rank dies with any peer
+    # The host KV tier it shares with the ranks that name the same one (its node's), and how
+    # many blocks that holds: the router counts a block there as cached on each of them.
+    kv_tier: str | None = None
+    kv_tier_blocks: int = 0
 
 
 class EngineOutputs(_Msg):
