@@ -67,7 +67,7 @@ def test_host_tier_serves_evicted_blocks(tiny_llama, reference):
         assert llm.engine.scheduler.kv_cache.pool.lookup(first_block) is None  # evicted
         assert [one(llm, p) for p in prompts(4)] == reference["hit"]
         stats = llm.engine.connector.stats
-        assert stats.loads >= 3 and stats.host_hit_blocks >= 3 * (HIT // 16)
+        assert stats.host_loads >= 3 and stats.host_hit_blocks >= 3 * (HIT // 16)
         assert stats.failed_loads == 0
         assert_nothing_held(llm)
     finally:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from parashift.engine.kv_cache import KVCacheBlock
 from parashift.engine.request import Request
-from parashift.types.outputs import KVTransferJob
+from parashift.types.outputs import KVTierStats, KVTransferJob
 
 
 class KVConnector(Protocol):
@@ -31,6 +31,8 @@ class KVConnector(Protocol):
     def settle(self) -> list[Request]: ...
 
     def forget(self, request: Request) -> None: ...
+
+    stats: KVTierStats
 
     @property
     def busy(self) -> bool:

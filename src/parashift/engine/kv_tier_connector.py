@@ -29,7 +29,7 @@ from parashift.engine.request import Request
 from parashift.kv_tiers.host_arena import HostArena
 from parashift.kv_tiers.identity import tier_key
 from parashift.kv_tiers.job_board import DONE, PENDING, JobBoard
-from parashift.types.outputs import KVTransferJob
+from parashift.types.outputs import KVTierStats, KVTransferJob
 
 if TYPE_CHECKING:
     from parashift.kv_tiers.disk_tier import DiskTier
@@ -42,17 +42,6 @@ _WRITER_RETRY_S = 2.0
 
 
 @dataclass
-class TierStats:
-    host_hit_blocks: int = 0
-    disk_hit_blocks: int = 0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
-    load_seconds: float = 0.0  # summed over loads, from lookup to the blocks in the pool
-    loads: int = 0
-    failed_loads: int = 0
-
-
-@dataclass
 class _Job:
     id: int
     load: bool
@@ -60,6 +49,7 @@ class _Job:
     hashes: list[int]
     slots: list[int]
     num_host: int = 0  # of a load: slots found in the arena; the rest are read from disk
+    num_read: int = 0  # of those, read intact
     waiters: list[Request] = field(default_factory=list)
     reading: Future | None = None
     started: float = field(default_factory=time.monotonic)
@@ -84,7 +74,7 @@ class TierConnector:
         self._loading: dict[int, int] = {}  # block hash -> the job loading it
         self._stored: dict[str, int] = {}  # request id -> its blocks considered for storing
         self._emitted: list[KVTransferJob] = []
-        self.stats = TierStats()
+        self.stats = KVTierStats()
         self._try_disk_writer()
 
     # --- loads ------------------------------------------------------------------------------
@@ -214,7 +204,7 @@ class TierConnector:
         self.arena.publish(reads[:num_read], persisted=True, pin=True)
         self.arena.abandon(reads[num_read:])
         keep = job.num_host + num_read
-        self.stats.disk_hit_blocks += num_read
+        job.num_read = num_read
         for block_hash in job.hashes[keep:]:
             self._loading.pop(block_hash, None)
         self.pool.free(job.blocks[keep:])
@@ -231,10 +221,7 @@ class TierConnector:
             if ok:
                 for block, block_hash in zip(job.blocks, job.hashes, strict=True):
                     self.pool.cache(block, block_hash)
-                self.stats.loads += 1
-                self.stats.host_hit_blocks += job.num_host
-                self.stats.loaded_bytes += len(job.blocks) * self.block_bytes
-                self.stats.load_seconds += time.monotonic() - job.started
+                self._count_load(job)
             else:
                 self.stats.failed_loads += 1
             self.arena.unpin(job.slots)
@@ -249,6 +236,18 @@ class TierConnector:
         else:
             self.arena.abandon(job.slots)
         self.pool.free(job.blocks)
+
+    def _count_load(self, job: _Job) -> None:
+        stats, seconds = self.stats, time.monotonic() - job.started
+        stats.host_hit_blocks += job.num_host
+        stats.disk_hit_blocks += job.num_read
+        stats.loaded_bytes += len(job.blocks) * self.block_bytes
+        if job.num_read:
+            stats.disk_loads += 1
+            stats.disk_load_seconds += seconds
+        else:
+            stats.host_loads += 1
+            stats.host_load_seconds += seconds
 
     def forget(self, request: Request) -> None:
         self._stored.pop(request.request_id, None)

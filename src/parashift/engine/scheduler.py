@@ -324,4 +324,5 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.num_waiting, len(self.running), self.kv_cache.usage,
                               self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens,
-                              self.num_preemptions, self.kv_cache.pool.num_resets)
+                              self.num_preemptions, self.kv_cache.pool.num_resets,
+                              self.connector.stats if self.connector is not None else None)

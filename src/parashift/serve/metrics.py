@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from parashift.types.outputs import KVTierStats
 from parashift.wire import protocol as p
 
 # Expert-parallel lockstep, per engine since it started: stats field -> (metric, help)
@@ -54,6 +55,19 @@ class Metrics:
                                  "started)", ["engine"], registry=r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
+        # KV tiers: the engine's counts since it started (set, as the prefix cache's are)
+        self.tier_hits = Gauge("parashift_kv_tier_hit_blocks", "KV blocks loaded from a tier "
+                               "instead of computed", ["engine", "tier"], registry=r)
+        self.tier_bytes = Gauge("parashift_kv_tier_bytes", "Bytes moved between the KV cache "
+                                "and the host tier", ["engine", "direction"], registry=r)
+        self.tier_loads = Gauge("parashift_kv_tier_loads", "Loads that ended with their blocks "
+                                "in the KV cache (disk: some read from disk)", ["engine", "tier"],
+                                registry=r)
+        self.tier_load_seconds = Gauge("parashift_kv_tier_load_seconds", "Summed time from a "
+                                       "load's lookup to its blocks in the KV cache",
+                                       ["engine", "tier"], registry=r)
+        self.tier_failed = Gauge("parashift_kv_tier_failed_loads", "Loads given up (the blocks "
+                                 "were computed instead)", ["engine"], registry=r)
         self.preemptions = Gauge("parashift_num_preemptions",
                                  "Requests an engine preempted (since it started)", ["engine"],
                                  registry=r)
@@ -89,6 +103,19 @@ class Metrics:
         if s.prefix_cache_queried_tokens:
             self.prefix_hit_rate.labels(engine).set(
                 s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens)
+        if s.kv_tiers is not None:
+            self._on_tier_stats(engine, s.kv_tiers)
+
+    def _on_tier_stats(self, engine: str, t: KVTierStats) -> None:
+        for tier, hits, loads, seconds in (
+                ("host", t.host_hit_blocks, t.host_loads, t.host_load_seconds),
+                ("disk", t.disk_hit_blocks, t.disk_loads, t.disk_load_seconds)):
+            self.tier_hits.labels(engine, tier).set(hits)
+            self.tier_loads.labels(engine, tier).set(loads)
+            self.tier_load_seconds.labels(engine, tier).set(seconds)
+        self.tier_bytes.labels(engine, "load").set(t.loaded_bytes)
+        self.tier_bytes.labels(engine, "store").set(t.stored_bytes)
+        self.tier_failed.labels(engine).set(t.failed_loads)
 
     def on_load_vector(self, vector: p.LoadVector) -> None:
         for load in vector.loads:

@@ -105,6 +105,21 @@ class EngineCoreOutput:
 
 
 @dataclass
+class KVTierStats:
+    """An engine's KV tier traffic since it started (engine/kv_tier_connector.py)."""
+
+    host_hit_blocks: int = 0  # blocks loaded from the host tier
+    disk_hit_blocks: int = 0  # blocks read from the disk tier (then loaded through the host)
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    host_loads: int = 0  # loads served from the host tier alone
+    host_load_seconds: float = 0.0  # summed: from the lookup to the blocks in the pool
+    disk_loads: int = 0  # loads that read from disk
+    disk_load_seconds: float = 0.0
+    failed_loads: int = 0  # recomputed instead (a corrupt or missing block, a failed copy)
+
+
+@dataclass
 class SchedulerStats:
     num_waiting: int
     num_running: int
@@ -113,3 +128,4 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0  # since the engine started
     num_prefix_cache_resets: int = 0  # since the engine started: the cache emptied this often
+    kv_tiers: KVTierStats | None = None  # with --kv-offloading-size
