@@ -107,9 +107,10 @@ class HostArena:
         while num_slots and cls.file_bytes(num_slots, slot_bytes) > size_bytes:
             num_slots -= WAYS
         if num_slots < WAYS:
+            tenths = -(-cls.file_bytes(WAYS, slot_bytes) * 10 // 2**20)  # rounded up: enough
             raise ValueError(f"--kv-offloading-size {size_bytes / 2**20:.1f} MiB holds fewer "
                              f"than {WAYS} KV blocks of {slot_bytes} bytes: give it at least "
-                             f"{cls.file_bytes(WAYS, slot_bytes) / 2**20:.1f} MiB")
+                             f"{tenths / 10:.1f} MiB")
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:

@@ -48,12 +48,13 @@ class KVTransfers:
     def __init__(self, link: TierLink, worker: int,
                  kv: list[tuple[torch.Tensor, torch.Tensor]]):
         self.worker = worker
-        self.arena = HostArena.attach(link.arena_path, link.slot_bytes)
-        self.board = JobBoard(link.board_path, link.num_jobs, link.num_workers, owner=False)
         k0 = kv[0][0]
         per_block = k0[0].numel()  # block_size x kv heads x head dim
         if 2 * len(kv) * per_block * k0.element_size() > link.worker_bytes:
             raise ValueError("the KV host tier's slots do not match this worker's cache")
+        # mapped after the check: a refused cache leaves no descriptor or mapping open
+        self.arena = HostArena.attach(link.arena_path, link.slot_bytes)
+        self.board = JobBoard(link.board_path, link.num_jobs, link.num_workers, owner=False)
         self.device = k0.device
         words = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[k0.element_size()]
         item = np.dtype(words).itemsize

@@ -1,0 +1,299 @@
+"""The host tier's arena in real shared memory: made by the first open and attached by the rest,
+refused when its slots, mode or size do not fit; lookup finds the ready run from the first key
+and pins it; a full set evicts its least recently used ready, unpinned slot; the disk writer's
+unpersisted slots; another process sees the same slots and index. Also the tier identity and
+the job board the workers report on."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pytest
+
+from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena, shm_path
+from parashift.kv_tiers.identity import tier_identity, tier_key
+from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
+
+SLOT_BYTES = 1024
+
+
+@pytest.fixture
+def path():
+    """A unique arena name in /dev/shm; nothing of it (nor its temporary names) may outlive
+    the test."""
+    name = shm_path(f"parashift-test-arena-{uuid.uuid4().hex}")
+    yield name
+    left = glob.glob(name + "*")
+    for leftover in left:
+        os.unlink(leftover)
+    assert not left, f"left in /dev/shm: {left}"
+
+
+def make(path: str, num_slots: int = 2 * WAYS, slot_bytes: int = SLOT_BYTES) -> HostArena:
+    arena = HostArena.open(path, HostArena.file_bytes(num_slots, slot_bytes), slot_bytes,
+                           owner=True)
+    assert arena.num_slots == num_slots
+    return arena
+
+
+def same_set(arena: HostArena, count: int, which: int = 0) -> list[int]:
+    """`count` keys that all map to set `which`."""
+    return [which + k * arena.num_sets for k in range(1, count + 1)]
+
+
+def store(arena: HostArena, keys: list[int], **publish) -> list[int]:
+    slots = arena.reserve(keys)
+    assert None not in slots
+    arena.publish(slots, **publish)
+    return slots
+
+
+# --- open, attach, refusals -----------------------------------------------------------------
+def test_the_first_open_makes_the_arena_a_second_attaches_and_the_owner_unlinks(path):
+    first = make(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert first.num_slots == 2 * WAYS and first.num_sets == 2 and first.num_ready() == 0
+    assert all(first.state == FREE) and all(first.keys == -1)
+    second = HostArena.open(path, 10 * HostArena.file_bytes(4 * WAYS, SLOT_BYTES), SLOT_BYTES,
+                            owner=False)  # another size: the node's arena counts
+    assert (second.num_slots, second.slot_bytes) == (first.num_slots, SLOT_BYTES)
+    first.slot(3)[:4] = b"abcd"
+    assert bytes(second.slot(3)[:4]) == b"abcd"
+    [slot] = second.reserve([7])
+    assert first.contains(7) and first.state[slot] == WRITING
+    second.close()
+    assert os.path.exists(path)  # not the owner
+    first.close()
+    assert not os.path.exists(path)
+
+
+def test_attach_refuses_other_slot_sizes_and_an_open_mode(path):
+    arena = make(path)
+    with pytest.raises(ValueError, match=f"slots of {SLOT_BYTES} bytes.*take {2 * SLOT_BYTES}"):
+        HostArena.attach(path, 2 * SLOT_BYTES)
+    with pytest.raises(ValueError, match=f"{SLOT_BYTES}.*{2 * SLOT_BYTES}"):
+        HostArena.open(path, 1 << 20, 2 * SLOT_BYTES, owner=False)
+    for mode in (0o640, 0o604):
+        os.chmod(path, mode)
+        with pytest.raises(ValueError, match="not this user's private file"):
+            HostArena.attach(path, SLOT_BYTES)
+    arena.close()
+
+
+def test_attach_needs_the_file(path):
+    with pytest.raises(FileNotFoundError):
+        HostArena.attach(path, SLOT_BYTES)
+
+
+def test_a_size_below_ways_slots_says_how_much_to_give(path):
+    slot_bytes = 1 << 16  # WAYS slots and the index: a little over 1 MiB
+    with pytest.raises(ValueError, match=f"fewer than {WAYS} KV blocks of {slot_bytes} bytes"
+                       ) as refused:
+        HostArena.open(path, HostArena.file_bytes(WAYS, slot_bytes) - 1, slot_bytes, owner=True)
+    assert not glob.glob(path + "*")
+    advice = re.search(r"at least ([\d.]+) MiB", str(refused.value))
+    assert advice is not None
+    arena = HostArena.open(path, int(float(advice[1]) * 2**20), slot_bytes, owner=True)
+    assert arena.num_slots == WAYS
+    arena.close()
+
+
+# --- lookup, reserve, publish, abandon, unpin -----------------------------------------------
+def test_lookup_pins_the_ready_run_from_the_first_key(path):
+    arena = make(path)
+    a, b, c, d = 11, 12, 13, 14
+    slots = arena.reserve([a, b, c])
+    assert None not in slots and len(set(slots)) == 3
+    assert all(arena.state[slots] == WRITING)
+    assert arena.lookup([a]) == []  # being written: not found
+    arena.publish(slots[:2])
+    assert arena.num_ready() == 2
+    assert arena.lookup([a, b, c]) == slots[:2]  # c is still WRITING
+    assert list(arena.pins[slots]) == [1, 1, 0]
+    assert arena.lookup([d, a]) == [] and arena.lookup([c, a]) == []  # the run starts at d, c
+    assert arena.lookup([b]) == [slots[1]]
+    assert list(arena.pins[slots]) == [1, 2, 0]
+    arena.unpin(slots[:2])
+    arena.unpin([slots[1]])
+    assert list(arena.pins[slots]) == [0, 0, 0]
+    arena.close()
+
+
+def test_reserve_refuses_held_keys_and_abandon_frees(path):
+    arena = make(path)
+    [a] = store(arena, [1])
+    [b] = arena.reserve([2])
+    assert arena.reserve([1, 2]) == [None, None]  # READY, WRITING
+    [c, again] = arena.reserve([3, 3])
+    assert c is not None and again is None
+    arena.abandon([b, c])
+    assert not arena.contains(2) and not arena.contains(3)
+    assert arena.state[b] == FREE and arena.keys[b] == -1
+    assert arena.contains(1) and arena.lookup([1]) == [a]
+    [b2] = arena.reserve([2])
+    arena.publish([b2], pin=True)
+    assert arena.state[b2] == READY and arena.pins[b2] == 1
+    arena.close()
+
+
+# --- eviction -------------------------------------------------------------------------------
+def test_a_full_set_evicts_its_least_recently_used_ready_unpinned_slot(path):
+    arena = make(path)
+    [neighbour] = store(arena, same_set(arena, 1, which=1))
+    keys = same_set(arena, WAYS + 2)
+    slots = arena.reserve(keys[:WAYS])  # ticks in this order; publish leaves them
+    assert sorted(slots) == list(range(WAYS))  # set 0, every way
+    # the oldest: slots[0] still WRITING, slots[1] pinned, then slots[2], slots[3], ...
+    arena.publish(slots[1:2], pin=True)
+    arena.publish(slots[2:])
+    assert arena.lookup([keys[3]]) == [slots[3]]  # a use: keys[3] is now the newest
+    arena.unpin([slots[3]])
+    assert arena.reserve(keys[WAYS:]) == [slots[2], slots[4]]
+    assert [arena.contains(k) for k in keys[:5]] == [True, True, False, True, False]
+    assert arena.state[slots[0]] == WRITING and arena.pins[slots[1]] == 1
+    assert arena.keys[neighbour] == same_set(arena, 1, which=1)[0]  # set 1 had room: no matter
+    arena.close()
+
+
+def test_a_set_of_pinned_and_writing_ways_reserves_nothing(path):
+    arena = make(path)
+    keys = same_set(arena, WAYS + 1)
+    slots = arena.reserve(keys[:WAYS])
+    half = WAYS // 2
+    arena.publish(slots[:half], pin=True)
+    arena.lookup([keys[0]])  # pinned twice
+    assert arena.reserve([keys[WAYS]]) == [None]
+    [free_set] = arena.reserve(same_set(arena, 1, which=1))  # another set still has room
+    assert free_set is not None
+    arena.unpin(slots[:1])
+    assert arena.reserve([keys[WAYS]]) == [None]  # keys[0] still pinned once
+    arena.unpin(slots[:1])
+    assert arena.reserve([keys[WAYS]]) == [slots[0]]
+    arena.close()
+
+
+# --- the disk writer's side -----------------------------------------------------------------
+def test_unpersisted_offers_ready_slots_pinned_until_marked(path):
+    arena = make(path)
+    fresh = store(arena, [1, 2, 3])
+    from_disk = store(arena, [4], persisted=True)
+    arena.reserve([5])  # WRITING: not offered
+    offered = arena.unpersisted(limit=2)
+    held = sorted(zip(fresh, [1, 2, 3], strict=True))  # (slot, key), in slot order
+    assert offered == held[:2]
+    assert all(arena.pins[[s for s, _ in offered]] == 1)
+    arena.mark_persisted([s for s, _ in offered])
+    arena.unpin([s for s, _ in offered])
+    [(last, key)] = arena.unpersisted(limit=10)
+    assert (last, key) == held[2] and arena.pins[last] == 1
+    assert from_disk[0] != last
+    arena.mark_persisted([last])
+    arena.unpin([last])
+    assert arena.unpersisted(limit=10) == []
+    assert all(arena.persisted[fresh + from_disk] == 1) and all(arena.pins[fresh] == 0)
+    arena.close()
+
+
+# --- across processes -----------------------------------------------------------------------
+OTHER_PROCESS = """
+    import json, sys
+    from parashift.kv_tiers.host_arena import HostArena
+    path, slot_bytes, key, new_key = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \\
+        int(sys.argv[4])
+    arena = HostArena.open(path, 1 << 30, slot_bytes, owner=False)  # there: attached
+    [slot] = arena.lookup([key])
+    data = bytes(arena.slot(slot)).hex()
+    arena.unpin([slot])
+    [reserved] = arena.reserve([new_key])
+    arena.slot(reserved)[:] = bytes(reversed(bytes.fromhex(data)))
+    arena.publish([reserved])
+    print(json.dumps({"num_slots": arena.num_slots, "slot": slot, "data": data,
+                      "reserved": reserved}))
+    arena.close()
+"""
+
+
+def test_another_process_shares_the_slots_and_the_index(path):
+    arena = make(path)
+    payload = bytes(np.random.default_rng(0).integers(0, 256, SLOT_BYTES, dtype=np.uint8))
+    [slot] = arena.reserve([42])
+    arena.slot(slot)[:] = payload
+    arena.publish([slot])
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(OTHER_PROCESS), path,  # nosec
+                          str(SLOT_BYTES), "42", "43"], capture_output=True, text=True,
+                         check=True)
+    seen = json.loads(run.stdout)
+    assert seen["num_slots"] == arena.num_slots
+    assert seen["slot"] == slot and bytes.fromhex(seen["data"]) == payload
+    assert arena.pins[slot] == 0  # its pin and unpin count here
+    assert arena.contains(43) and arena.reserve([43]) == [None]
+    [found] = arena.lookup([43])
+    assert found == seen["reserved"] and bytes(arena.slot(found)) == payload[::-1]
+    arena.close()
+
+
+# --- the tier identity ----------------------------------------------------------------------
+def identity(model, **changes) -> bytes:
+    args = dict(dtype="bfloat16", block_size=16, layout="tp1-pp1", worker_block_bytes=4096,
+                num_workers=1) | changes
+    return tier_identity(str(model), **args)
+
+
+def test_tier_identity_follows_the_model_files_and_the_layout(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"\0" * 100)
+    (model / "README.md").write_text("not a weight")
+    base = identity(model)
+    assert len(base) == 32 and identity(model) == base
+    (model / "README.md").write_text("not a weight, and longer")
+    assert identity(model) == base
+    for change in (dict(dtype="float16"), dict(block_size=32), dict(layout="tp2-pp1"),
+                   dict(worker_block_bytes=8192), dict(num_workers=2)):
+        assert identity(model, **change) != base, change
+    (model / "model.safetensors").write_bytes(b"\0" * 101)
+    assert identity(model) != base
+
+
+def test_tier_key_is_63_bits_and_differs_for_another_identity():
+    one, other = bytes(32), bytes([1]) + bytes(31)
+    for block_hash in (0, 1, 2**63 - 1, -(2**63)):
+        key = tier_key(one, block_hash)
+        assert 0 <= key < 2**63 and key == tier_key(one, block_hash)
+        assert key != tier_key(other, block_hash)
+    assert tier_key(one, 1) != tier_key(one, 2)
+
+
+# --- the job board --------------------------------------------------------------------------
+def test_job_board_is_pending_until_every_worker_reported():
+    board = JobBoard.create(num_jobs=4, num_workers=3)
+    assert board.path.startswith("/dev/shm/") and os.stat(board.path).st_mode & 0o777 == 0o600
+    worker_view = JobBoard(board.path, 4, 3, owner=False)
+    board.start(1)
+    assert board.outcome(1) == PENDING
+    worker_view.report(1, 0, ok=True)
+    worker_view.report(1, 2, ok=True)
+    assert board.outcome(1) == PENDING
+    worker_view.report(1, 1, ok=True)
+    assert board.outcome(1) == DONE
+    board.start(2)
+    for worker, ok in ((0, True), (1, False)):
+        worker_view.report(2, worker, ok)
+    assert board.outcome(2) == PENDING
+    worker_view.report(2, 2, ok=True)
+    assert board.outcome(2) == FAILED
+    board.start(1)  # the row is used again
+    assert board.outcome(1) == PENDING and board.outcome(2) == FAILED
+    worker_view.close()
+    assert os.path.exists(board.path)
+    board.close()
+    assert not os.path.exists(board.path)
