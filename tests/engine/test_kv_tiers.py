@@ -150,3 +150,23 @@ def test_tier_flags_are_checked():
         CacheConfig(kv_offloading_size=1 << 20, kv_disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="needs --kv-offloading-size"):
         CacheConfig(kv_disk_dir="/tmp/x", kv_disk_size=1 << 20)
+
+
+def test_tensor_parallel_workers_each_copy_their_share(tiny_llama):
+    """tp2: a slot holds both workers' halves of a block; a load gives a local hit's tokens."""
+    common = dict(dtype="float32", max_model_len=MAX_LEN, strategy="tp2")
+    roomy = LLM(tiny_llama, kv_cache_memory=4 << 20, **common)
+    try:
+        hit = [(one(roomy, p), one(roomy, p))[1] for p in prompts(3)]
+    finally:
+        roomy.shutdown()
+    # Each worker holds half of a block: the same number of blocks as one worker's pool.
+    llm = LLM(tiny_llama, kv_cache_memory=SMALL_POOL // 2, kv_offloading_size=1 << 20, **common)
+    try:
+        for p in prompts(3):
+            one(llm, p)
+        assert [one(llm, p) for p in prompts(3)] == hit
+        assert llm.engine.connector.stats.host_hit_blocks >= 2 * (HIT // 16)
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()

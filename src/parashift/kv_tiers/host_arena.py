@@ -20,6 +20,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -57,6 +58,9 @@ class HostArena:
 
     def __init__(self, path: str, fd: int, owner: bool):
         self.path, self._fd, self.owner = path, fd, owner
+        # The owner's name goes when it closes, or at the latest when the process exits (an
+        # LLM never shut down would leave the arena's memory taken until a reboot).
+        self._unlink = weakref.finalize(self, remove, path) if owner else None
         size = os.fstat(fd).st_size
         if size < _PAGE:
             raise ValueError(f"KV host tier {path}: {size} bytes, not an arena")
@@ -159,9 +163,8 @@ class HostArena:
             self._data.release()
             self._map.close()
         os.close(self._fd)
-        if self.owner and unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if self._unlink is not None:
+            self._unlink() if unlink else self._unlink.detach()
 
     # --- the data ---------------------------------------------------------------------------
     def slot(self, index: int) -> memoryview:

@@ -8,6 +8,7 @@ import contextlib
 import mmap
 import os
 import tempfile
+import weakref
 
 import numpy as np
 
@@ -18,6 +19,7 @@ class JobBoard:
     def __init__(self, path: str, num_jobs: int, num_workers: int, owner: bool):
         self.path, self.num_jobs, self.num_workers, self.owner = (path, num_jobs, num_workers,
                                                                   owner)
+        self._unlink = weakref.finalize(self, _remove, path) if owner else None  # at exit too
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             self._map = mmap.mmap(fd, num_jobs * num_workers)
@@ -51,6 +53,10 @@ class JobBoard:
         self.flags = None
         with contextlib.suppress(BufferError):
             self._map.close()
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if self._unlink is not None:
+            self._unlink()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
