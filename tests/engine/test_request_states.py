@@ -6,6 +6,8 @@ failed compile finishes it, and the admission cap counts every waiting request."
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 
@@ -115,3 +117,11 @@ def test_the_admission_cap_counts_compiling_and_held_requests():
     sched.check_room()  # one seat left
     with pytest.raises(QueueFullError):
         sched.check_room(num_held=1)  # held while asleep, outside the scheduler
+
+
+def test_the_drawn_machine_is_the_table():
+    """docs/architecture.md's state diagram draws exactly TRANSITIONS."""
+    doc = pathlib.Path(__file__).parents[2] / "docs" / "architecture.md"
+    drawn = set(re.findall(r"^\s*([A-Z_]+) --> ([A-Z_]+)", doc.read_text(), re.MULTILINE))
+    table = {(a.name, b.name) for a, targets in TRANSITIONS.items() for b in targets}
+    assert drawn == table, (drawn - table, table - drawn)
