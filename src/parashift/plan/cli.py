@@ -25,7 +25,8 @@ ENGINE_FLAGS = ("strategy", "data_parallel_size", "tensor_parallel_size",
                 "pipeline_parallel_size", "pp_layer_partition", "enable_expert_parallel",
                 "dtype", "quantization", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                "gpu_memory_utilization", "cpu_kernels", "gemm_paths")
+                "gpu_memory_utilization", "cpu_kernels", "gemm_paths", "kv_offloading_size",
+                "kv_disk_dir", "kv_disk_size")
 ModelOrPreset = Annotated[str | None, typer.Argument(
     help="preset (e.g. Llama-3.1-70B), HF folder, config.json or .gguf; default: SmolLM2")]
 DtypeOption = Annotated[Literal[(*DTYPE_CHOICES, *DTYPE_ALIASES, "fp8")], typer.Option(

@@ -19,6 +19,7 @@ from parashift.defaults import (
 from parashift.plan.bubble import pipeline_bubbles
 from parashift.plan.experts import expert_options
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
+from parashift.plan.kv_tiers import KVTiers, node_kv_tiers
 from parashift.plan.shape import ModelShape
 from parashift.strategies.layout import DeviceCost, MeshPoint
 from parashift.strategies.mesh import DeviceMesh
@@ -52,6 +53,9 @@ class PlanSettings:
     # CPU: a tied LM head's GEMM keeps its own prepared copy of the embedding (the engine's
     # layers/gemm_paths.py, in float32 and bfloat16)
     shared_weight_copies: bool = False
+    kv_offloading_size: int | None = None  # the node's host KV tier (plan/kv_tiers.py)
+    kv_disk_dir: str | None = None
+    kv_disk_size: int | None = None
 
     @property
     def devices_per_node(self) -> int:
@@ -102,6 +106,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     bubble: dict[str, dict[str, float]] = field(default_factory=dict)  # plan/bubble.py
     expert_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE: ep or not
+    kv_tiers: KVTiers | None = None  # plan/kv_tiers.py: the node's host and disk tiers
 
     @property
     def fits(self) -> bool:
@@ -142,6 +147,11 @@ def activation_reserve(cost: DeviceCost, shape: ModelShape, s: PlanSettings) -> 
     return s.batched_tokens * cost.activation_values_per_token() * s.dtype_bytes + logits + extra
 
 
+def kv_block_bytes(cost: DeviceCost, s: PlanSettings) -> int:
+    """One KV block of this worker's layers, K and V (the worker's kv_block_bytes)."""
+    return s.block_size * cost.kv_values_per_token() * s.dtype_bytes
+
+
 def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     errors = [f"strategy {spec}: {e}" for e in spec.model_errors(shape.as_hf_config())]
     warnings = list(spec.unavailable())
@@ -170,7 +180,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
         if s.shared_weight_copies and cost.tied_head:
             weights += cost.vocab_rows * cost.hidden_size * s.dtype_bytes
         reserve = activation_reserve(cost, shape, s)
-        block_bytes = s.block_size * cost.kv_values_per_token() * s.dtype_bytes
+        block_bytes = kv_block_bytes(cost, s)
         if s.device.is_gpu:
             budget = int(memory * s.gpu_memory_utilization)
             kv = max(0, budget - weights - reserve)
@@ -207,6 +217,9 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                                 f"per node): its collectives go over {_inter(s).name}")
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
+    plan.kv_tiers, tier_errors = node_kv_tiers(max(kv_block_bytes(c, s) for c in costs),
+                                               spec.processes(), mesh, s)
+    errors += tier_errors
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes, s.quantization)
     plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency,

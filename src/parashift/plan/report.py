@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from parashift.plan.estimate import Plan, PlanSettings
+from parashift.plan.kv_tiers import KVTiers, TierCapacity
 from parashift.strategies.layout import MeshPoint, ShardPlan
 from parashift.strategies.mesh import RankPlacement
 
@@ -27,6 +28,7 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "memory_per_device": [dataclasses.asdict(st) for st in plan.stages],
         "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
                         "max_length_sequences": plan.concurrent_max_len_seqs},
+        "kv_tiers": dataclasses.asdict(plan.kv_tiers) if plan.kv_tiers else None,
         "experts_per_rank": plan.experts_per_rank,
         "expert_options": plan.expert_options,
         "communication": plan.comm, "estimate": plan.estimate,
@@ -97,6 +99,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   f"tokens = {plan.concurrent_max_len_seqs:.1f} max-length sequences"
                   + (f"; {plan.experts_per_rank} experts per rank" if plan.experts_per_rank
                      else ""))
+    if plan.kv_tiers:
+        _show_kv_tiers(plan.kv_tiers, console)
     if plan.expert_options:
         _show_expert_options(plan, console)
     if plan.comm:
@@ -127,6 +131,18 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
         console.print(f"[red]error:[/] {error}")
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def _show_kv_tiers(tiers: KVTiers, console: Console) -> None:
+    def held(t: TierCapacity) -> str:
+        return f"{t.size_bytes / GIB:.2f} GiB = {t.blocks:,} blocks = {t.tokens:,} tokens"
+
+    n = tiers.engines_per_node
+    console.print(f"KV host tier per node: {held(tiers.host)}, shared by the node's "
+                  + (f"{n} engines" if n > 1 else "engine"))
+    if tiers.disk:
+        console.print(f"KV disk tier per node: {held(tiers.disk)} in {tiers.disk_dir} "
+                      "(warm across restarts)")
 
 
 def _show_expert_options(plan: Plan, console: Console) -> None:

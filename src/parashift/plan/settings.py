@@ -103,7 +103,9 @@ def dry_run_settings(args: EngineArgs, shape: ModelShape, hardware: Hardware, de
         cpu_ids=_cores(is_gpu), concurrency=workload.concurrency,
         prompt_len=workload.prompt_len, output_len=workload.output_len,
         quantization=args.quantization,
-        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype, device.gemm_paths))
+        shared_weight_copies=keeps_shared_weight_copies(is_gpu, dtype, device.gemm_paths),
+        kv_offloading_size=cache.kv_offloading_size, kv_disk_dir=cache.kv_disk_dir,
+        kv_disk_size=cache.kv_disk_size)
 
 
 def machine_settings(config: EngineConfig, device: Device, count: int) -> PlanSettings:
@@ -117,7 +119,9 @@ def machine_settings(config: EngineConfig, device: Device, count: int) -> PlanSe
         config.scheduler.max_num_batched_tokens, cpu_ids=_cores(device.is_gpu),
         quantization=config.model.quantization,
         shared_weight_copies=keeps_shared_weight_copies(device.is_gpu, dtype,
-                                                        config.device.gemm_paths))
+                                                        config.device.gemm_paths),
+        kv_offloading_size=config.cache.kv_offloading_size,
+        kv_disk_dir=config.cache.kv_disk_dir, kv_disk_size=config.cache.kv_disk_size)
 
 
 def _configs(args: EngineArgs, kind: str, max_model_len: int
@@ -125,7 +129,8 @@ def _configs(args: EngineArgs, kind: str, max_model_len: int
     """The cache, scheduler and device configs create_config builds from these flags (its
     defaults for this device kind), validated by their own __post_init__."""
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
-                        args.enable_prefix_caching, args.num_gpu_blocks_override)
+                        args.enable_prefix_caching, args.num_gpu_blocks_override,
+                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, kind, None if args.enable_chunked_prefill else max_model_len)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
