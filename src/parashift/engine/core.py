@@ -11,6 +11,7 @@ runs, and sent after it (vLLM's deferred `sample_tokens`)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import os
@@ -169,6 +170,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self.batch_queue)
 
+    def has_work(self) -> bool:
+        """Requests, or KV copies to see to the end (a request's last step may start a store
+        that only a later step settles)."""
+        return self.has_unfinished_requests() or (self.connector is not None
+                                                  and self.connector.busy)
+
     def step(self) -> list[EngineCoreOutput]:
         if self.batch_queue is not None:
             return self._step_with_batch_queue()
@@ -223,9 +230,13 @@ class EngineCore:
         assert self.reset_prefix_cache(), "sleep with KV blocks in use"
         return sum(self.executor.sleep(level))
 
-    def _drain_kv_transfers(self) -> None:
+    def _drain_kv_transfers(self, timeout: float | None = None) -> None:
         """Stores still copying hold their blocks: they end before the cache goes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.connector is not None and self.connector.busy:
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("KV copies still in flight at shutdown: not kept")
+                return
             self.step()  # no request is left: a step only settles and starts transfers
 
     def wake_up(self) -> None:
@@ -233,6 +244,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.connector is not None:
+            with contextlib.suppress(Exception):  # (a worker gone: what is copied is kept)
+                self._drain_kv_transfers(timeout=10.0)
             self.connector.close()
         if self.grammars is not None:
             self.grammars.shutdown()

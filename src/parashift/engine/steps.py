@@ -20,7 +20,7 @@ class Steps:
         self.publish = publish
 
     def has_work(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_work()
 
     def sockets(self) -> list[zmq.Socket]:
         """Sockets of its own for the loop to poll beside the request sockets."""
@@ -33,7 +33,7 @@ class Steps:
         """Before the loop lets a sleep call settle (SleepState)."""
 
     def step(self) -> None:
-        if self.core.has_unfinished_requests():
+        if self.core.has_work():
             self.publish(self.core.step())
         else:
             self.core.executor.check_health()  # a dead tp worker takes its rank down now

@@ -53,7 +53,7 @@ def check_private_folder(folder: str) -> None:
         problem, fix = f"has mode {mode:o}, open to group or others", f"chmod 700 {folder}"
     else:
         return
-    raise ValueError(f"the KV disk tier folder {folder} {problem}: {fix}")
+    raise ValueError(f"the KV disk tier folder (--kv-disk-dir) {folder} {problem}: {fix}")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
 from parashift.kv_tiers import host_arena
+from parashift.kv_tiers.disk_tier import check_private_folder
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.api_servers import ApiServers
@@ -44,6 +45,8 @@ class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = create_config(args.engine)  # validates flags, converts a GGUF once
+        if self.config.cache.kv_disk_dir is not None:  # refused before any process starts
+            check_private_folder(self.config.cache.kv_disk_dir)
         if self.config.cache.kv_offloading_size and args.backend != "ray":
             # One host tier per node, shared by its engines (on Ray each engine has its own).
             cache = dataclasses.replace(
