@@ -78,27 +78,49 @@ def _request(llm: LLM, request_id: str, prompt: list[int]) -> Request:
     return Request(request_id, prompt, GREEDY, llm.engine.config.model.hf_config.eos_token_id)
 
 
-def test_abort_while_loading_and_two_requests_waiting_for_one_load(tiny_llama, reference):
+def test_a_host_load_is_admitted_in_its_step(tiny_llama, reference):
     llm = tiered(tiny_llama)
     core = llm.engine
     try:
-        first, *others = prompts(3)
-        for p in (first, *others):
+        for p in prompts(3):
             one(llm, p)  # the first prompt's blocks leave the pool for the tier
-        a, b = _request(llm, "a", first), _request(llm, "b", first)
+        a = _request(llm, "a", prompts(1)[0])
+        core.add_request(a)
+        core.step()  # loaded before the step's forward, admitted in it
+        assert a.status == RequestStatus.RUNNING and a.num_cached_tokens == HIT
+        while core.has_unfinished_requests():
+            core.step()
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_abort_while_reading_and_two_requests_waiting_for_one_load(tiny_llama, reference,
+                                                                    tmp_path):
+    """Blocks on disk only (a restart): the request waits while they are read."""
+    disk = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_size": 8 << 20}
+    first = tiered(tiny_llama, **disk)
+    try:
+        one(first, prompts(1)[0])
+    finally:
+        first.shutdown()
+    llm = tiered(tiny_llama, **disk)
+    core = llm.engine
+    try:
+        a, b = (_request(llm, name, prompts(1)[0]) for name in "ab")
         core.add_request(a)
         core.add_request(b)
-        core.step()  # a starts the load; b needs the same blocks and waits for a's job
+        core.step()  # a starts the read; b needs the same blocks and waits for a's job
         assert a.status == b.status == RequestStatus.WAITING_FOR_KV
         assert len(core.connector.jobs) == 1
-        core.abort_requests(["a"])  # the copy goes on; its job, not a, holds the blocks
+        core.abort_requests(["a"])  # the read goes on; its job, not a, holds the blocks
         tokens: list[int] = []
         while core.has_unfinished_requests():
             for out in core.step():
                 assert out.request_id == "b"
                 tokens.extend(out.new_token_ids)
-        assert b.num_cached_tokens == HIT
         assert (tokens, b.num_cached_tokens) == reference["hit"][0]
+        assert core.connector.stats.disk_hit_blocks == HIT // 16
         assert_nothing_held(llm)
     finally:
         llm.shutdown()

@@ -177,6 +177,9 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     if args.kv_offloading_size and processes.lockstep:
         raise ValueError("--kv-offloading-size is not supported with lockstep expert "
                          "parallel yet")
+    if args.kv_offloading_size and args.distributed_executor_backend == "ray":
+        # An engine's Ray workers may sit on other nodes than its arena and job board.
+        raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
                         args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)

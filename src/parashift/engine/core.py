@@ -210,7 +210,10 @@ class EngineCore:
         """Nothing to run: what finished unscheduled; with only compiling requests left, a
         wait for a compile (not a spin)."""
         if self.connector is not None and self.connector.busy:
-            time.sleep(0.001)  # copies in flight report on the job board, which has no wake-up
+            # Copies in flight report on the job board, which has no wake-up; a worker that
+            # died would never report: its death ends the engine instead.
+            self.executor.check_health()
+            time.sleep(0.001)
         elif self.grammars is not None:
             self.grammars.wait_for_any(0.05)
         return self.scheduler.take_unscheduled_outputs()

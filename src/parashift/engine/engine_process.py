@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -125,12 +126,14 @@ class EngineProcess:
                                         self.incarnation)
         self.steps = (LockstepSteps(self.rank, self.core, self.load_out, subscriber(
             self.links, init.coordinator_publish_address), self._publish) if lockstep
-            else Steps(self.core, self._publish))
+            else Steps(self.core, self._publish, self._publish_stats))
         cfg = self.core.config
         arena = self.core.connector.arena if self.core.connector is not None else None
+        # Every node names its arena alike (the head's config): the host tells them apart.
+        tier = f"{socket.gethostname()}:{arena.path}" if arena is not None else None
         ready = p.EngineReady(self.rank, cfg.model.max_model_len, self.core.num_blocks,
-                              self.incarnation, cfg.cache.block_size, lockstep,
-                              arena and arena.path, arena.num_slots if arena else 0)
+                              self.incarnation, cfg.cache.block_size, lockstep, tier,
+                              arena.num_slots if arena else 0)
         for sock in self.inputs:
             sock.send(p.encode(ready))
         self._send_handshake(p.Ready(self.rank, self.core.num_blocks, cfg.cache.block_size,
@@ -238,6 +241,10 @@ class EngineProcess:
                 del self.client_of[out.request_id]
         for client, outs in by_client.items():
             self._send_outputs(client, outs)
+
+    def _publish_stats(self) -> None:
+        for client in range(len(self.outputs)):
+            self._send_outputs(client, [])
 
     def _send_outputs(self, client: int, outputs: list[EngineCoreOutput]) -> None:
         self.outputs[client].send(p.encode(p.EngineOutputs(self.rank, outputs,

@@ -6,12 +6,13 @@ until its copy is reported. The node's disk writer (the engine holding the disk 
 writer lock) persists what the arena holds in the background.
 
 Loads: for a waiting request, the blocks beyond its local prefix hit that the arena holds
-(pinned there), then those on disk (read into arena slots by a reader thread first), are
-copied into blocks of the pool allocated for the job; when every worker reported its share,
-the blocks are cached in the pool under their hashes and the request waits for admission
-again, where they are its prefix hit. A request that needs a block another job is loading
-waits for that job. A job owns its blocks and pins, so a request aborted while loading frees
-nothing the copy still writes: the job frees them when it ends."""
+(pinned there) are copied into blocks of the pool allocated for the job, by every worker
+before the forward of the step being made: they are cached in the pool at once and the
+request is admitted in that step with them as its prefix hit. Blocks on disk are first read
+into arena slots by a reader thread while the request waits (WAITING_FOR_KV); then loaded
+the same way, and the request waits for admission again. A request that needs a block
+another job is loading waits for that job. A job owns its blocks and pins, so a request
+aborted while loading frees nothing the copy still writes: the job frees them when it ends."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from parashift.engine.kv_cache import KVCacheBlock, KVCacheManager
+from parashift.engine.kv_connector import LoadStart
 from parashift.engine.request import Request
 from parashift.kv_tiers.host_arena import HostArena
 from parashift.kv_tiers.identity import tier_key
@@ -74,45 +76,51 @@ class TierConnector:
         self._loading: dict[int, int] = {}  # block hash -> the job loading it
         self._stored: dict[str, int] = {}  # request id -> its blocks considered for storing
         self._emitted: list[KVTransferJob] = []
+        # Loaded blocks a load's requests will find as prefix hits, held until each is
+        # admitted or gone (freed, they could be evicted before): blocks -> their requests.
+        self._held: list[tuple[list[KVCacheBlock], list[Request]]] = []
         self.stats = KVTierStats()
         self._try_disk_writer()
 
     # --- loads ------------------------------------------------------------------------------
-    def begin_load(self, request: Request, hits: list[KVCacheBlock]) -> bool:
+    def begin_load(self, request: Request, hits: list[KVCacheBlock]) -> LoadStart:
         if request.kv_load_tried:
-            return False
+            return LoadStart.NONE
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[len(hits):max_blocks]
         if not hashes:
-            return False
+            return LoadStart.NONE
         loading = self._loading.get(hashes[0])
         if loading is not None:  # its next block is on its way for another request
             self.jobs[loading].waiters.append(request)
-            return True
+            return LoadStart.WAIT
         started = time.monotonic()
         keys = [tier_key(self.identity, h) for h in hashes]
         slots = self.arena.lookup(keys)
         read_slots = self._reserve_reads(keys[len(slots):]) if self.disk is not None else []
         num = len(slots) + len(read_slots)
         if not num:
-            return False
+            return LoadStart.NONE
         blocks = self._allocate(hits, num) if self._free_ids else None
         if blocks is None:  # no room: it computes them
             self.arena.unpin(slots)
             self.arena.abandon(read_slots)
-            return False
+            return LoadStart.NONE
         request.kv_load_tried = True
         job = _Job(self._free_ids.pop(), True, blocks, hashes[:num], slots + read_slots,
-                   num_host=len(slots), waiters=[request], started=started)
+                   num_host=len(slots), started=started)
         self.jobs[job.id] = job
+        if not read_slots:  # loaded before this step's forward: a prefix hit already
+            for block, block_hash in zip(blocks, job.hashes, strict=True):
+                self.pool.cache(block, block_hash)
+            self._emit(job)
+            return LoadStart.NOW
+        job.waiters.append(request)
         for block_hash in job.hashes:
             self._loading[block_hash] = job.id
-        if read_slots:
-            reads = list(zip(keys[len(slots):num], read_slots, strict=True))
-            job.reading = self._reader.submit(self._read, reads)
-        else:
-            self._emit(job)
-        return True
+        reads = list(zip(keys[len(slots):num], read_slots, strict=True))
+        job.reading = self._reader.submit(self._read, reads)
+        return LoadStart.WAIT
 
     def _reserve_reads(self, keys: list[int]) -> list[int]:
         """Arena slots for the run of `keys` the disk holds, to read them into."""
@@ -127,12 +135,12 @@ class TierConnector:
         return reserved[:cut]
 
     def _allocate(self, hits: list[KVCacheBlock], num: int) -> list[KVCacheBlock] | None:
-        """`num` blocks of the pool, leaving the request's hits cached and one block more
-        for it to compute into; None without room."""
+        """`num` blocks of the pool, leaving the request's hits cached and an eighth of the
+        pool free for the running requests to grow into; None without room (it computes)."""
         pool = self.pool
         pool.touch(hits)  # not evicted for the blocks they precede
         try:
-            if pool.num_free_blocks < num + 1:
+            if pool.num_free_blocks < num + max(1, pool.num_blocks // 8):
                 return None
             return pool.allocate(num)
         finally:
@@ -152,11 +160,9 @@ class TierConnector:
         upto = min(self.kv_cache.num_cached_blocks.get(req_id, 0),
                    request.num_prompt_tokens // self.block_size)
         start = self._stored.get(req_id, 0)
-        if upto <= start:
+        if upto <= start or not self._free_ids:  # (no job free: tried again next step)
             return
         self._stored[req_id] = upto
-        if not self._free_ids:
-            return
         blocks = self.kv_cache.req_blocks[req_id][start:upto]
         hashes = request.block_hashes[start:upto]
         slots = self.arena.reserve([tier_key(self.identity, h) for h in hashes])
@@ -228,6 +234,9 @@ class TierConnector:
             for block_hash in job.hashes:
                 self._loading.pop(block_hash, None)
             ready.extend(job.waiters)
+            if ok and job.waiters:
+                self._held.append((job.blocks, list(job.waiters)))
+                return
         elif ok:
             self.arena.publish(job.slots)
             self.stats.stored_bytes += len(job.slots) * self.block_bytes
@@ -249,8 +258,18 @@ class TierConnector:
             stats.host_loads += 1
             stats.host_load_seconds += seconds
 
+    def release(self, request: Request) -> None:
+        """The request was admitted (its own references on the loaded blocks taken) or is
+        gone: the load's hold on them ends with its last request."""
+        for held in [h for h in self._held if request in h[1]]:
+            held[1].remove(request)
+            if not held[1]:
+                self._held.remove(held)
+                self.pool.free(held[0])
+
     def forget(self, request: Request) -> None:
         self._stored.pop(request.request_id, None)
+        self.release(request)
         for job in self.jobs.values():
             if request in job.waiters:
                 job.waiters.remove(request)
@@ -259,6 +278,10 @@ class TierConnector:
     def busy(self) -> bool:
         return bool(self.jobs)
 
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks, _ in self._held)
+
     # --- the node's disk writer ---------------------------------------------------------------
     def _try_disk_writer(self) -> None:
         """Becomes the node's disk writer if none is (the lock of a writer that died is free)."""
@@ -266,18 +289,26 @@ class TierConnector:
         folder, size = self._disk_args
         if self.disk is None or self._writer is not None or folder is None:
             return
-        fd = os.open(os.path.join(folder, ".writer.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return
-        self._writer_lock = fd
         from parashift.kv_tiers.disk_tier import DiskTier
         from parashift.kv_tiers.disk_writer import DiskWriter
 
-        tier = DiskTier(folder, size, self.identity, self.arena.slot_bytes, writer=True)
+        fd = None
+        try:
+            fd = os.open(os.path.join(folder, ".writer.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tier = DiskTier(folder, size, self.identity, self.arena.slot_bytes, writer=True)
+        except BlockingIOError:  # another engine of the node writes
+            os.close(fd)
+            return
+        except (OSError, ValueError) as e:  # the folder went or changed: reads go on
+            logger.warning("KV disk tier: cannot write %s (%s); blocks are kept in memory "
+                           "only", folder, e)
+            if fd is not None:
+                os.close(fd)
+            self._disk_args = (None, 0)
+            return
+        self._writer_lock = fd
         self._writer = DiskWriter(tier, self.arena)
         self._writer.start()
         logger.info("KV disk tier: this engine writes %s (%d blocks held)", folder,
@@ -292,6 +323,11 @@ class TierConnector:
             os.close(self._writer_lock)
         if self._reader is not None:
             self._reader.shutdown(wait=True)
+        for job in self.jobs.values():  # (after a bounded drain: what did not end)
+            if job.load:  # its pins and unread slots go; a store's copy may still write
+                self.arena.unpin(job.slots[:job.num_host])
+                rest = job.slots[job.num_host:]
+                self.arena.abandon(rest) if job.reading is not None else self.arena.unpin(rest)
         with contextlib.suppress(Exception):
             self.board.close()
         self.arena.close()

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from parashift.config import SchedulerConfig
 from parashift.engine.kv_cache import KVCacheManager
-from parashift.engine.kv_connector import KVConnector
+from parashift.engine.kv_connector import KVConnector, LoadStart
 from parashift.engine.request import Request, RequestStatus
 from parashift.engine.run_ahead import OneStep, run_ahead_policy
 from parashift.engine.step_batch import StepBatch
@@ -190,17 +190,23 @@ class Scheduler:
             if req.num_in_flight:  # preempted while its batch runs
                 break
             computed_blocks, num_hit = kv_cache.get_computed_blocks(req)
-            if self.connector is not None and self.connector.begin_load(req, computed_blocks):
-                waiting.popleft()
-                req.wait_for_kv()
-                self.waiting_for_kv.append(req)
-                continue
+            if self.connector is not None:
+                start = self.connector.begin_load(req, computed_blocks)
+                if start is LoadStart.WAIT:
+                    waiting.popleft()
+                    req.wait_for_kv()
+                    self.waiting_for_kv.append(req)
+                    continue
+                if start is LoadStart.NOW:  # its loaded blocks are prefix hits now
+                    computed_blocks, num_hit = kv_cache.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, batch.budget)
             if not self.config.enable_chunked_prefill and num_new < req.num_tokens - num_hit:
                 break
             if kv_cache.allocate_slots(req, num_new, computed_blocks) is None:
                 break
             waiting.popleft()
+            if self.connector is not None:  # it holds the loaded blocks itself now
+                self.connector.release(req)
             kv_cache.record_admission(req.num_tokens, num_hit)
             req.admit(num_hit)
             self.running.append(req)

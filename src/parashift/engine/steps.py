@@ -15,9 +15,11 @@ from parashift.wire import protocol as p
 
 
 class Steps:
-    def __init__(self, core: EngineCore, publish: Callable[[list[EngineCoreOutput]], None]):
+    def __init__(self, core: EngineCore, publish: Callable[[list[EngineCoreOutput]], None],
+                 publish_stats: Callable[[], None] = lambda: None):
         self.core = core
         self.publish = publish
+        self.publish_stats = publish_stats  # the engine's stats alone, with no output
 
     def has_work(self) -> bool:
         return self.core.has_work()
@@ -34,7 +36,10 @@ class Steps:
 
     def step(self) -> None:
         if self.core.has_work():
-            self.publish(self.core.step())
+            outputs = self.core.step()
+            self.publish(outputs)
+            if not outputs and not self.core.has_work():  # its last KV copies ended
+                self.publish_stats()
         else:
             self.core.executor.check_health()  # a dead tp worker takes its rank down now
 

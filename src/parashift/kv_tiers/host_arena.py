@@ -236,7 +236,10 @@ class HostArena:
                     if not evictable.any():
                         out.append(None)
                         continue
-                    ticks = np.where(evictable, self.ticks[ways], np.iinfo(np.uint64).max)
+                    # LRU, on disk already first: an evicted block is then still there
+                    ticks = np.where(evictable, self.ticks[ways] + np.where(
+                        self.persisted[ways] == 1, 0, 1 << 62).astype(np.uint64),
+                        np.iinfo(np.uint64).max)
                     slot = base + int(np.argmin(ticks))
                 self.keys[slot], self.state[slot] = key, WRITING
                 self.persisted[slot], self.pins[slot] = 0, 0

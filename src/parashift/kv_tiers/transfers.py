@@ -2,11 +2,14 @@
 a copy thread of its own, reported on the engine's job board when done.
 
 A slot holds one block of every worker of the engine, worker w's share at w x worker_bytes:
-per layer, its K block then its V block, as the cache holds them. Loads are queued before the
-step's forward (the blocks they fill belong to no scheduled request); stores after it (the
-forward wrote the blocks they read; the scheduler holds those blocks until the store is
-reported). On CPU the copies run in numpy, which releases the GIL and starts no OpenMP team
-beside the forward's; on GPU a side stream copies through host memory."""
+per layer, its K block then its V block, as the cache holds them. Loads run in the worker's
+own thread before the step's forward, which may read their blocks: the scheduler admits a
+request in the step that loads its blocks, so a load costs the step a copy (about 10 ms for
+20 MB) instead of costing the request a step's wait. Stores are queued after the forward
+(it wrote the blocks they read; the scheduler holds those blocks until the store is
+reported) and run on a copy thread. On CPU the copies run in numpy, which releases the GIL
+and starts no OpenMP team beside the forward's; on GPU a load copies in stream order and a
+store on a side stream that waits for the forward."""
 
 from __future__ import annotations
 
@@ -73,11 +76,18 @@ class KVTransfers:
         self._thread.start()
 
     def before_forward(self, jobs: list[KVTransferJob]) -> None:
+        """Loads, done before the forward returns to its caller. A load that fails fails the
+        step: its blocks hold no valid KV and a request of this step may read them."""
         for job in jobs:
             if job.load:
-                self._jobs.put((job, None))
+                if self.cache is not None:
+                    self._copy_cpu(job)
+                else:
+                    self._load_cuda(job)
+                self.board.report(job.job, self.worker, True)
 
     def after_forward(self, jobs: list[KVTransferJob]) -> None:
+        """Stores: queued after this step's forward wrote their blocks."""
         stores = [job for job in jobs if not job.load]
         if not stores:
             return
@@ -113,21 +123,28 @@ class KVTransfers:
                 else:
                     self.slots[slots, layer, half] = cache[blocks].reshape(n, -1)
 
-    def _copy_cuda(self, job: KVTransferJob, event: torch.cuda.Event | None) -> None:
+    def _load_cuda(self, job: KVTransferJob) -> None:
+        """On the compute stream, after whatever it ran before (a step in flight may still
+        write a block its request freed and this load fills)."""
         blocks = torch.tensor(job.block_ids, device=self.device)
+        slots = np.asarray(job.slots)
+        for layer, pair in enumerate(self.kv):
+            for half, cache in enumerate(pair):
+                host = torch.from_numpy(self.slots[slots, layer, half])  # (a copy: pageable)
+                src = host.view(cache.dtype).to(self.device)
+                cache.index_copy_(0, blocks, src.view(len(slots), *cache.shape[1:]))
+
+    def _copy_cuda(self, job: KVTransferJob, event: torch.cuda.Event | None) -> None:
+        """A store, on the side stream once the forward's writes are done."""
         slots = np.asarray(job.slots)
         with torch.cuda.stream(self.stream):
             if event is not None:
                 self.stream.wait_event(event)
+            blocks = torch.tensor(job.block_ids, device=self.device)
             for layer, pair in enumerate(self.kv):
                 for half, cache in enumerate(pair):
-                    if job.load:
-                        host = torch.from_numpy(self.slots[slots, layer, half])
-                        src = host.view(cache.dtype).to(self.device, non_blocking=False)
-                        cache.index_copy_(0, blocks, src.view(len(slots), *cache.shape[1:]))
-                    else:
-                        out = cache.index_select(0, blocks).reshape(len(slots), -1).cpu()
-                        self.slots[slots, layer, half] = _as_words(out)
+                    out = cache.index_select(0, blocks).reshape(len(slots), -1).cpu()
+                    self.slots[slots, layer, half] = _as_words(out)
             self.stream.synchronize()
 
     def close(self) -> None:

@@ -47,8 +47,10 @@ class Launcher:
         self.config = create_config(args.engine)  # validates flags, converts a GGUF once
         if self.config.cache.kv_disk_dir is not None:  # refused before any process starts
             check_private_folder(self.config.cache.kv_disk_dir)
-        if self.config.cache.kv_offloading_size and args.backend != "ray":
-            # One host tier per node, shared by its engines (on Ray each engine has its own).
+        if self.config.cache.kv_offloading_size:
+            if args.backend == "ray":  # its workers may sit on other nodes than the arena
+                raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
+            # One host tier per node, shared by its engines.
             cache = dataclasses.replace(
                 self.config.cache, kv_host_tier=host_arena.node_arena_path(secrets.token_hex(8)))
             self.config = dataclasses.replace(self.config, cache=cache)
