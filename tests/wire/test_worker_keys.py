@@ -37,6 +37,7 @@ def refused(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
     monitor = sock.get_monitor_socket()
     sock.connect(address)
     assert handshakes.refused(monitor), f"a peer got into {address}"
+    sock.disable_monitor()  # its inproc name ends with the socket's descriptor: freed for reuse
     monitor.close(linger=0)
     return sock
 
@@ -49,9 +50,11 @@ def test_only_a_workers_key_takes_its_commands_and_sends_results(secret):
     try:
         # Neither a holder of the secret nor the other worker gets into worker 0's commands;
         # the secret alone does not get into the results either.
-        refused(member, zmq.PULL, endpoint(commands[0]))
-        refused(workers[1], zmq.PULL, endpoint(commands[0]))
+        # (each kept open: a socket collected would free its descriptor for the next one)
+        strangers = [refused(member, zmq.PULL, endpoint(commands[0])),
+                     refused(workers[1], zmq.PULL, endpoint(commands[0]))]
         injector = refused(member, zmq.PUSH, endpoint(results))
+        assert not any(sock.closed for sock in strangers)
         with contextlib.suppress(zmq.Again):  # queued, never delivered
             injector.send(p.encode(wp.WorkerReply(0, "injected")), zmq.NOBLOCK)
 

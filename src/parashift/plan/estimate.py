@@ -217,8 +217,9 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                                 f"per node): its collectives go over {_inter(s).name}")
     plan = Plan(spec, shape, max_len, stages, kv_tokens, kv_blocks, kv_tokens / max_len,
                 experts, comm, costs, mesh, {}, errors, warnings)
-    plan.kv_tiers, tier_errors = node_kv_tiers(max(kv_block_bytes(c, s) for c in costs),
-                                               spec.processes(), mesh, s)
+    plan.kv_tiers, tier_errors = node_kv_tiers(
+        max(kv_block_bytes(c, s) for c in costs), spec.processes(), mesh, s.kv_offloading_size,
+        s.kv_disk_size, s.kv_disk_dir, s.block_size)
     errors += tier_errors
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes, s.quantization)

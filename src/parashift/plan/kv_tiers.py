@@ -7,15 +7,11 @@ WAYS slots beside its index (kv_tiers/host_arena.py), a disk block is a file wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from parashift.kv_tiers.disk_tier import HEADER
 from parashift.kv_tiers.host_arena import WAYS, HostArena
 from parashift.strategies.layout import ProcessPlan
 from parashift.strategies.mesh import DeviceMesh
-
-if TYPE_CHECKING:
-    from parashift.plan.estimate import PlanSettings
 
 
 @dataclass(frozen=True)
@@ -55,10 +51,10 @@ def disk_tier_blocks(size_bytes: int, slot_bytes: int) -> int:
 
 
 def node_kv_tiers(worker_bytes: int, processes: ProcessPlan, mesh: DeviceMesh | None,
-                  s: PlanSettings) -> tuple[KVTiers | None, list[str]]:
+                  host_size: int | None, disk_size: int | None, disk_dir: str | None,
+                  block_size: int) -> tuple[KVTiers | None, list[str]]:
     """The tiers (None when off) and why the engine would refuse them. `worker_bytes`: the
-    largest worker's block (estimate.kv_block_bytes)."""
-    host_size, disk_size, block_size = s.kv_offloading_size, s.kv_disk_size, s.block_size
+    largest worker's block (estimate.kv_block_bytes); the sizes: the tier flags."""
     if not host_size:
         return None, []
     errors = []
@@ -79,7 +75,7 @@ def node_kv_tiers(worker_bytes: int, processes: ProcessPlan, mesh: DeviceMesh | 
             errors.append(f"--kv-disk-size {disk_size} bytes holds no block of "
                           f"{HEADER.size + slot_bytes} bytes: raise it or drop the disk tier")
         disk = TierCapacity(disk_size, slot_bytes, disk_blocks, disk_blocks * block_size)
-    return KVTiers(host, disk, s.kv_disk_dir, _engines_per_node(processes, mesh)), errors
+    return KVTiers(host, disk, disk_dir, _engines_per_node(processes, mesh)), errors
 
 
 def _engines_per_node(processes: ProcessPlan, mesh: DeviceMesh | None) -> int:

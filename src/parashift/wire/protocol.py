@@ -130,7 +130,9 @@ class UtilityResult(_Msg):
 
     rank: int
     call_id: int
-    result: bool | int | float | dict[str, int | float] | None = None
+    # (a stats field may be a nested record of numbers: SchedulerStats.kv_tiers)
+    result: bool | int | float | dict[str, int | float | dict[str, int | float] | None] | None = (
+        None)
     error: str | None = None
 
 
