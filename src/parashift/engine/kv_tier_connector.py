@@ -278,10 +278,6 @@ class TierConnector:
     def busy(self) -> bool:
         return bool(self.jobs)
 
-    @property
-    def num_held_blocks(self) -> int:
-        return sum(len(blocks) for blocks, _ in self._held)
-
     # --- the node's disk writer ---------------------------------------------------------------
     def _try_disk_writer(self) -> None:
         """Becomes the node's disk writer if none is (the lock of a writer that died is free)."""
