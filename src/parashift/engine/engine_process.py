@@ -105,6 +105,14 @@ class EngineProcess:
                                                               self.core.reset_prefix_cache()),
             calls.GetStats: lambda call: self._answer(call, self.core.stats()),
         }
+        self._connect(init)
+        self.steps = (LockstepSteps(self.rank, self.core, self.load_out, subscriber(
+            self.links, init.coordinator_publish_address), self._publish) if lockstep
+            else Steps(self.core, self._publish, self._publish_stats))
+        self._announce_ready(lockstep)
+
+    def _connect(self, init: p.EngineInit) -> None:
+        """The links the launcher named: requests in, outputs out, load to the coordinator."""
         identity = routing_id(f"dp{self.rank}")  # the API servers learn it from EngineReady
         for address in init.request_addresses:
             sock = self.links.socket(zmq.DEALER)
@@ -124,9 +132,8 @@ class EngineProcess:
             self.load_out.connect(init.coordinator_address)
             self._heartbeat = Heartbeat(self.links, init.coordinator_address, self.rank,
                                         self.incarnation)
-        self.steps = (LockstepSteps(self.rank, self.core, self.load_out, subscriber(
-            self.links, init.coordinator_publish_address), self._publish) if lockstep
-            else Steps(self.core, self._publish, self._publish_stats))
+
+    def _announce_ready(self, lockstep: bool) -> None:
         cfg = self.core.config
         arena = self.core.connector.arena if self.core.connector is not None else None
         # Every node names its arena alike (the head's config): the host tells them apart.

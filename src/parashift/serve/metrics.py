@@ -55,19 +55,7 @@ class Metrics:
                                  "started)", ["engine"], registry=r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
-        # KV tiers: the engine's counts since it started (set, as the prefix cache's are)
-        self.tier_hits = Gauge("parashift_kv_tier_hit_blocks", "KV blocks loaded from a tier "
-                               "instead of computed", ["engine", "tier"], registry=r)
-        self.tier_bytes = Gauge("parashift_kv_tier_bytes", "Bytes moved between the KV cache "
-                                "and the host tier", ["engine", "direction"], registry=r)
-        self.tier_loads = Gauge("parashift_kv_tier_loads", "Loads that ended with their blocks "
-                                "in the KV cache (disk: some read from disk)", ["engine", "tier"],
-                                registry=r)
-        self.tier_load_seconds = Gauge("parashift_kv_tier_load_seconds", "Summed time from a "
-                                       "load's lookup to its blocks in the KV cache",
-                                       ["engine", "tier"], registry=r)
-        self.tier_failed = Gauge("parashift_kv_tier_failed_loads", "Loads given up (the blocks "
-                                 "were computed instead)", ["engine"], registry=r)
+        self._tier_gauges(r)
         self.preemptions = Gauge("parashift_num_preemptions",
                                  "Requests an engine preempted (since it started)", ["engine"],
                                  registry=r)
@@ -91,6 +79,21 @@ class Metrics:
                                     "memory on GPU; 0 awake)", ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
+
+    def _tier_gauges(self, r: CollectorRegistry) -> None:
+        """KV tiers: the engine's counts since it started (set, as the prefix cache's are)."""
+        self.tier_hits = Gauge("parashift_kv_tier_hit_blocks", "KV blocks loaded from a tier "
+                               "instead of computed", ["engine", "tier"], registry=r)
+        self.tier_bytes = Gauge("parashift_kv_tier_bytes", "Bytes moved between the KV cache "
+                                "and the host tier", ["engine", "direction"], registry=r)
+        self.tier_loads = Gauge("parashift_kv_tier_loads", "Loads that ended with their blocks "
+                                "in the KV cache (disk: some read from disk)", ["engine", "tier"],
+                                registry=r)
+        self.tier_load_seconds = Gauge("parashift_kv_tier_load_seconds", "Summed time from a "
+                                       "load's lookup to its blocks in the KV cache",
+                                       ["engine", "tier"], registry=r)
+        self.tier_failed = Gauge("parashift_kv_tier_failed_loads", "Loads given up (the blocks "
+                                 "were computed instead)", ["engine"], registry=r)
 
     def on_engine_outputs(self, msg: p.EngineOutputs) -> None:
         engine, s = f"dp{msg.rank}", msg.stats
