@@ -13,8 +13,10 @@ from parashift import env
 from parashift.bench.cli import bench_app
 from parashift.cli_options import engine_options, fail, parse_size, setup_logging
 from parashift.defaults import (
+    DEFAULT_DP_LOAD_SCORE,
     DEFAULT_ROUTING,
     DEFAULT_ROUTING_BALANCE_THRESHOLD,
+    DEFAULT_ROUTING_BALANCE_THRESHOLD_TOKENS,
     DEFAULT_ROUTING_MIN_MATCH,
     served_max_waiting,
 )
@@ -199,10 +201,15 @@ def run(
     routing: Annotated[Literal["prefix", "load", "round-robin"], typer.Option(
         help="how an API server picks a dp rank: where the prompt's prefix is cached, the "
              "least loaded, or in turn")] = DEFAULT_ROUTING,
-    routing_balance_threshold: Annotated[int, typer.Option(
+    routing_balance_threshold: Annotated[int | None, typer.Option(
         "--routing-balance-threshold", help="prefix routing follows the cache unless that "
-        "rank's load score (4 per waiting request, 1 per running) exceeds the least "
-        "loaded's by more than this")] = DEFAULT_ROUTING_BALANCE_THRESHOLD,
+        "rank's load score exceeds the least loaded's by more than this (default: "
+        f"{DEFAULT_ROUTING_BALANCE_THRESHOLD_TOKENS} tokens, or "
+        f"{DEFAULT_ROUTING_BALANCE_THRESHOLD} with --dp-load-score requests)")] = None,
+    dp_load_score: Annotated[Literal["tokens", "requests"], typer.Option(
+        "--dp-load-score", help="a dp rank's load: its work in tokens (prompt tokens still "
+        "to compute, output tokens still allowed), or its requests (4 per waiting one, 1 per "
+        "running)")] = DEFAULT_DP_LOAD_SCORE,
     routing_min_match: Annotated[float, typer.Option(
         "--routing-min-match", help="prefix routing follows the cache when at least this "
         "share of the prompt's full blocks is there")] = DEFAULT_ROUTING_MIN_MATCH,
@@ -248,7 +255,8 @@ def run(
     from parashift.serve.prefix_router import RoutingConfig
 
     try:
-        routing_config = RoutingConfig(routing, routing_balance_threshold, routing_min_match)
+        routing_config = RoutingConfig(routing, routing_balance_threshold, routing_min_match,
+                                       dp_load_score)
         limits = ServeLimits(
             max_request_output_units=max_request_output_units,
             stream_idle_timeout=stream_idle_timeout, max_connections=max_connections,

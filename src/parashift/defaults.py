@@ -69,7 +69,9 @@ def default_max_num_batched_tokens(max_num_seqs: int, device: str,
 # --routing and its prefix policy's thresholds (serve/prefix_router.py; measured with
 # `python scripts/bench_routing.py`, docs/BENCHMARKS.md)
 DEFAULT_ROUTING = "prefix"
-DEFAULT_ROUTING_BALANCE_THRESHOLD = 4  # load-score units: 4 per waiting request, 1 per running
+DEFAULT_DP_LOAD_SCORE = "tokens"  # the rank's work in tokens, or its requests (4 per waiting)
+DEFAULT_ROUTING_BALANCE_THRESHOLD = 4  # in the requests score's units: one waiting request
+DEFAULT_ROUTING_BALANCE_THRESHOLD_TOKENS = 1024  # in the tokens score's
 DEFAULT_ROUTING_MIN_MATCH = 0.5  # of the prompt's full blocks
 
 # --attention-backend: auto picks triton on CUDA, torch elsewhere (engine/args.py)

@@ -244,3 +244,15 @@ def test_prefix_stats_count_each_admission_once():
     # One admission with 4 cached tokens; p and a had none.
     assert sched.stats().prefix_cache_hit_tokens == 4
     assert sched.stats().prefix_cache_queried_tokens == 8 + 9 + 8
+
+
+def test_the_engine_counts_prompt_tokens_to_compute_and_outputs_still_allowed():
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=8, max_model_len=64)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt_len=12, max_tokens=5))
+    sched.add_request(make_request("b", prompt_len=60, max_tokens=30))  # 4 left in the model
+    assert sched.tokens_left() == (72, 5 + 4)
+    step(sched, runner)  # a's first 8-token chunk
+    assert sched.tokens_left() == (64, 9)
+    step(sched, runner)  # a's last 4 tokens and its first output; b's first 4 tokens
+    assert sched.tokens_left() == (56, 8)

@@ -77,7 +77,8 @@ def routed(server, rank):
 
 
 def test_both_ranks_up_with_their_own_process(server):
-    assert server.get_json("/health")[0] == 200
+    assert server.get_json("/health") == (200, {"status": "ok", "detail": "ok", "ranks": {
+        "dp0": "serving", "dp1": "serving"}})
     pids = {server.engine_process(r).pid for r in (0, 1)}
     assert len(pids) == 2
     for rank in (0, 1):

@@ -14,11 +14,14 @@ def test_health_names_the_dead_rank_without_its_traceback(tmp_path, caplog):
     broker = EngineClient(0, f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/outputs", 2)
     try:
         assert broker.health() == (False, "engine(s) dp0, dp1 not ready yet")
+        assert broker.ranks.states() == {"dp0": "starting", "dp1": "starting"}
         for rank in (0, 1):
             broker.on_ready(p.EngineReady(rank, 256, 100, 1000 + rank, 16), str(rank).encode())
         assert broker.health() == (True, "ok")
+        assert broker.ranks.states() == {"dp0": "serving", "dp1": "serving"}
         with caplog.at_level(logging.ERROR):
             broker.mark_dead(1, SECRET)
+        assert broker.ranks.states() == {"dp0": "serving", "dp1": "dead"}
         ok, detail = broker.health()
         assert not ok and "dp1" in detail.split() and "down" in detail
         assert "hunter2" not in detail and "ValueError" not in detail

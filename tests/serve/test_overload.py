@@ -71,8 +71,10 @@ def broker(tmp_path):
 
 
 def load(broker: EngineClient, waiting: dict[int, int]) -> None:
-    broker.take_load(p.LoadVector(1, [p.EngineLoad(r, SchedulerStats(n, 1, 0.0))
-                                      for r, n in waiting.items()]))
+    """`waiting` requests of 100 prompt tokens on each rank."""
+    broker.take_load(p.LoadVector(1, [
+        p.EngineLoad(r, SchedulerStats(n, 1, 0.0, prefill_tokens_left=100 * n))
+        for r, n in waiting.items()]))
 
 
 def test_the_retry_choice_is_the_least_loaded_rank_that_has_not_refused(broker):

@@ -39,6 +39,7 @@ from parashift.wire.sockets import routing_id, subscriber, zmq_context
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # blocking poll; wakes only to notice a shutdown signal (soon)
+LOAD_TOKENS_INTERVAL_S = 0.02  # token load reports between count changes, at most this often
 
 
 class EngineProcess:
@@ -66,6 +67,8 @@ class EngineProcess:
         self.core: EngineCore | None = None
         self.load_out: zmq.Socket | None = None  # to the DP coordinator
         self._last_load: tuple[int, ...] | None = None
+        self._last_tokens = (0, 0)
+        self._next_tokens_report = 0.0
         self.steps: Steps | None = None  # how it steps: alone, or in waves (lockstep)
         self.sleep: SleepState | None = None  # with the core
         self.hold_while_asleep = False  # --while-asleep wait (else: refuse with a 503)
@@ -175,6 +178,9 @@ class EngineProcess:
             self._report_load()
 
     def _report_load(self) -> None:
+        """Sent when its request counts change, and as its token load drifts (each step
+        changes it) at most every LOAD_TOKENS_INTERVAL_S: the counts are cheap to compare,
+        the tokens are a walk over its requests."""
         if self.load_out is None:
             return
         stats = self.core.stats()
@@ -183,9 +189,19 @@ class EngineProcess:
         extra = self.steps.extend_load(load)
         key = (stats.num_waiting, stats.num_running, extra, stats.num_prefix_cache_resets,
                self.sleep.level, self.sleep.released)
-        if key != self._last_load:
-            self._last_load = key
-            self.load_out.send(p.encode(load))
+        now = time.monotonic()
+        if key == self._last_load and now < self._next_tokens_report:
+            return
+        prefill, output = self.core.scheduler.tokens_left()
+        for held in self.sleep.held.values():
+            prefill += len(held.prompt_token_ids)
+            output += held.params.max_tokens or 0
+        stats.prefill_tokens_left, stats.output_tokens_left = prefill, output
+        self._next_tokens_report = now + LOAD_TOKENS_INTERVAL_S
+        if key == self._last_load and (prefill, output) == self._last_tokens:
+            return
+        self._last_load, self._last_tokens = key, (prefill, output)
+        self.load_out.send(p.encode(load))
 
     def _handle(self, msg: p.ToEngine) -> None:
         try:

@@ -332,3 +332,17 @@ class Scheduler:
                               self.kv_cache.stats.queried_tokens, self.kv_cache.stats.hit_tokens,
                               self.num_preemptions, self.kv_cache.pool.num_resets,
                               self.connector.stats if self.connector is not None else None)
+
+    def tokens_left(self) -> tuple[int, int]:
+        """The prompt tokens still to compute and the output tokens still allowed, over every
+        request it holds (a preempted one computes its prompt again). Linear in the requests:
+        the engine reports it with its load, not every step."""
+        prefill = output = 0
+        max_len = self.config.max_model_len
+        for req in self.requests.values():
+            prefill += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+            allowed = max_len - req.num_prompt_tokens
+            if req.params.max_tokens is not None:
+                allowed = min(allowed, req.params.max_tokens)
+            output += max(0, allowed - req.num_output_tokens)
+        return prefill, output

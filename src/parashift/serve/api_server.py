@@ -151,8 +151,8 @@ class ApiServer:
 
     async def health(self, request: web.Request) -> web.Response:
         ok, reason = self.engines.health()
-        return _json({"status": "ok" if ok else "unavailable", "detail": reason},
-                     200 if ok else 503)
+        return _json({"status": "ok" if ok else "unavailable", "detail": reason,
+                      "ranks": self.engines.ranks.states()}, 200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         serving = self.engines.alive_engines()

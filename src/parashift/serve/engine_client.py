@@ -64,7 +64,8 @@ class EngineClient:
         self.routes: dict[int, bytes] = {}  # rank -> its engine's identity on `requests`
         self.ranks = EngineRanks(num_engines)  # each rank's state (serve/engine_ranks.py)
         self.stats: dict[int, SchedulerStats] = {}
-        self.loads = EngineLoads()
+        routing = routing or RoutingConfig()
+        self.loads = EngineLoads(routing.by_tokens)
         self.in_flight = InFlight(self.loads)
         self.on_load = None  # optional hook(LoadVector) for metrics
         self.load_in = None
@@ -74,7 +75,7 @@ class EngineClient:
         self.all_ready = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_timeout = 0.0
-        self.router = Router(routing or RoutingConfig(), num_engines)
+        self.router = Router(routing, num_engines)
         self.block_size = 16  # the engines' (every EngineReady says it)
         self._tasks: list[asyncio.Task] = []
         self.on_outputs = None  # optional hook(rank, EngineOutputs) for metrics
@@ -128,10 +129,11 @@ class EngineClient:
         return prompt_hashes(prompts, self.block_size, salt)
 
     def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
-                    hashes: Sequence[Sequence[int]] = ()) -> int:
+                    hashes: Sequence[Sequence[int]] = (), tokens: int = 0) -> int:
         """A pinned rank, or the router's choice for the request's first prompt (its
         `route_hashes`) among the live ranks not in `exclude` (one that died, those whose
-        queues refused it); the blocks of all its prompts are then recorded as living there."""
+        queues refused it); the blocks of all its prompts are then recorded as living there.
+        `tokens`: the request's token load (`request_tokens`), counted on the rank."""
         excluded = {exclude} if isinstance(exclude, int) else set(exclude)
         alive = [r for r in self.alive_engines() if r not in excluded]
         if pinned is not None:
@@ -141,10 +143,11 @@ class EngineClient:
         elif not alive:
             raise EngineUnavailableError(self.health()[1])
         else:
-            rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score)
+            rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score,
+                                      self.block_size)
         for blocks in hashes:
             self.router.record(rank, blocks)
-        self.loads.sent_since_update[rank] += 1
+        self.loads.sent(rank, tokens)
         return rank
 
     async def _recv_load(self) -> None:
@@ -175,7 +178,7 @@ class EngineClient:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
         self._send_to(rank, msg)
-        self.in_flight.add(request_id, rank, sink)
+        self.in_flight.add(request_id, rank, sink, request_tokens(prompt_token_ids, params))
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -305,6 +308,11 @@ class EngineClient:
         # quote another client's request.
         self.in_flight.fail_engine(rank, EngineDeadError(
             f"engine dp{rank} died (the server's log says why)"))
+
+
+def request_tokens(prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+    """One engine request's token load: its prompt and the output tokens it may make."""
+    return len(prompt_token_ids) + (params.max_tokens or 0)
 
 
 def _log_failure(task: asyncio.Task) -> None:

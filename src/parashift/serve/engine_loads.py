@@ -1,7 +1,12 @@
 """Each engine's load as one API server sees it, and the score its router picks the least
 loaded rank by: the coordinator's last vector plus what this server sent since, or, without a
 coordinator (dp1, or before its first vector), this server's own requests in flight. With how
-fast its requests finish, it says when a refused client should come back (serve/overload.py)."""
+fast its requests finish, it says when a refused client should come back (serve/overload.py).
+
+The score (`--dp-load-score`) counts the rank's work in tokens (the prompt tokens it has still
+to compute plus the output tokens its requests may still make; a request sent counts its
+prompt and its max_tokens), or its requests (4 per waiting one, 1 per running): by requests, a
+rank with one waiting 10,000-token prompt looks lighter than one with two 100-token ones."""
 
 from __future__ import annotations
 
@@ -12,20 +17,35 @@ from parashift.wire import protocol as p
 
 
 class EngineLoads:
-    def __init__(self) -> None:
+    def __init__(self, by_tokens: bool = True) -> None:
+        self.by_tokens = by_tokens
         self.vector: dict[int, p.EngineLoad] = {}  # every rank's, from the coordinator
+        # By rank: what this server sent since the vector (requests, and their tokens), and
+        # its requests in flight (and their tokens).
         self.sent_since_update: Counter[int] = Counter()
-        self.in_flight: Counter[int] = Counter()  # this server's requests, by rank
+        self.sent_tokens: Counter[int] = Counter()
+        self.in_flight: Counter[int] = Counter()
+        self.in_flight_tokens: Counter[int] = Counter()
         self.drain = DrainRate()  # how fast this server's requests finish (on every rank)
         self.room = RoomWaiters()  # requests every live rank refused, waiting for a finish
 
     def score(self, rank: int) -> int:
-        """Waiting requests weigh more than running ones (they have not even started)."""
         load = self.vector.get(rank)
+        if self.by_tokens:
+            if load is None:
+                return self.in_flight_tokens[rank]
+            return (load.stats.prefill_tokens_left + load.stats.output_tokens_left
+                    + self.sent_tokens[rank])
         if load is None:
             return self.in_flight[rank]
+        # Waiting requests weigh more than running ones (they have not even started).
         return (4 * load.stats.num_waiting + load.stats.num_running
                 + self.sent_since_update[rank])
+
+    def sent(self, rank: int, tokens: int) -> None:
+        """A request went to `rank`: `tokens`, its prompt and max_tokens (over its samples)."""
+        self.sent_since_update[rank] += 1
+        self.sent_tokens[rank] += tokens
 
     def take(self, vector: p.LoadVector) -> list[int]:
         """A new vector; the ranks whose prefix cache was emptied since the last one (a reset
@@ -38,6 +58,7 @@ class EngineLoads:
                 self.room.wake(_held(last) - _held(load))
         self.vector = {load.rank: load for load in vector.loads}
         self.sent_since_update.clear()
+        self.sent_tokens.clear()
         return emptied
 
     def on_finished(self) -> None:

@@ -50,6 +50,10 @@ class EngineRanks:
         return [r for r, rank in sorted(self.ranks.items())
                 if rank.status == RankStatus.STARTING]
 
+    def states(self) -> dict[str, str]:
+        """Every rank's state by name, as /health lists them: {"dp0": "serving", ...}."""
+        return {f"dp{r}": rank.status.value for r, rank in sorted(self.ranks.items())}
+
     def is_dead(self, rank: int) -> bool:
         state = self.ranks.get(rank)
         return state is not None and state.status == RankStatus.DEAD

@@ -20,14 +20,17 @@ class InFlight:
         self.loads = loads
         self.sinks: dict[str, Sink] = {}
         self.engine_of: dict[str, int] = {}
+        self.tokens_of: dict[str, int] = {}  # its prompt and max_tokens: its token load
         self.calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
 
     # --- requests ----------------------------------------------------------------------------
-    def add(self, request_id: str, rank: int, sink: Sink) -> None:
+    def add(self, request_id: str, rank: int, sink: Sink, tokens: int = 0) -> None:
         self.sinks[request_id] = sink
         self.engine_of[request_id] = rank
+        self.tokens_of[request_id] = tokens
         self.loads.in_flight[rank] += 1
+        self.loads.in_flight_tokens[rank] += tokens
 
     def forget(self, request_id: str) -> int | None:
         """The request's engine, if it was in flight."""
@@ -35,6 +38,7 @@ class InFlight:
         rank = self.engine_of.pop(request_id, None)
         if rank is not None:
             self.loads.in_flight[rank] -= 1
+            self.loads.in_flight_tokens[rank] -= self.tokens_of.pop(request_id)
         return rank
 
     def deliver(self, out: EngineCoreOutput) -> None:

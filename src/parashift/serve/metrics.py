@@ -41,6 +41,10 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge("parashift_num_requests_waiting", "Waiting requests", ["engine"],
                              registry=r)
+        self.load_tokens = Gauge("parashift_engine_load_tokens", "The rank's work in tokens as "
+                                 "the DP router sees it: prompt tokens still to compute "
+                                 "(prefill), output tokens still allowed (output)",
+                                 ["engine", "kind"], registry=r)
         self.kv_usage = Gauge("parashift_kv_cache_usage_ratio", "Share of KV blocks in use",
                               ["engine"], registry=r)
         self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
@@ -127,6 +131,8 @@ class Metrics:
             self.waiting.labels(engine).set(load.stats.num_waiting)
             self.kv_usage.labels(engine).set(load.stats.kv_cache_usage)
             self.sleep_level.labels(engine).set(load.sleep_level)
+            self.load_tokens.labels(engine, "prefill").set(load.stats.prefill_tokens_left)
+            self.load_tokens.labels(engine, "output").set(load.stats.output_tokens_left)
             self.sleep_released.labels(engine).set(load.sleep_released_bytes)
             if load.wave is not None:
                 for field, gauge in self.lockstep.items():

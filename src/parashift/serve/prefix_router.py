@@ -3,13 +3,15 @@
 - `prefix` (default): where its prompt's leading blocks were last sent, so that the engine's
   prefix cache serves them. Each API server keeps, per rank, an approximate LRU index of the
   block hashes (engine/block_hash.py, the engine's own) it routed there, as many as that
-  rank's KV cache holds. The rank with the best score (matched blocks minus its load score)
-  wins when at least `min_match` of the prompt's full blocks are there and its load is within
-  `balance_threshold` of the least loaded rank's (the balance guard); otherwise the load rule
-  decides (and the request's blocks then live there). With a host KV tier shared by a node's
-  ranks (--kv-offloading-size), what was routed to any of them is in the tier: it counts as
-  matched on each of them (an index per tier), so the load picks among them.
-- `load`: the lowest load score (the coordinator's view plus what this server sent since).
+  rank's KV cache holds. The rank with the best score (what its cache would serve minus its
+  load score, both in tokens with the tokens score, else matched blocks minus the requests
+  score) wins when at least `min_match` of the prompt's full blocks are there and its load is
+  within `balance_threshold` of the least loaded rank's (the balance guard); otherwise the
+  load rule decides (and the request's blocks then live there). With a host KV tier shared
+  by a node's ranks (--kv-offloading-size), what was routed to any of them is in the tier: it
+  counts as matched on each of them (an index per tier), so the load picks among them.
+- `load`: the lowest load score (the coordinator's view plus what this server sent since;
+  `--dp-load-score`: the rank's work in tokens, or its requests: serve/engine_loads.py).
 - `round-robin`: each rank in turn.
 
 Each API server keeps its own index (no traffic between them): with --api-server-count N a
@@ -25,13 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from parashift.defaults import (
+    DEFAULT_DP_LOAD_SCORE,
     DEFAULT_ROUTING,
     DEFAULT_ROUTING_BALANCE_THRESHOLD,
+    DEFAULT_ROUTING_BALANCE_THRESHOLD_TOKENS,
     DEFAULT_ROUTING_MIN_MATCH,
 )
 from parashift.engine.block_hash import block_hashes
 
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
+LOAD_SCORES = ("tokens", "requests")
 
 
 def prompt_hashes(prompts: Sequence[Sequence[int]], block_size: int, salt: str | None = None
@@ -44,17 +49,29 @@ def prompt_hashes(prompts: Sequence[Sequence[int]], block_size: int, salt: str |
 @dataclass(frozen=True)
 class RoutingConfig:
     policy: str = DEFAULT_ROUTING
-    balance_threshold: int = DEFAULT_ROUTING_BALANCE_THRESHOLD
+    balance_threshold: int | None = None  # in the load score's units; None: its default
     min_match: float = DEFAULT_ROUTING_MIN_MATCH
+    load_score: str = DEFAULT_DP_LOAD_SCORE
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"--routing {self.policy!r}: use one of "
                              f"{', '.join(ROUTING_POLICIES)}")
-        if self.balance_threshold < 0:
+        if self.load_score not in LOAD_SCORES:
+            raise ValueError(f"--dp-load-score {self.load_score!r}: use one of "
+                             f"{', '.join(LOAD_SCORES)}")
+        if self.balance_threshold is None:
+            object.__setattr__(self, "balance_threshold", (
+                DEFAULT_ROUTING_BALANCE_THRESHOLD_TOKENS if self.by_tokens
+                else DEFAULT_ROUTING_BALANCE_THRESHOLD))
+        elif self.balance_threshold < 0:
             raise ValueError("--routing-balance-threshold must be >= 0")
         if not 0.0 <= self.min_match <= 1.0:
             raise ValueError("--routing-min-match must be within 0..1")
+
+    @property
+    def by_tokens(self) -> bool:
+        return self.load_score == "tokens"
 
 
 class RankPrefixIndex:
@@ -105,8 +122,8 @@ class Router:
         if rank in self.indexes:
             self.indexes[rank].blocks.clear()
 
-    def choose(self, alive: list[int], hashes: Sequence[int],
-               load: Callable[[int], int]) -> int:
+    def choose(self, alive: list[int], hashes: Sequence[int], load: Callable[[int], int],
+               block_size: int = 16) -> int:
         turn = next(self._turn)
         if self.config.policy == "round-robin":
             return alive[turn % len(alive)]
@@ -116,13 +133,14 @@ class Router:
             return by_load
         matched = {r: self._matched(r, hashes) for r in alive}
         # ranks whose cache holds enough of the prompt, within the balance guard; of those,
-        # the best score: the blocks its cache would serve minus its load score
+        # the best score: what its cache would serve minus its load score
         enough = max(1.0, self.config.min_match * len(hashes))
         eligible = [r for r in alive if matched[r] >= enough
                     and load(r) - load(by_load) <= self.config.balance_threshold]
         if not eligible:
             return by_load
-        return max(eligible, key=lambda r: (matched[r] - load(r), matched[r]))
+        served = block_size if self.config.by_tokens else 1  # a matched block's worth
+        return max(eligible, key=lambda r: (matched[r] * served - load(r), matched[r]))
 
     def _matched(self, rank: int, hashes: Sequence[int]) -> int:
         local = self.indexes[rank].matched(hashes) if rank in self.indexes else 0

@@ -129,3 +129,8 @@ class SchedulerStats:
     num_preemptions: int = 0  # since the engine started
     num_prefix_cache_resets: int = 0  # since the engine started: the cache emptied this often
     kv_tiers: KVTierStats | None = None  # with --kv-offloading-size
+    # The work it holds, in tokens (the DP router's token load score): prompt tokens still to
+    # compute (waiting requests' whole prompts, running ones' unprefilled rest) and output
+    # tokens its requests may still make (max_tokens, within max_model_len).
+    prefill_tokens_left: int = 0
+    output_tokens_left: int = 0
