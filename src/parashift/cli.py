@@ -191,6 +191,12 @@ def run(
         "--restart-dead-engines", help="start a dead engine rank again")] = False,
     heartbeat_timeout: Annotated[float, typer.Option(
         "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
+    data_parallel_size_max: Annotated[int | None, typer.Option(
+        "--data-parallel-size-max", help="elastic data parallel: POST /scale (or parashift "
+        "scale) may grow the deployment to this many ranks")] = None,
+    drain_timeout: Annotated[float, typer.Option(
+        "--drain-timeout", help="seconds a scale-down lets its ranks' running requests "
+        "finish; then unstreamed ones move and streams end with an error")] = 60.0,
     backend: Annotated[Literal["mp", "ray"], typer.Option(
         "--backend", "--data-parallel-backend",
         help="processes here, or actors on a Ray cluster")] = "mp",
@@ -245,6 +251,10 @@ def run(
 
     if request_timeout is not None and request_timeout <= 0:
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
+    if data_parallel_size_max is not None and data_parallel_size_max < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--data-parallel-size-max")
+    if drain_timeout < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--drain-timeout")
     if enable_auto_tool_choice and tool_call_parser is None:
         raise typer.BadParameter("--enable-auto-tool-choice needs --tool-call-parser",
                                  param_hint="--tool-call-parser")
@@ -280,6 +290,7 @@ def run(
         data_parallel_address=data_parallel_address,
         data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
+        data_parallel_size_max=data_parallel_size_max, drain_timeout=drain_timeout,
         backend=backend, ray_address=ray_address, ray_placement=ray_placement,
         routing=routing_config, insecure_cluster=insecure_cluster,
         tool_call_parser=tool_call_parser if enable_auto_tool_choice else None, limits=limits)
@@ -288,6 +299,42 @@ def run(
     except ValueError as e:
         fail(str(e))
     exit_now(code)  # every child is stopped and reaped: no second spent unloading torch
+
+
+@app.command()
+def scale(
+    size: Annotated[int, typer.Argument(help="the data-parallel size to serve with")],
+    url: Annotated[str, typer.Option("--url", help="the server, e.g. http://127.0.0.1:8000")
+                   ] = "http://127.0.0.1:8000",
+    admin_api_key: Annotated[str | None, typer.Option(
+        "--admin-api-key", help="the server's admin key (default: PARASHIFT_ADMIN_KEY)")
+                             ] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the answer")] = 900.0,
+) -> None:
+    """Scale a running server's data parallel (POST /scale); answers when SIZE ranks serve."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        fail(f"--url {url!r}: use http://host:port")
+    key = admin_api_key or env.admin_api_key()
+    request = urllib.request.Request(  # nosec B310 (http/https checked above)
+        url.rstrip("/") + "/scale", data=json.dumps({"data_parallel_size": size}).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:  # nosec B310
+            body = json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        fail(f"{e.code}: {message}")
+    except (urllib.error.URLError, OSError) as e:
+        fail(f"--url {url}: {getattr(e, 'reason', e)}")
+    typer.echo(f"data parallel size {body['data_parallel_size']}")
 
 
 def main() -> None:

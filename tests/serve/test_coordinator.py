@@ -125,3 +125,28 @@ def test_a_silent_rank_is_declared_dead_once_per_incarnation(tmp_path):
             assert next_death(sub, 1.0) is None
         death = next_death(sub, 30)  # and when it goes silent, its own incarnation is named
         assert death is not None and (death.rank, death.incarnation) == (0, 222)
+
+
+def test_a_rank_that_says_it_leaves_is_not_declared_dead(tmp_path, caplog):
+    """A clean stop (a scale-down) ends with a leaving heartbeat: its load goes idle and its
+    silence after is no death. Driven by hand: no thread, no clock."""
+    import logging
+
+    load_address, pub_address = f"ipc://{tmp_path}/load", f"ipc://{tmp_path}/pub"
+    coordinator = Coordinator(2, load_address, pub_address, heartbeat_timeout=0.0)
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(load_address)
+        push.send(p.encode(p.Heartbeat(1, 7)))
+        push.send(p.encode(p.EngineLoad(1, SchedulerStats(2, 3, 0.5))))
+        push.send(p.encode(p.Heartbeat(1, 7, leaving=True)))
+        with caplog.at_level(logging.INFO, logger=coordinator_module.__name__):
+            while "engine dp1 left" not in caplog.text:
+                assert coordinator.stats.poll(30_000)
+                coordinator._drain()
+        assert coordinator.load[1] == coordinator_module.idle(1)
+        assert coordinator._declare_silent_ranks_dead() is False
+    finally:
+        coordinator.close()
+        ctx.destroy(linger=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import urllib.request
 
 import pytest
@@ -41,13 +42,20 @@ def test_by_requests_the_long_prompt_looks_lighter():
     assert (loads.score(0), loads.score(1)) == (4, 8)
 
 
-def test_what_was_sent_since_the_vector_counts_until_the_next_one():
-    loads = EngineLoads(by_tokens=True)
-    loads.take(vector(SchedulerStats(0, 0, 0.0), SchedulerStats(0, 0, 0.0)))
+def test_what_was_sent_lately_counts_beside_any_vector():
+    """A vector may predate the rank's hearing of a request: what was sent counts for the
+    grace period whatever vectors come meanwhile, then only the vectors do."""
+    loads = EngineLoads(by_tokens=True, grace_s=3600)
+    idle = SchedulerStats(0, 0, 0.0)
+    loads.take(vector(idle, idle))
     loads.sent(1, 300)
     assert (loads.score(0), loads.score(1)) == (0, 300)
-    loads.take(vector(SchedulerStats(0, 0, 0.0), SHORT_TWO))  # the vector has it now
-    assert loads.score(1) == 232
+    loads.take(vector(idle, idle))  # made before dp1 heard of it
+    assert loads.score(1) == 300
+    loads.sent_lately.appendleft((time.monotonic() - 7200, 0, 500))  # two hours ago
+    assert loads.score(0) == 0
+    loads.take(vector(idle, SHORT_TWO))
+    assert loads.score(1) == 232 + 300
 
 
 def test_without_a_vector_the_score_is_this_servers_tokens_in_flight(tmp_path):

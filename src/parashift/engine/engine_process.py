@@ -169,6 +169,9 @@ class EngineProcess:
                     msg = p.decode_or_drop(frame, p.ToEngine, "requests")
                     if msg is not None:  # one bad message, not a dead engine
                         self._handle(msg)
+            # What arrived counts before the step that may run for seconds (a long prefill):
+            # the routers see it now, not after.
+            self._report_load()
             steps.before_settle(self.sleep)
             self.sleep.settle(steps.has_work())
             if self.sleep.level:  # asleep: no step, no wave; held requests wait for the wake

@@ -65,10 +65,11 @@ class ApiServers:
             if proc.exitcode is not None:
                 raise StartupError(f"API server {i} exited with code {proc.exitcode}")
 
-    def announce(self, death: p.EngineDead) -> None:
-        """The servers route around a dead engine."""
+    def announce(self, news: p.EngineDead | p.RankDraining | p.RankRemoved) -> None:
+        """A rank's news for every server: it died (they route around it), it drains or it
+        left (a scale-down)."""
         for control in self.controls:
-            control.send(p.encode(death), zmq.NOBLOCK)
+            control.send(p.encode(news), zmq.NOBLOCK)
 
     def ask_to_drain(self, timeout: float) -> None:
         for control in self.controls:

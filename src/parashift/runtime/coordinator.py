@@ -85,6 +85,13 @@ class Coordinator:
                 continue
             if isinstance(msg, p.StartWave):  # on to every engine at once
                 self.publish.send(p.encode(p.StartWave(msg.wave)))
+            elif isinstance(msg, p.Heartbeat) and msg.leaving:
+                # A clean stop (a scale-down, the launch's end): its silence is no death.
+                if self.last_seen.pop(msg.rank, None) is not None:
+                    logger.info("engine dp%d left", msg.rank)
+                if self.load[msg.rank] != idle(msg.rank):
+                    self.load[msg.rank] = idle(msg.rank)
+                    changed = True
             elif isinstance(msg, p.Heartbeat):
                 if msg.rank not in self.last_seen:
                     logger.info("engine dp%d is sending heartbeats", msg.rank)

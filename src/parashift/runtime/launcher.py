@@ -15,6 +15,7 @@ import signal
 import socket
 import time
 
+import msgspec
 import zmq
 
 from parashift import env
@@ -32,11 +33,20 @@ from parashift.runtime.handshake import Handshake
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
+from parashift.runtime.restart_policy import EngineDeath
+from parashift.runtime.scale import (
+    Phase,
+    ScaleLimits,
+    Scaler,
+    free_memory_bytes,
+    tree_rss_bytes,
+)
 from parashift.serve.api_server import ApiServerArgs
+from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HeadKeys
 from parashift.wire.engine_config import config_to_wire
-from parashift.wire.sockets import zmq_context
+from parashift.wire.sockets import subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +66,21 @@ class Launcher:
             self.config = dataclasses.replace(self.config, cache=cache)
         self.spec = self.config.parallel.strategy
         self.processes = self.spec.processes()  # what to launch: the strategy's answer
-        self.num_engines = self.processes.num_engines
+        self.num_engines = self.processes.num_engines  # launched
         self.local_ranks = args.local_ranks(self.num_engines)
         args.check_backend()
+        # Elastic: the ranks the deployment may grow to (its tables are sized for them).
+        self.capacity = max(self.num_engines, args.data_parallel_size_max or 0)
+        refusal = self._scale_refusal()
+        if refusal and self.capacity > self.num_engines:
+            raise ValueError(f"--data-parallel-size-max: {refusal}")
+        if self.capacity > self.num_engines:  # engines up to the capacity are valid ranks
+            self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
+                self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
+        self.scaler = Scaler(ScaleLimits(self.capacity, args.startup_timeout,
+                                         args.drain_timeout, refusal),
+                             self.num_engines, self._rank_bytes, free_memory_bytes)
+        self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
         self.lockstep: LockstepGroup | None = None
         if self.processes.lockstep:
             if args.backend == "ray" or args.multi_node(self.num_engines):
@@ -85,14 +107,17 @@ class Launcher:
                 {r: self.mesh.engine_placement(r) for r in self.local_ranks},
                 self.endpoints.handshake, args.log_level, args.startup_timeout,
                 args.restart_dead_engines)
-        self.head_keys = HeadKeys.mint(self.num_engines) if env.cluster_secret() else None
+            for rank in range(self.num_engines, self.capacity):
+                self.engines.reserve(rank)
+        self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None
         self.ctx = zmq_context(role=self.head_keys.role(cluster=True) if self.head_keys
                                else None)
-        self.handshake = Handshake(self.ctx, self.num_engines, self.head_keys,
+        self.handshake = Handshake(self.ctx, self.capacity, self.head_keys,
                                    self._engine_init,
                                    p.NodeInit(self.endpoints.coordinator_publish),
                                    self.engines.tokens)
         self.coordinator: multiprocessing.Process | None = None
+        self.load_in = None  # the coordinator's publications, for the scale-down's drain
         self.api_servers = ApiServers(self.ctx)
         self.ready: dict[int, p.Ready] = {}
         self.stopping = False
@@ -135,10 +160,10 @@ class Launcher:
         mc = self.config.model
         eos = choose_eos_token_id(mc.hf_config)
         coordinator_pub = None
-        if self.processes.coordinator:
+        if self.processes.coordinator or self.capacity > 1:
             self.coordinator = mp.Process(
                 target=run_coordinator, name="parashift-dp-coordinator",
-                args=(self.num_engines, self.endpoints.coordinator_load,
+                args=(self.capacity, self.endpoints.coordinator_load,
                       self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
                       self.args.log_level, self.endpoints.handed(
                           self.endpoints.coordinator_load, self.endpoints.coordinator_publish),
@@ -146,11 +171,13 @@ class Launcher:
             self.coordinator.start()
             coordinator_pub = self.endpoints.coordinator_publish
             self.handshake.watch(coordinator_pub)
+            if self.capacity > self.num_engines:
+                self.load_in = subscriber(self.ctx, coordinator_pub)
             if self.lockstep is not None:
                 self.lockstep.watch(self.ctx, coordinator_pub)
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
-                i, self.endpoints.requests[i], self.endpoints.outputs[i], self.num_engines,
+                i, self.endpoints.requests[i], self.endpoints.outputs[i], self.capacity,
                 mc.tokenizer_path, self.model_name, mc.max_model_len,
                 eos, mc.vocab_size, self.args.api_key,
                 self.args.log_level, coordinator_pub, self.args.request_timeout,
@@ -158,7 +185,8 @@ class Launcher:
                     self.endpoints.requests[i], self.endpoints.outputs[i]),
                 max_body_bytes=self.args.max_body_bytes,
                 tool_call_parser=self.args.tool_call_parser, head_keys=self.head_keys,
-                launcher_identity=self.api_servers.identity, limits=self.args.limits)
+                launcher_identity=self.api_servers.identity, limits=self.args.limits,
+                size=self.num_engines)
             self.api_servers.start(mp, server_args, self.listener,
                                    self.mesh.api_server_cpus if self.mesh is not None else ())
         self.engines.start()
@@ -239,12 +267,121 @@ class Launcher:
                 for rank, incarnation in self.lockstep.hung_ranks():
                     self.engines.kill(rank, incarnation)
             for death in self.engines.reap():
+                if self._scale_up_failed(death):
+                    continue
                 self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
                 if self.lockstep is not None and self.lockstep.on_death(death.rank):
                     self.engines.stop_all()  # reaped (and restarted) on the next turns
             self.engines.restart_due()
             self._serve_handshake(200)
+            self._serve_api_servers()
+            self._advance_scale()
         return 0
+
+    # --- elastic data parallel (runtime/scale.py) ---------------------------------------------
+    def _scale_refusal(self) -> str:
+        """Why this launch cannot change its size ("" when it can)."""
+        if self.processes.lockstep:
+            return (f"--strategy {self.spec}: expert-parallel lockstep groups do not scale "
+                    "(elastic expert parallel, with expert re-sharding, is later work)")
+        if self.args.backend == "ray":
+            return "elastic data parallel runs with --backend mp for now"
+        if self.args.multi_node(self.num_engines):
+            return "elastic data parallel runs on one node for now"
+        return ""
+
+    def _rank_bytes(self) -> int:
+        """What a running rank holds in memory, measured: the largest rank's process tree."""
+        pids = [self.engines.pid(r) for r in self.local_ranks]
+        return max((tree_rss_bytes(pid) for pid in pids if pid is not None), default=0)
+
+    def _serve_api_servers(self) -> None:
+        for index, control in enumerate(self.api_servers.controls):
+            while control.poll(0):
+                msg = p.decode_or_drop(control.recv(), p.FromApiServer, "api-server control")
+                if isinstance(msg, p.ScaleRequest):
+                    self._begin_scale(index, msg)
+
+    def _answer_scale(self, index: int, result: p.ScaleResult) -> None:
+        try:
+            self.api_servers.controls[index].send(p.encode(result), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("could not answer API server %d's scale request: %s", index, e)
+
+    def _begin_scale(self, index: int, msg: p.ScaleRequest) -> None:
+        refused = self.scaler.refuse(msg)
+        if refused is not None:
+            self._answer_scale(index, refused)
+            return
+        job = self.scaler.begin(msgspec.structs.replace(msg, index=index))
+        if job.phase == Phase.STARTING:
+            mesh = node_mesh(self.spec.with_size("dp", job.target), self.config.device.device,
+                             job.ranks)
+            for rank in job.ranks:
+                self.ready.pop(rank, None)
+                self.engines.add(rank, mesh.engine_placement(rank))
+            return
+        for rank in job.ranks:
+            self.api_servers.announce(p.RankDraining(rank))
+
+    def _advance_scale(self) -> None:
+        job = self.scaler.job
+        if job is None:
+            return
+        self._hear_loads()
+        if job.phase == Phase.STARTING:
+            if all(rank in self.ready for rank in job.ranks):
+                self.local_ranks = sorted({*self.local_ranks, *job.ranks})
+                self._answer_scale(*self.scaler.finish())
+            elif self.scaler.overdue():
+                missing = ", ".join(f"dp{r}" for r in job.ranks if r not in self.ready)
+                self._fail_scale_up(f"engine {missing} did not become ready within "
+                                    f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
+            return
+        gone = {r: (0.0, p.EngineLoad(r, SchedulerStats(0, 0, 0.0)))
+                for r in job.ranks if not self.engines.running(r)}  # dead: nothing to drain
+        overdue = self.scaler.overdue()
+        if not (overdue or self.scaler.drained({**self.loads, **gone})
+                or len(gone) == len(job.ranks)):
+            return
+        reason = (f"its rank was removed by a scale-down to {job.target} (--drain-timeout "
+                  f"{self.args.drain_timeout:g} s passed)" if overdue
+                  else f"its rank was removed by a scale-down to {job.target}")
+        for rank in job.ranks:
+            self.api_servers.announce(p.RankRemoved(rank, reason))
+            self._remove_rank(rank)
+        self._answer_scale(*self.scaler.finish())
+
+    def _remove_rank(self, rank: int) -> None:
+        self.engines.retire(rank, self.args.shutdown_timeout)
+        self.handshake.release(rank)
+        self.ready.pop(rank, None)
+        self.loads.pop(rank, None)
+        self.local_ranks = [r for r in self.local_ranks if r != rank]
+
+    def _scale_up_failed(self, death: EngineDeath) -> bool:
+        """A rank a scale-up starts died before it was ready: the scale fails."""
+        job = self.scaler.job
+        if job is None or job.phase != Phase.STARTING or death.rank not in job.ranks:
+            return False
+        self._fail_scale_up(f"engine dp{death.rank} {death.reason} while starting")
+        return True
+
+    def _fail_scale_up(self, error: str) -> None:
+        job = self.scaler.job
+        for rank in job.ranks:
+            if rank in self.ready:  # it told the API servers it serves
+                self.api_servers.announce(p.RankRemoved(rank, f"a failed scale-up: {error}"))
+            self._remove_rank(rank)
+        self._answer_scale(*self.scaler.finish(error, 503))
+
+    def _hear_loads(self) -> None:
+        """The coordinator's latest load of each rank, with when it was heard."""
+        while self.load_in is not None and self.load_in.poll(0):
+            msg = p.decode_or_drop(self.load_in.recv(), p.FromCoordinator, "loads")
+            if isinstance(msg, p.LoadVector):
+                now = time.monotonic()
+                self.loads.update((load.rank, (now, load)) for load in msg.loads)
 
     def shutdown(self) -> None:
         timeout = self.args.shutdown_timeout

@@ -38,6 +38,39 @@ class LocalEngines:
         for rank in self.ranks:
             self._spawn(rank)
 
+    def add(self, rank: int, placement: EnginePlacement) -> None:
+        """A new rank (a scale-up), with a fresh token its Hello must carry."""
+        self.placements[rank] = placement
+        self.ranks = sorted({*self.ranks, rank})
+        self.tokens[rank] = secrets.token_bytes(16)
+        self._spawn(rank)
+
+    def retire(self, rank: int, timeout: float = 10.0) -> None:
+        """The rank leaves (a scale-down, or a failed scale-up): its process stops (SIGTERM,
+        then SIGKILL after `timeout`) and is not restarted; `reap` does not report it."""
+        self.restarts.forget(rank)
+        proc = self.procs.pop(rank, None)
+        self.placements.pop(rank, None)
+        self.reserve(rank)
+        self.ranks = [r for r in self.ranks if r != rank]
+        if proc is not None:
+            if proc.is_alive():
+                proc.terminate()
+            join_all([proc], timeout)
+
+    def reserve(self, rank: int) -> None:
+        """A rank this launcher may start later: a token nobody holds, so that no Hello as it
+        is answered meanwhile (the handshake answers a rank without a token for other nodes)."""
+        self.tokens[rank] = secrets.token_bytes(16)
+
+    def running(self, rank: int) -> bool:
+        proc = self.procs.get(rank)
+        return proc is not None and proc.exitcode is None
+
+    def pid(self, rank: int) -> int | None:
+        proc = self.procs.get(rank)
+        return proc.pid if proc is not None and proc.exitcode is None else None
+
     def restart_due(self) -> None:
         for rank in self.restarts.due():
             self._spawn(rank)

@@ -40,6 +40,8 @@ class ServeArgs:
     headless: bool = False
     restart_dead_engines: bool = False
     heartbeat_timeout: float = 5.0
+    data_parallel_size_max: int | None = None  # elastic: POST /scale up to this many ranks
+    drain_timeout: float = 60.0  # a scale-down waits this long for its ranks' requests
     backend: str = "mp"  # "ray": engines (and their workers) as actors on a Ray cluster
     ray_address: str | None = None
     ray_placement: str = "pack"

@@ -49,6 +49,11 @@ class RestartPolicy:
         self.restart_at[rank] = self.clock() + delay
         logger.info("restarting engine dp%d in %.0f s", rank, delay)
 
+    def forget(self, rank: int) -> None:
+        """The rank left the deployment (a scale-down): no restart is due for it."""
+        for table in (self.started_at, self.delay, self.restart_at):
+            table.pop(rank, None)
+
     def due(self) -> list[int]:
         """The dead ranks whose restart time has come (each returned once)."""
         now = self.clock()

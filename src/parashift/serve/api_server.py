@@ -4,6 +4,7 @@ serve/api_process.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -18,6 +19,7 @@ from parashift.engine.request import check_prompt_tokens
 from parashift.engine.structured_output import Grammars
 from parashift.serve import responses, sse
 from parashift.serve.engine_client import EngineClient
+from parashift.serve.engine_ranks import RankStatus
 from parashift.serve.engine_routes import ADMIN_ROUTES, EngineRoutes
 from parashift.serve.generation import Generation
 from parashift.serve.http_guards import (
@@ -60,7 +62,7 @@ class ApiServerArgs:
     index: int
     request_address: str
     output_address: str
-    num_engines: int
+    num_engines: int  # the ranks there may be (up to --data-parallel-size-max)
     tokenizer_path: str
     served_model_name: str
     max_model_len: int
@@ -77,6 +79,7 @@ class ApiServerArgs:
     head_keys: HeadKeys | None = field(default=None, repr=False)  # over CURVE (engine_client)
     launcher_identity: bytes = b"launcher"  # the launcher's on our request socket
     limits: ServeLimits = field(default_factory=ServeLimits)
+    size: int | None = None  # the ranks launched first (elastic: fewer than num_engines)
 
 
 
@@ -100,7 +103,8 @@ class ApiServer:
         self.max_prompt_chars = args.max_model_len * max(1, longest)
         self.engines = EngineClient(args.index, args.request_address, args.output_address,
                                     args.num_engines, args.coordinator_address, args.bound,
-                                    args.routing, args.head_keys, args.launcher_identity)
+                                    args.routing, args.head_keys, args.launcher_identity,
+                                    args.size)
         # Structured outputs: each constraint is compiled here once first, so that a bad one
         # is a 400 (in a compile process of this server's, started on first use; only the
         # outcome comes back: the engine compiles its own).
@@ -157,7 +161,12 @@ class ApiServer:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         serving = self.engines.alive_engines()
         for rank in range(self.args.num_engines):
-            self.metrics.engine_up.labels(f"dp{rank}").set(1 if rank in serving else 0)
+            if self.engines.ranks.status(rank) != RankStatus.ABSENT:
+                self.metrics.engine_up.labels(f"dp{rank}").set(1 if rank in serving else 0)
+            else:  # not part of the deployment (elastic): no series
+                with contextlib.suppress(KeyError):
+                    self.metrics.engine_up.remove(f"dp{rank}")
+        self.metrics.dp_size.set(self.engines.ranks.size)
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8")
 

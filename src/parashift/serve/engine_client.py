@@ -7,6 +7,8 @@ serve/engine_errors.py's errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import socket
 import time
@@ -19,6 +21,7 @@ import zmq.asyncio
 from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
+    RankDrainingError,
     RequestFailedError,
 )
 from parashift.serve.engine_loads import EngineLoads
@@ -34,16 +37,20 @@ from parashift.wire.sockets import bind, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
+READY_AFTER_SCALE_S = 30.0  # how long a scale's answer waits for the new ranks' EngineReady
+
 
 class EngineClient:
     def __init__(self, client_index: int, request_address: str, output_address: str,
                  num_engines: int, coordinator_address: str | None = None,
                  bound: dict[str, socket.socket] | None = None,
                  routing: RoutingConfig | None = None, head_keys: HeadKeys | None = None,
-                 launcher: bytes = b"launcher"):
-        """`bound`: listening sockets the launcher bound at our tcp addresses; `head_keys`:
-        over CURVE, the only keys our sockets accept (the head's and the ranks'), and what
-        speaks for a rank counts only from its key; `launcher`: the launcher's identity."""
+                 launcher: bytes = b"launcher", size: int | None = None):
+        """`num_engines`: the ranks there may be (up to --data-parallel-size-max), of which
+        the first `size` are launched (all by default); `bound`: listening sockets the
+        launcher bound at our tcp addresses; `head_keys`: over CURVE, the only keys our
+        sockets accept (the head's and the ranks'), and what speaks for a rank counts only
+        from its key; `launcher`: the launcher's identity."""
         self.client_index = client_index
         self.num_engines = num_engines
         self.launcher = launcher
@@ -62,7 +69,10 @@ class EngineClient:
         self.outputs.setsockopt(zmq.LINGER, 0)
         bind(self.outputs, output_address, bound)
         self.routes: dict[int, bytes] = {}  # rank -> its engine's identity on `requests`
-        self.ranks = EngineRanks(num_engines)  # each rank's state (serve/engine_ranks.py)
+        self.ranks = EngineRanks(num_engines, size)  # each rank's state (serve/engine_ranks.py)
+        self._scales: dict[int, asyncio.Future] = {}  # ScaleRequest id -> its ScaleResult
+        self._rank_news = asyncio.Event()  # a rank became ready
+        self._scale_ids = itertools.count()
         self.stats: dict[int, SchedulerStats] = {}
         routing = routing or RoutingConfig()
         self.loads = EngineLoads(routing.by_tokens)
@@ -253,6 +263,14 @@ class EngineClient:
                 continue  # the rest is the launcher's to say
             elif isinstance(msg, p.EngineDead):
                 self.mark_dead(msg.rank, msg.reason, msg.incarnation)
+            elif isinstance(msg, p.RankDraining):
+                self.drain_rank(msg.rank)
+            elif isinstance(msg, p.RankRemoved):
+                self.remove_rank(msg.rank, msg.reason)
+            elif isinstance(msg, p.ScaleResult):
+                future = self._scales.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             elif isinstance(msg, p.Shutdown):
                 self.shutdown_timeout = msg.timeout_s
                 self.shutdown_requested.set()
@@ -261,6 +279,7 @@ class EngineClient:
         """An engine (first start or restarted incarnation) can take requests, sent to
         `route`, its identity."""
         left = self.ranks.on_ready(msg)
+        self._rank_news.set()
         if left is None:
             p.log_dropped("control", f"an EngineReady of rank {msg.rank}, outside the launch")
             return
@@ -284,8 +303,49 @@ class EngineClient:
                 await asyncio.sleep(0.05)
         logger.error("could not tell the launcher that this API server is ready")
 
+    # --- elastic data parallel (runtime/scale.py) ---------------------------------------------
+    async def scale(self, size: int) -> p.ScaleResult:
+        """Asks the launcher for `size` ranks; its answer, when that size serves (or why not)."""
+        call_id = next(self._scale_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._scales[call_id] = future
+        msg = [self.launcher, p.encode(p.ScaleRequest(self.client_index, call_id, size))]
+        try:
+            self._send.send_multipart(msg, flags=zmq.NOBLOCK)
+            result = await future
+        finally:
+            self._scales.pop(call_id, None)
+        # The new ranks' EngineReady reach this server on their own links: the answer waits
+        # for them (a scale-down's RankRemoved came before the answer, on the launcher's).
+        deadline = time.monotonic() + READY_AFTER_SCALE_S
+        while (not result.error and time.monotonic() < deadline
+               and len(self.alive_engines()) < result.size):
+            self._rank_news.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rank_news.wait(), deadline - time.monotonic())
+        return result
+
+    def drain_rank(self, rank: int) -> None:
+        """A scale-down leaves `rank` out: nothing more goes there, and each request it holds
+        hears it (one that has not started moves; serve/generation.py)."""
+        if self.ranks.on_draining(rank):
+            logger.info("engine dp%d is draining (a scale-down)", rank)
+            self.in_flight.tell_engine(rank, RankDrainingError(
+                f"engine dp{rank} is leaving the deployment (a scale-down)"))
+
+    def remove_rank(self, rank: int, reason: str) -> None:
+        """`rank` left: what it still held moves (not streamed yet) or ends with `reason`."""
+        if self.ranks.status(rank) in (None, RankStatus.ABSENT):
+            return
+        logger.info("engine dp%d left the deployment: %s", rank, reason)
+        self.in_flight.fail_engine(rank, EngineDeadError(reason))
+        self.ranks.on_removed(rank)
+        self.routes.pop(rank, None)
+        self.router.remove(rank)
+        self.loads.vector.pop(rank, None)
+
     def mark_dead(self, rank: int, reason: str, incarnation: int = 0) -> None:
-        if rank not in self.ranks.ranks or self.ranks.is_dead(rank):
+        if self.ranks.status(rank) in (None, RankStatus.DEAD, RankStatus.ABSENT):
             return
         ready = self.ranks.ranks[rank].ready
         if incarnation and ready is not None and ready.incarnation != incarnation:

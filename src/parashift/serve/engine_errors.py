@@ -22,3 +22,8 @@ class RequestFailedError(ValueError):
 
 class EngineUnavailableError(RuntimeError):
     """No engine can take a request right now (still starting, or all dead)."""
+
+
+class RankDrainingError(RuntimeError):
+    """The request's rank is leaving the deployment (a scale-down): a request that has not
+    started moves to another rank; one that has keeps running there until the drain ends."""

@@ -2,6 +2,9 @@
 POST /reset_prefix_cache, and POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping. /sleep
 answers once every engine has drained and slept; the memory each released is in the answer
 and in /metrics. While asleep, requests get a 503 (or wait, with --while-asleep wait).
+POST /scale {"data_parallel_size": N} (and vLLM's POST /scale_elastic_ep
+{"new_data_parallel_size": N}) asks the launcher for N ranks and answers when N serve
+(runtime/scale.py).
 
 They are admin routes: added only with an admin key (--admin-api-key, PARASHIFT_ADMIN_KEY),
 which they then take instead of the API key (serve/http_guards.py require_key), or with
@@ -21,7 +24,9 @@ from parashift.serve.metrics import Metrics
 from parashift.serve.openai_protocol import OpenAIError
 from parashift.wire.engine_calls import EngineCall, IsSleeping, ResetPrefixCache, Sleep, WakeUp
 
-ADMIN_ROUTES = frozenset(("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping"))
+ADMIN_ROUTES = frozenset(("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+                          "/scale", "/scale_elastic_ep"))
+SCALE_FIELDS = {"/scale": "data_parallel_size", "/scale_elastic_ep": "new_data_parallel_size"}
 
 
 def _json(data: Any) -> web.Response:
@@ -37,6 +42,8 @@ class EngineRoutes:
         app.router.add_post("/sleep", self.sleep)
         app.router.add_post("/wake_up", self.wake_up)
         app.router.add_get("/is_sleeping", self.is_sleeping)
+        for path in SCALE_FIELDS:
+            app.router.add_post(path, self.scale)
 
     async def _call_all(self, kind: type[EngineCall], *args: Any) -> dict[int, Any]:
         """Every live engine's answer, by rank. A rank that died or cannot be reached makes
@@ -89,3 +96,28 @@ class EngineRoutes:
         results = await self._call_all(IsSleeping)
         levels = {f"dp{r}": v["level"] for r, v in results.items()}
         return _json({"is_sleeping": all(levels.values()), "levels": levels})
+
+    async def scale(self, request: web.Request) -> web.Response:
+        field = SCALE_FIELDS[request.path]
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            raise OpenAIError(400, f"the body is not JSON ({e})") from None
+        size = body.get(field) if isinstance(body, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OpenAIError(400, f"give {{\"{field}\": N}} with a whole number N >= 1",
+                              param=field)
+        vector = self.engines.loads.vector
+        asleep = [r for r in self.engines.alive_engines()
+                  if r in vector and vector[r].sleep_level]
+        if asleep:
+            raise OpenAIError(409, f"engine(s) {', '.join(f'dp{r}' for r in asleep)} are "
+                              "asleep: wake them (POST /wake_up) before scaling",
+                              "conflict_error")
+        result = await self.engines.scale(size)
+        self.metrics.scale_events.labels("ok" if not result.error else "refused").inc()
+        if result.error:
+            raise OpenAIError(result.status, result.error, {
+                409: "conflict_error", 503: "service_unavailable_error"}.get(
+                    result.status, "invalid_request_error"))
+        return _json({"data_parallel_size": result.size})

@@ -12,6 +12,10 @@ request has reached the client, the whole request moves to the least loaded live
 not refused it (a pinned one stays). Refused by all, it waits up to a second for room, and
 then the client gets a 429 with Retry-After (serve/overload.py).
 
+Scale-down: when the rank of a request starts draining, a request with no token yet starts
+over on a serving rank; one with tokens runs on until the drain ends, and what is left then
+fails over as from a dead rank.
+
 Failover: when the engine of a request dies before the request has streamed anything, the
 request is sent again, once, to another live rank (waiting up to FAILOVER_WAIT_S for one, as
 when a lockstep group restarts), never to the rank that died; the client sees only a later
@@ -34,6 +38,7 @@ from parashift.serve.engine_client import EngineClient, request_tokens
 from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
+    RankDrainingError,
     RequestFailedError,
 )
 from parashift.serve.openai_protocol import OpenAIError
@@ -178,8 +183,26 @@ class Generation:
             await self._move(error)
         elif isinstance(error, EngineDeadError):
             await self._fail_over(error)
+        elif isinstance(error, RankDrainingError):
+            await self._leave_draining_rank(error)
         else:
             raise error
+
+    async def _leave_draining_rank(self, error: RankDrainingError) -> None:
+        """Its rank is leaving (a scale-down): a request with no token yet starts over on a
+        serving rank (waiting up to FAILOVER_WAIT_S for one); one that has tokens keeps
+        running there until the drain ends (then, if it is not done, `_fail_over`)."""
+        if self.timing.first_token is not None:
+            return
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        while True:
+            try:
+                self._restart(self._pick(exclude=self.engine))
+                return
+            except EngineUnavailableError:
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(str(error)) from None
+                await asyncio.sleep(0.1)
 
     async def _move(self, error: RequestFailedError) -> None:
         """A full rank refused it: the least loaded live rank that has not refused it yet;

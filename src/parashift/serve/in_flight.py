@@ -76,6 +76,12 @@ class InFlight:
         else:
             future.set_result(msg.result)
 
+    def tell_engine(self, rank: int, error: Exception) -> None:
+        """Every request `rank` holds hears `error` and decides (they stay in flight)."""
+        for req_id, r in list(self.engine_of.items()):
+            if r == rank and (sink := self.sinks.get(req_id)) is not None:
+                sink(error)
+
     # --- a dead engine -----------------------------------------------------------------------
     def fail_engine(self, rank: int, error: Exception) -> None:
         """Every request and call `rank` held fails with `error`."""

@@ -117,6 +117,11 @@ class Router:
             if tier not in self.tiers:
                 self.tiers[tier] = RankPrefixIndex(max(1, tier_blocks))
 
+    def remove(self, rank: int) -> None:
+        """The rank left the deployment (its node's tier keeps what was stored there)."""
+        self.indexes.pop(rank, None)
+        self.tier_of.pop(rank, None)
+
     def forget(self, rank: int) -> None:
         """The rank's prefix cache was emptied (reset, sleep, wake)."""
         if rank in self.indexes:

@@ -99,6 +99,11 @@ class StrategySpec(AxesComposition):
                 for a in self.axes]
         return type(self)(tuple(axes))
 
+    def with_size(self, name: str, size: int) -> StrategySpec:
+        """This spec with axis `name` at `size` (elastic dp: the layout at another size)."""
+        return type(self)(tuple(type(a)(size, **a.options()) if a.name == name else a
+                                for a in self.axes))
+
     def axis(self, name: str) -> Strategy | None:
         return next((a for a in self.axes if a.name == name), None)
 

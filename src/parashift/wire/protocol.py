@@ -150,6 +150,39 @@ class ApiServerReady(_Msg):
     index: int
 
 
+# --- elastic data parallel (runtime/scale.py) -------------------------------------------------
+class ScaleRequest(_Msg):
+    """API server -> launcher: POST /scale; the answer is a ScaleResult with the same id."""
+
+    index: int  # the API server's
+    call_id: int
+    size: int  # the data-parallel size asked for
+
+
+class ScaleResult(_Msg):
+    """Launcher -> the API server that asked: the size that serves now; `error` (with its
+    HTTP status) when the scale was refused or failed."""
+
+    call_id: int
+    size: int
+    error: str = ""
+    status: int = 200
+
+
+class RankDraining(_Msg):
+    """Launcher -> API servers: route nothing more to `rank`; move its unstarted requests."""
+
+    rank: int
+
+
+class RankRemoved(_Msg):
+    """Launcher -> API servers: `rank` left the deployment (a scale-down); what it still held
+    moves or ends with `reason`."""
+
+    rank: int
+    reason: str
+
+
 class EngineLoad(_Msg):
     """Engine -> coordinator whenever its load changes. Every API server hears it through the
     coordinator, not only the one that was called: its router forgets the rank's blocks when
@@ -165,10 +198,12 @@ class EngineLoad(_Msg):
 
 class Heartbeat(_Msg):
     """Engine -> coordinator every second, from a thread: this rank is alive even while a long
-    step runs. A rank silent for --heartbeat-timeout is declared dead (it may be remote)."""
+    step runs. A rank silent for --heartbeat-timeout is declared dead (it may be remote); one
+    that stops cleanly says so last (`leaving`), so that its silence is no death."""
 
     rank: int
     incarnation: int
+    leaving: bool = False
 
 
 class LoadVector(_Msg):
@@ -212,7 +247,9 @@ ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL s
 FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and engines' SUB
 # on an API server's PULL socket
 Outputs = EngineOutputs | RequestFailed | UtilityResult | EngineDead
-Control = EngineReady | EngineDead | Shutdown  # on an API server's ROUTER socket
+# on an API server's ROUTER socket
+Control = EngineReady | EngineDead | Shutdown | ScaleResult | RankDraining | RankRemoved
+FromApiServer = ApiServerReady | ScaleRequest  # on the launcher's control sockets
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}

@@ -1,0 +1,207 @@
+"""Elastic data parallel (`--data-parallel-size-max`, POST /scale, `parashift scale`): a server
+started at dp1 grows to dp3 and shrinks back under a steady stream of requests, streamed and
+not, none failing and each with the tokens a fixed-size server gives; and what a scale refuses.
+(The launcher's scale state machine, case by case: test_scale.py.)"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import psutil
+import pytest
+
+from parashift import LLM, SamplingParams
+
+from .conftest import LONG_ARGS, live, running_server
+
+KEY = "elastic-admin-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+        "--strategy", "dp1", "--data-parallel-size-max", "3", "--admin-api-key", KEY)
+PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(6 + i % 5)] for i in range(12)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with running_server(tiny_llama, *ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama) -> list[str]:
+    """What one offline engine makes of PROMPTS."""
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def scale(server, size: int, path: str = "/scale", field: str = "data_parallel_size",
+          headers: dict | None = None) -> tuple[int, dict]:
+    status, raw = server.request("POST", path, {field: size},
+                                 headers=ADMIN if headers is None else headers, timeout=300)
+    return status, json.loads(raw)
+
+
+def ranks(server) -> dict[str, str]:
+    return server.get_json("/health")[1]["ranks"]
+
+
+def engine_ranks(server) -> set[int]:
+    """The ranks whose engine process lives."""
+    found = set()
+    for proc in live(server.current_tree()):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(proc.cmdline())
+            found.update(r for r in range(4) if f"parashift-engine-dp{r}" in title)
+    return found
+
+
+def complete(server, i: int, stream: bool) -> str:
+    """PROMPTS[i] greedy; a stream's text is put together from its events."""
+    status, raw = server.request("POST", "/v1/completions", {
+        "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "stream": stream}, timeout=120)
+    assert status == 200, raw
+    if not stream:
+        return json.loads(raw)["choices"][0]["text"]
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert not any("error" in e for e in events), events
+    finished = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+    assert finished[-1] == "length", events  # complete
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def test_one_to_three_and_back_under_load_loses_nothing(server, expected):
+    assert ranks(server) == {"dp0": "serving"}
+    stop, results, errors = threading.Event(), [], []
+
+    def client(worker: int) -> None:
+        n = worker
+        while not stop.is_set():
+            i = n % len(PROMPTS)
+            try:
+                results.append((i, complete(server, i, stream=n % 2 == 0)))
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(repr(e))
+            n += 3
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        clients = [pool.submit(client, w) for w in range(3)]
+        try:
+            assert scale(server, 2) == (200, {"data_parallel_size": 2})
+            assert ranks(server) == {"dp0": "serving", "dp1": "serving"}
+            assert scale(server, 3, "/scale_elastic_ep", "new_data_parallel_size") == (
+                200, {"data_parallel_size": 3})
+            assert ranks(server) == {"dp0": "serving", "dp1": "serving", "dp2": "serving"}
+            assert engine_ranks(server) == {0, 1, 2}
+            while server.metric("parashift_engine_requests_total", 'engine="dp2"') is None:
+                complete(server, 0, stream=False)  # until dp2 has served one (routing by load)
+            assert scale(server, 1) == (200, {"data_parallel_size": 1})
+        finally:
+            stop.set()
+            for c in clients:
+                c.result()
+    assert errors == []
+    assert results and all(text == expected[i] for i, text in results)
+    assert ranks(server) == {"dp0": "serving"}
+    assert engine_ranks(server) == {0}  # dp1 and dp2 stopped
+    assert server.metric("parashift_data_parallel_size") == 1.0
+    assert complete(server, 3, stream=True) == expected[3]
+
+
+def test_what_a_scale_refuses(server):
+    status, body = scale(server, 4)
+    assert status == 400 and "--data-parallel-size-max 3" in body["error"]["message"]
+    assert scale(server, 1) == (200, {"data_parallel_size": 1})  # the size it has: nothing
+    assert scale(server, 2, headers={})[0] == 401  # the admin key
+    status, raw = server.request("POST", "/scale", {"data_parallel_size": "two"},
+                                 headers=ADMIN)
+    assert status == 400 and b"data_parallel_size" in raw
+    status, raw = server.request("POST", "/scale", {"size": 2}, headers=ADMIN)
+    assert status == 400
+    assert ranks(server) == {"dp0": "serving"}
+
+
+def test_asleep_a_scale_is_refused_with_409(server):
+    assert server.request("POST", "/sleep?level=1", headers=ADMIN, timeout=120)[0] == 200
+    try:
+        # The coordinator's vector carries the sleep level to the API server.
+        while server.metric("parashift_engine_sleep_level", 'engine="dp0"') != 1.0:
+            pass
+        status, body = scale(server, 2)
+        assert status == 409 and "asleep" in body["error"]["message"]
+    finally:
+        assert server.request("POST", "/wake_up", headers=ADMIN, timeout=120)[0] == 200
+
+
+def test_parashift_scale_command(server):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "parashift.cli", "scale", *args,
+                               "--url", server.url, "--admin-api-key", KEY],
+                              capture_output=True, text=True, timeout=300, cwd="/")
+
+    done = run("2")
+    assert done.returncode == 0 and "data parallel size 2" in done.stdout, done.stderr
+    refused = run("9")
+    assert refused.returncode == 2 and "400" in refused.stderr, refused.stderr
+    assert run("1").returncode == 0
+    assert ranks(server) == {"dp0": "serving"}
+
+
+# --- a drain that runs out of time, and a new rank that dies -----------------------------------
+@pytest.fixture(scope="module")
+def impatient(tiny_llama_long):
+    """dp2 that may go down to 1 with no time to drain."""
+    with running_server(tiny_llama_long, *LONG_ARGS, "--strategy", "dp2",
+                        "--data-parallel-size-max", "2", "--drain-timeout", "0",
+                        "--admin-api-key", KEY) as s:
+        yield s
+
+
+def test_past_the_drain_timeout_a_stream_ends_with_an_error_naming_the_drain(impatient):
+    """A stream on the leaving rank that has shown tokens cannot move: it ends with an error
+    event that names the scale-down; the server goes on at the new size."""
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(impatient.url + "/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "X-data-parallel-rank": "1"})
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        lines = []
+        for line in stream:  # up to its first token: it runs on dp1
+            lines.append(line)
+            if b'"text"' in line:
+                break
+        assert scale(impatient, 1) == (200, {"data_parallel_size": 1})
+        lines += list(stream)
+    events = [json.loads(line[6:]) for line in lines
+              if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert errors and "scale-down" in errors[0] and "--drain-timeout" in errors[0]
+    assert ranks(impatient) == {"dp0": "serving"}
+    assert impatient.request("POST", "/v1/completions", {
+        "prompt": [1, 2], "max_tokens": 4, "temperature": 0})[0] == 200
+
+
+def test_a_new_rank_that_dies_fails_the_scale_and_the_size_stays(impatient):
+    assert scale(impatient, 1) == (200, {"data_parallel_size": 1})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(scale, impatient, 2)
+        while 1 not in engine_ranks(impatient):  # the new engine's process is up
+            assert not answer.done(), answer.result()
+        for proc in live(impatient.current_tree()):
+            with contextlib.suppress(psutil.Error):
+                if "parashift-engine-dp1" in " ".join(proc.cmdline()):
+                    proc.kill()
+        status, body = answer.result()
+    assert status == 503 and "dp1" in body["error"]["message"], body
+    assert ranks(impatient) == {"dp0": "serving"}
+    assert impatient.request("POST", "/v1/completions", {
+        "prompt": [1, 2], "max_tokens": 4, "temperature": 0})[0] == 200
