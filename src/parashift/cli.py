@@ -197,6 +197,17 @@ def run(
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", help="seconds a scale-down lets its ranks' running requests "
         "finish; then unstreamed ones move and streams end with an error")] = 60.0,
+    data_parallel_size_min: Annotated[int | None, typer.Option(
+        "--data-parallel-size-min", help="start the autoscaler: between this many ranks and "
+        "--data-parallel-size-max, by load")] = None,
+    autoscale_up_tokens: Annotated[int, typer.Option(
+        "--autoscale-up-tokens", help="one rank more while the prompt tokens waiting per "
+        "rank stay above this")] = 2048,
+    autoscale_up_window: Annotated[float, typer.Option(
+        "--autoscale-up-window", help="... for this many seconds")] = 10.0,
+    autoscale_idle_window: Annotated[float, typer.Option(
+        "--autoscale-idle-window", help="one rank less once a rank has held no request "
+        "for this many seconds")] = 60.0,
     backend: Annotated[Literal["mp", "ray"], typer.Option(
         "--backend", "--data-parallel-backend",
         help="processes here, or actors on a Ray cluster")] = "mp",
@@ -253,6 +264,19 @@ def run(
         raise typer.BadParameter("must be > 0", param_hint="--request-timeout")
     if data_parallel_size_max is not None and data_parallel_size_max < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--data-parallel-size-max")
+    autoscale = None
+    if data_parallel_size_min is not None:
+        if data_parallel_size_max is None:
+            raise typer.BadParameter("the autoscaler needs --data-parallel-size-max too",
+                                     param_hint="--data-parallel-size-min")
+        from parashift.runtime.autoscaler import AutoscaleConfig
+
+        try:
+            autoscale = AutoscaleConfig(data_parallel_size_min, data_parallel_size_max,
+                                        autoscale_up_tokens, autoscale_up_window,
+                                        autoscale_idle_window)
+        except ValueError as e:
+            fail(str(e))
     if drain_timeout < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--drain-timeout")
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -291,6 +315,7 @@ def run(
         data_parallel_rpc_port=data_parallel_rpc_port, headless=headless,
         restart_dead_engines=restart_dead_engines, heartbeat_timeout=heartbeat_timeout,
         data_parallel_size_max=data_parallel_size_max, drain_timeout=drain_timeout,
+        autoscale=autoscale,
         backend=backend, ray_address=ray_address, ray_placement=ray_placement,
         routing=routing_config, insecure_cluster=insecure_cluster,
         tool_call_parser=tool_call_parser if enable_auto_tool_choice else None, limits=limits)

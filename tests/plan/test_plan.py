@@ -196,3 +196,17 @@ def test_cpu_placement_is_this_machines_and_says_when_oversubscribed(tiny_split_
     assert set(placed) <= set(cores)  # never a core this machine does not have
     oversubscribed = any("oversubscribed" in w for w in doc["warnings"])
     assert oversubscribed == (len(cores) < 3)
+
+
+def test_the_ranks_that_fit_the_machine():
+    """Elastic dp's ceiling: on GPUs the devices an engine's workers seat; on a CPU the
+    memory every rank shares, each rank holding each worker's weights, reserve and KV."""
+    assert plan("Llama-3.1-8B", "dp2xtp2").ranks_that_fit == 4  # 8 devices / 2 per rank
+    cpu = DEVICES["cpu"]
+    one = make_plan(PRESETS["Llama-3.1-8B"], StrategySpec.parse("dp1"),
+                    PlanSettings(cpu, 1, device_memory=64 * GiB, kv_cache_memory=4 * GiB))
+    per_rank = sum(st.budget for st in one.stages)
+    assert one.ranks_that_fit == (64 * GiB) // per_rank >= 1
+    tp2 = make_plan(PRESETS["Llama-3.1-8B"], StrategySpec.parse("tp2"),
+                    PlanSettings(cpu, 2, device_memory=64 * GiB, kv_cache_memory=4 * GiB))
+    assert tp2.ranks_that_fit == (64 * GiB) // (2 * tp2.stages[0].budget)

@@ -205,3 +205,29 @@ def test_a_new_rank_that_dies_fails_the_scale_and_the_size_stays(impatient):
     assert ranks(impatient) == {"dp0": "serving"}
     assert impatient.request("POST", "/v1/completions", {
         "prompt": [1, 2], "max_tokens": 4, "temperature": 0})[0] == 200
+
+
+# --- the autoscaler --------------------------------------------------------------------------
+def test_the_autoscaler_grows_on_a_backlog_and_shrinks_when_idle(tiny_llama_long):
+    """dp1 that may grow to 2: a burst of long prompts is a backlog above the threshold (no
+    window), so a rank is added; when the burst is served the idle rank goes (no window).
+    Every request of the burst is answered."""
+    with running_server(tiny_llama_long, *LONG_ARGS, "--strategy", "dp1",
+                        "--data-parallel-size-min", "1", "--data-parallel-size-max", "2",
+                        "--autoscale-up-tokens", "500", "--autoscale-up-window", "0",
+                        "--autoscale-idle-window", "0") as server:
+        prompt = [(3 * i) % 250 + 1 for i in range(3000)]
+
+        def long_one(_: int) -> int:
+            return server.request("POST", "/v1/completions", {
+                "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True},
+                timeout=300)[0]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            burst = [pool.submit(long_one, i) for i in range(32)]
+            server.wait_line(r"autoscaler: data parallel 1 -> 2")
+            server.wait_line(r"data parallel size is 2 now")
+            assert [f.result() for f in burst] == [200] * 32
+        server.wait_line(r"autoscaler: data parallel 2 -> 1: dp\d held no request")
+        while ranks(server) != {"dp0": "serving"}:  # its last scale (it may have flapped)
+            server.wait_line(r"data parallel size is 1 now")

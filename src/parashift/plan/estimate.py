@@ -107,6 +107,7 @@ class Plan:
     bubble: dict[str, dict[str, float]] = field(default_factory=dict)  # plan/bubble.py
     expert_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE: ep or not
     kv_tiers: KVTiers | None = None  # plan/kv_tiers.py: the node's host and disk tiers
+    ranks_that_fit: int = 0  # dp ranks of this layout the machine holds (elastic dp's ceiling)
 
     @property
     def fits(self) -> bool:
@@ -221,6 +222,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
         max(kv_block_bytes(c, s) for c in costs), spec.processes(), mesh, s.kv_offloading_size,
         s.kv_disk_size, s.kv_disk_dir, s.block_size)
     errors += tier_errors
+    plan.ranks_that_fit = ranks_that_fit(stages, spec, s)
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes, s.quantization)
     plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency,
@@ -231,6 +233,19 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
                         f"{plan.estimate['decode_batch']:.0f} sequences per replica "
                         "the pipeline has bubbles (needs several micro-batches per stage)")
     return plan
+
+
+def ranks_that_fit(stages: list[StageMemory], spec: StrategySpec, s: PlanSettings) -> int:
+    """How many dp ranks of this layout (one engine and its workers each) the machine holds:
+    on GPUs, as many as its devices seat (each device's budget is checked per stage); on a
+    CPU, all ranks share its memory, each taking every worker's weights, reserve and KV."""
+    workers = spec.processes().workers_per_engine
+    if s.device.is_gpu:
+        return s.devices // workers
+    per_stage_workers = workers // len(stages)
+    per_rank = sum(st.budget for st in stages) * per_stage_workers
+    memory = s.device_memory or s.device.memory_bytes
+    return memory // per_rank if per_rank else 0
 
 
 def _inter(s: PlanSettings) -> Link:

@@ -29,6 +29,7 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
                         "max_length_sequences": plan.concurrent_max_len_seqs},
         "kv_tiers": dataclasses.asdict(plan.kv_tiers) if plan.kv_tiers else None,
+        "ranks_that_fit": plan.ranks_that_fit,
         "experts_per_rank": plan.experts_per_rank,
         "expert_options": plan.expert_options,
         "communication": plan.comm, "estimate": plan.estimate,
@@ -99,6 +100,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   f"tokens = {plan.concurrent_max_len_seqs:.1f} max-length sequences"
                   + (f"; {plan.experts_per_rank} experts per rank" if plan.experts_per_rank
                      else ""))
+    console.print(f"this machine holds {plan.ranks_that_fit} rank(s) of this layout (the "
+                  "ceiling for --data-parallel-size-max)")
     if plan.kv_tiers:
         _show_kv_tiers(plan.kv_tiers, console)
     if plan.expert_options:

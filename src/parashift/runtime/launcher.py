@@ -27,6 +27,7 @@ from parashift.kv_tiers.disk_tier import check_private_folder
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
 from parashift.runtime.api_servers import ApiServers
+from parashift.runtime.autoscaler import Autoscaler
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener
 from parashift.runtime.handshake import Handshake
@@ -50,6 +51,8 @@ from parashift.wire.sockets import subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
+AUTOSCALER = -1  # the asker of the autoscaler's scales (not an API server: nobody to answer)
+
 
 class Launcher:
     def __init__(self, args: ServeArgs):
@@ -72,8 +75,15 @@ class Launcher:
         # Elastic: the ranks the deployment may grow to (its tables are sized for them).
         self.capacity = max(self.num_engines, args.data_parallel_size_max or 0)
         refusal = self._scale_refusal()
-        if refusal and self.capacity > self.num_engines:
-            raise ValueError(f"--data-parallel-size-max: {refusal}")
+        self.autoscaler = Autoscaler(args.autoscale) if args.autoscale else None
+        self.elastic = self.capacity > self.num_engines or self.autoscaler is not None
+        if refusal and self.elastic:
+            raise ValueError(f"--data-parallel-size-max/-min: {refusal}")
+        if args.autoscale and not (args.autoscale.min_size <= self.num_engines
+                                   <= args.autoscale.max_size):
+            raise ValueError(f"--strategy {self.spec} launches {self.num_engines} rank(s), "
+                             f"outside --data-parallel-size-min {args.autoscale.min_size} .. "
+                             f"--data-parallel-size-max {args.autoscale.max_size}")
         if self.capacity > self.num_engines:  # engines up to the capacity are valid ranks
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
@@ -171,7 +181,7 @@ class Launcher:
             self.coordinator.start()
             coordinator_pub = self.endpoints.coordinator_publish
             self.handshake.watch(coordinator_pub)
-            if self.capacity > self.num_engines:
+            if self.elastic:
                 self.load_in = subscriber(self.ctx, coordinator_pub)
             if self.lockstep is not None:
                 self.lockstep.watch(self.ctx, coordinator_pub)
@@ -275,7 +285,9 @@ class Launcher:
             self.engines.restart_due()
             self._serve_handshake(200)
             self._serve_api_servers()
+            self._hear_loads()
             self._advance_scale()
+            self._autoscale()
         return 0
 
     # --- elastic data parallel (runtime/scale.py) ---------------------------------------------
@@ -303,6 +315,10 @@ class Launcher:
                     self._begin_scale(index, msg)
 
     def _answer_scale(self, index: int, result: p.ScaleResult) -> None:
+        if index == AUTOSCALER:
+            if result.error:
+                logger.warning("the autoscaler's scale did not happen: %s", result.error)
+            return
         try:
             self.api_servers.controls[index].send(p.encode(result), zmq.NOBLOCK)
         except zmq.ZMQError as e:
@@ -324,11 +340,23 @@ class Launcher:
         for rank in job.ranks:
             self.api_servers.announce(p.RankDraining(rank))
 
+    def _autoscale(self) -> None:
+        if self.autoscaler is None or self.scaler.job is not None:
+            return
+        size = self.scaler.size
+        decision = self.autoscaler.decide(time.monotonic(), size, {
+            rank: load for rank, (_, load) in self.loads.items() if rank < size})
+        if decision is None:
+            return
+        logger.info("autoscaler: data parallel %d -> %d: %s", size, decision.size,
+                    decision.reason)
+        self.autoscaler.restart_windows()
+        self._begin_scale(AUTOSCALER, p.ScaleRequest(AUTOSCALER, 0, decision.size))
+
     def _advance_scale(self) -> None:
         job = self.scaler.job
         if job is None:
             return
-        self._hear_loads()
         if job.phase == Phase.STARTING:
             if all(rank in self.ready for rank in job.ranks):
                 self.local_ranks = sorted({*self.local_ranks, *job.ranks})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from parashift import env
 from parashift.engine.args import EngineArgs
+from parashift.runtime.autoscaler import AutoscaleConfig
 from parashift.serve.limits import ServeLimits
 from parashift.serve.prefix_router import RoutingConfig
 from parashift.wire.cluster_auth import MIN_SECRET_CHARS
@@ -42,6 +43,7 @@ class ServeArgs:
     heartbeat_timeout: float = 5.0
     data_parallel_size_max: int | None = None  # elastic: POST /scale up to this many ranks
     drain_timeout: float = 60.0  # a scale-down waits this long for its ranks' requests
+    autoscale: AutoscaleConfig | None = None  # with --data-parallel-size-min
     backend: str = "mp"  # "ray": engines (and their workers) as actors on a Ray cluster
     ray_address: str | None = None
     ray_placement: str = "pack"

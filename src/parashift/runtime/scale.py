@@ -78,7 +78,8 @@ class Scaler:
             return no(400, f"data_parallel_size {msg.size}: a deployment keeps at least 1")
         if msg.size > self.limits.capacity:
             return no(400, f"data_parallel_size {msg.size} is beyond --data-parallel-size-max "
-                           f"{self.limits.capacity}, which this launch was started with")
+                           f"{self.limits.capacity}: the most ranks this launch can hold "
+                           "(start it with a larger one)")
         if msg.size == self.size:
             return p.ScaleResult(msg.call_id, self.size)  # nothing to change
         if msg.size > self.size:

@@ -24,7 +24,8 @@ def _response(description: str, schema: dict, content_type: str = "application/j
 def _errors(*statuses: int) -> dict[str, dict]:
     why = {400: "invalid request (the field is named in `param`)", 401: "missing or wrong key",
            403: "the API key, where the admin routes take the admin key",
-           404: "unknown model", 429: "the engines' waiting queues are full",
+           404: "unknown model", 409: "conflicts with the server's state (the message says)",
+           429: "the engines' waiting queues are full",
            503: "no engine can take the request", 504: "the request timed out"}
     return {str(s): _response(why[s], {"$ref": _REF.format(name="Error")}) for s in statuses}
 
@@ -91,4 +92,14 @@ _ADMIN_PATHS: dict[str, Any] = {
     "/is_sleeping": {"get": {"summary": "Whether every engine sleeps, and each level",
                              "responses": {"200": _response("per rank", _OBJECT),
                                            **_errors(401, 403)}}},
+    **{path: {"post": {
+        "summary": f"Serve with {{\"{field}\": N}} data-parallel ranks (up to "
+                   "--data-parallel-size-max); answers when N serve",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": [field],
+            "properties": {field: {"type": "integer", "minimum": 1}}}}}},
+        "responses": {"200": _response("the size that serves", _OBJECT),
+                      **_errors(400, 401, 403, 409, 503)}}}
+       for path, field in (("/scale", "data_parallel_size"),
+                           ("/scale_elastic_ep", "new_data_parallel_size"))},
 }

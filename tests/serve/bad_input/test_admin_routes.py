@@ -39,3 +39,26 @@ def test_the_admin_key_is_no_inference_key(server):
     status, raw = server.request("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2},
                                  headers=AUTH)
     assert status == 200, raw
+
+
+def test_scale_takes_the_admin_key_and_refuses_what_it_cannot_do(server):
+    """A server launched without --data-parallel-size-max keeps its size; bad bodies are
+    400s that name the field; nothing changes."""
+    for path in ("/scale", "/scale_elastic_ep"):
+        status, raw = server.request("POST", path, {"data_parallel_size": 2})
+        assert assert_openai_error(status, raw, 401)["code"] == "invalid_api_key", path
+        status, raw = server.request("POST", path, {"data_parallel_size": 2}, headers=AUTH)
+        assert_openai_error(status, raw, 403, contains=("admin key",))
+    status, raw = server.request("POST", "/scale", {"data_parallel_size": 2},
+                                 headers=ADMIN_AUTH)
+    assert_openai_error(status, raw, 400, contains=("--data-parallel-size-max",))
+    for body in ({"data_parallel_size": 0}, {"data_parallel_size": True},
+                 {"new_data_parallel_size": 2}, [2], "two"):
+        status, raw = server.request("POST", "/scale", body, headers=ADMIN_AUTH)
+        assert_openai_error(status, raw, 400, contains=("data_parallel_size",))
+    status, raw = server.request("POST", "/scale", b"{not json", headers=ADMIN_AUTH)
+    assert_openai_error(status, raw, 400, contains=("not JSON",))
+    status, raw = server.request("POST", "/scale", {"data_parallel_size": 1},
+                                 headers=ADMIN_AUTH)
+    assert status == 200 and json.loads(raw) == {"data_parallel_size": 1}
+    assert_healthy(server)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Elastic data parallel (issue 54): seconds from POST /scale to the answer (the new size
+# serving), SmolLM2 started at dp1 with --data-parallel-size-max 2, warm cache (the server
+# has loaded the model once). REPS times up (1 -> 2) and down (2 -> 1, idle: nothing to
+# drain); prints each and min/median.
+#   scripts/bench_scale.sh [REPS]
+set -euo pipefail
+reps=${1:-5}
+PY=${PARASHIFT_PY:-python}
+PORT=${PORT:-8033}
+KEY=bench-scale-key
+log=$(mktemp)
+setsid "$PY" -m parashift.cli run --port "$PORT" --strategy dp1 --data-parallel-size-max 2 \
+  --admin-api-key "$KEY" > "$log" 2>&1 &
+pid=$!
+trap 'kill -INT -- "-$pid" 2> /dev/null; while kill -0 "$pid" 2> /dev/null; do sleep 0.5; done; rm -f "$log"' EXIT
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+  kill -0 "$pid" 2> /dev/null || { cat "$log"; exit 1; }
+  sleep 1
+done
+scale() {  # scale N: seconds to the answer
+  curl -sf -o /dev/null -w '%{time_total}\n' -H "Authorization: Bearer $KEY" \
+    -H 'Content-Type: application/json' -d "{\"data_parallel_size\": $1}" \
+    "http://127.0.0.1:$PORT/scale"
+}
+ups=(); downs=()
+for _ in $(seq "$reps"); do
+  ups+=("$(scale 2)"); downs+=("$(scale 1)")
+done
+summary() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {printf "min %.2f s, median %.2f s (%d runs)\n", a[1], a[int((NR+1)/2)], NR}'; }
+echo "up 1 -> 2:   ${ups[*]}"; echo -n "  "; summary "${ups[@]}"
+echo "down 2 -> 1: ${downs[*]}"; echo -n "  "; summary "${downs[@]}"
