@@ -50,7 +50,8 @@ def test_bad_flags_are_named(tiny_llama, args, message):
 @pytest.mark.slow
 def test_int8_and_int4_stay_close_to_float32_on_smollm2():
     """Teacher-forced on float32's greedy continuations of 8 prompts (16 tokens each). Measured
-    here: 97-98% top-1 agreement, mean |delta log-probability| 0.02-0.05 (docs/benchmarks/sittings-from-2026-12-05.md)."""
+    here: 97-98% top-1 agreement, mean |delta log-probability| 0.02-0.05
+    (docs/benchmarks/sittings-from-2026-12-05.md)."""
     results = compare(EngineArgs(dtype="float32"), ["int8", "int4"], PROMPTS[:8], 16, [])
     full = results["none"]["weight_bytes"]
     for method, most_bytes in (("int8", 0.55), ("int4", 0.47)):
