@@ -49,9 +49,6 @@ def test_what_is_refused_and_why():
     assert over.size == 2
     same = s.refuse(ask(2))
     assert same == p.ScaleResult(7, 2)  # nothing to do: answered at once, no error
-    s.begin(ask(1))
-    busy = s.refuse(ask(3, call_id=8))
-    assert busy.status == 409 and "in progress" in busy.error and busy.call_id == 8
     cannot = scaler(refusal="expert-parallel lockstep groups do not scale").refuse(ask(2))
     assert cannot.status == 400 and "lockstep" in cannot.error
 

@@ -18,12 +18,12 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import LONG_ARGS, live, running_server
+from .conftest import LONG_ARGS, launch, live, running_server, stop, wait_serving
 
 KEY = "elastic-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
-ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
-        "--strategy", "dp1", "--data-parallel-size-max", "3", "--admin-api-key", KEY)
+BASE = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB")
+ARGS = (*BASE, "--strategy", "dp1", "--data-parallel-size-max", "3", "--admin-api-key", KEY)
 PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(6 + i % 5)] for i in range(12)]
 MAX_TOKENS = 8
 
@@ -130,6 +130,18 @@ def test_what_a_scale_refuses(server):
     assert ranks(server) == {"dp0": "serving"}
 
 
+def test_scales_asked_together_take_their_turns(server):
+    """Two scales asked at once each run, one after the other, and each answers with its
+    size; the server ends at the size of the one that ran last."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda size: scale(server, size), (2, 3)))
+    assert sorted(answers, key=lambda a: a[1]["data_parallel_size"]) == [
+        (200, {"data_parallel_size": 2}), (200, {"data_parallel_size": 3})]
+    final = len(ranks(server))
+    assert final in (2, 3) and ranks(server) == {f"dp{r}": "serving" for r in range(final)}
+    assert scale(server, 1) == (200, {"data_parallel_size": 1})
+
+
 def test_asleep_a_scale_is_refused_with_409(server):
     assert server.request("POST", "/sleep?level=1", headers=ADMIN, timeout=120)[0] == 200
     try:
@@ -231,3 +243,41 @@ def test_the_autoscaler_grows_on_a_backlog_and_shrinks_when_idle(tiny_llama_long
         server.wait_line(r"autoscaler: data parallel 2 -> 1: dp\d held no request")
         while ranks(server) != {"dp0": "serving"}:  # its last scale (it may have flapped)
             server.wait_line(r"data parallel size is 1 now")
+
+
+# --- several nodes ---------------------------------------------------------------------------
+SECRET_ENV = {"PARASHIFT_CLUSTER_SECRET": "elastic-multi-node-secret-0123456789"}
+
+
+@pytest.mark.slow
+def test_a_headless_node_joins_a_running_head_and_a_scale_down_lets_it_go(tiny_llama,
+                                                                           expected):
+    """Two process trees on 127.0.0.1: a head serving dp1 (room for 2) and, later, a
+    `--headless --data-parallel-start-rank 1` node whose rank joins the deployment; a
+    scale-down to 1 drains that rank, and the node exits on its own, cleanly."""
+    head = launch(tiny_llama, [*BASE, "--strategy", "dp1", "--data-parallel-size-max", "2",
+                               "--admin-api-key", KEY, "--data-parallel-address", "127.0.0.1",
+                               "--data-parallel-rpc-port", "0"], env=SECRET_ENV)
+    try:
+        port = head.wait_line(r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1)
+        wait_serving(head)
+        assert ranks(head) == {"dp0": "serving"}
+        node = launch(tiny_llama, [*BASE, "--headless", "--data-parallel-start-rank", "1",
+                                   "--data-parallel-size-local", "1",
+                                   "--data-parallel-address", "127.0.0.1",
+                                   "--data-parallel-rpc-port", port], env=SECRET_ENV)
+        try:
+            head.wait_line(r"headless node's ranks joined: data parallel size 1 -> 2")
+            while ranks(head) != {"dp0": "serving", "dp1": "serving"}:
+                head.wait_line(r"engine dp1 ready")  # the API server's view follows
+            for i in range(len(PROMPTS)):
+                assert complete(head, i, stream=i % 2 == 0) == expected[i]
+            assert head.metric("parashift_engine_requests_total", 'engine="dp1"') > 0
+            assert scale(head, 1) == (200, {"data_parallel_size": 1})
+            assert node.proc.wait(60) == 0, "".join(node.lines)  # it exits on its own
+            assert ranks(head) == {"dp0": "serving"}
+            assert complete(head, 0, stream=True) == expected[0]
+        finally:
+            stop(node)
+    finally:
+        stop(head)

@@ -49,6 +49,8 @@ class Handshake:
         self.claims: dict[int, tuple[bytes, int]] = {}
         self.nodes: dict[bytes, range] = {}  # headless launchers' identities -> their ranks
         self.verdicts: zmq.Socket | None = None  # the coordinator's declared deaths
+        # Elastic: why a node may not take these ranks now ("" when it may; runtime/scale.py)
+        self.node_refusal: Callable[[range], str] = lambda ranks: ""
 
     def bind(self, address: str) -> str:
         """Bind at `address` (port 0: one the kernel picks); the address bound."""
@@ -102,6 +104,27 @@ class Handshake:
                            type(msg).__name__, rank)
         return None
 
+    def node_of(self, rank: int) -> bytes | None:
+        return next((node for node, held in self.nodes.items() if rank in held), None)
+
+    def retire_node_ranks(self, ranks: list[int]) -> None:
+        """A scale-down removed `ranks`: each headless node holding some stops them; a node
+        left with none exits (and holds nothing here)."""
+        for node, held in list(self.nodes.items()):
+            leaving = [r for r in held if r in ranks]
+            if not leaving:
+                continue
+            try:
+                self.socket.send_multipart([node, p.encode(p.RetireRanks(leaving))],
+                                           zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("could not tell a headless node to stop %s: %s", leaving, e)
+            kept = [r for r in held if r not in ranks]
+            if kept:
+                self.nodes[node] = range(kept[0], kept[-1] + 1)
+            else:
+                del self.nodes[node]
+
     def shut_down_nodes(self, timeout: float) -> None:
         for node in self.nodes:  # headless launchers stop their engines
             try:
@@ -132,6 +155,10 @@ class Handshake:
         if not (0 <= ranks.start < ranks.stop <= self.num_engines):
             logger.warning("a headless node with ranks dp%d-dp%d, of %d engines: not answered",
                            ranks.start, ranks.stop - 1, self.num_engines)
+            return
+        if refusal := self.node_refusal(ranks):
+            logger.warning("a headless node with ranks dp%d-dp%d: not answered (%s)",
+                           ranks.start, ranks.stop - 1, refusal)
             return
         if owned := [r for r in ranks if r in self.tokens]:
             logger.warning("a headless node with ranks dp%d-dp%d, of which the head runs %s: "

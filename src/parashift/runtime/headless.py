@@ -122,9 +122,13 @@ class HeadlessLauncher:
                 if sock is self.head_heartbeats:
                     self.head_heartbeats.recv()
                     last_heard, timeout = time.monotonic(), self.args.heartbeat_timeout
-                elif isinstance(p.decode_or_drop(self.to_head.recv(), p.ToNode, "head"),
-                                p.Shutdown):
+                    continue
+                msg = p.decode_or_drop(self.to_head.recv(), p.ToNode, "head")
+                if isinstance(msg, p.Shutdown):
                     logger.info("the head node is shutting down; stopping this node")
+                    return 0
+                if isinstance(msg, p.RetireRanks) and self._retire(msg.ranks):
+                    logger.info("a scale-down removed this node's last rank; stopping")
                     return 0
             if time.monotonic() - last_heard > timeout:
                 logger.error("the head node has been silent for %.0f s; stopping this node",
@@ -135,6 +139,15 @@ class HeadlessLauncher:
                 self.to_head.send(p.encode(p.EngineDead(death.rank, death.reason, death.pid)))
             self.engines.restart_due()
         return 0
+
+    def _retire(self, ranks: list[int]) -> bool:
+        """A scale-down removed `ranks` (of this node's); True when none is left."""
+        for rank in ranks:
+            if rank in self.local_ranks:
+                logger.info("engine dp%d leaves (a scale-down)", rank)
+                self.engines.retire(rank, self.args.shutdown_timeout)
+                self.local_ranks = [r for r in self.local_ranks if r != rank]
+        return not self.local_ranks
 
     def shutdown(self) -> None:
         if self.engines is not None:

@@ -6,6 +6,7 @@ handshake socket, which stays open so that restarted ranks can join again."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import multiprocessing
@@ -91,6 +92,7 @@ class Launcher:
                                          args.drain_timeout, refusal),
                              self.num_engines, self._rank_bytes, free_memory_bytes)
         self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
+        self.pending_scales: collections.deque[tuple[int, p.ScaleRequest]] = collections.deque()
         self.lockstep: LockstepGroup | None = None
         if self.processes.lockstep:
             if args.backend == "ray" or args.multi_node(self.num_engines):
@@ -117,8 +119,9 @@ class Launcher:
                 {r: self.mesh.engine_placement(r) for r in self.local_ranks},
                 self.endpoints.handshake, args.log_level, args.startup_timeout,
                 args.restart_dead_engines)
-            for rank in range(self.num_engines, self.capacity):
-                self.engines.reserve(rank)
+            if not args.multi_node(self.num_engines):  # else a joining node may take them
+                for rank in range(self.num_engines, self.capacity):
+                    self.engines.reserve(rank)
         self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None
         self.ctx = zmq_context(role=self.head_keys.role(cluster=True) if self.head_keys
                                else None)
@@ -126,6 +129,7 @@ class Launcher:
                                    self._engine_init,
                                    p.NodeInit(self.endpoints.coordinator_publish),
                                    self.engines.tokens)
+        self.handshake.node_refusal = self._node_refusal
         self.coordinator: multiprocessing.Process | None = None
         self.load_in = None  # the coordinator's publications, for the scale-down's drain
         self.api_servers = ApiServers(self.ctx)
@@ -235,6 +239,8 @@ class Launcher:
             logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weight "
                         "bytes per worker %s", msg.rank, "ready again" if again else "ready",
                         msg.num_blocks, msg.block_size, msg.max_model_len, msg.weight_bytes)
+            if not starting:
+                self._joined(msg.rank)
         elif isinstance(msg, p.StartupFailed):
             if starting:
                 raise StartupError(f"engine dp{msg.rank} failed to start: {msg.error}")
@@ -298,9 +304,33 @@ class Launcher:
                     "(elastic expert parallel, with expert re-sharding, is later work)")
         if self.args.backend == "ray":
             return "elastic data parallel runs with --backend mp for now"
-        if self.args.multi_node(self.num_engines):
-            return "elastic data parallel runs on one node for now"
         return ""
+
+    def _node_refusal(self, ranks: range) -> str:
+        """Why a headless node may not take `ranks` now: one that joins a running head (a
+        scale-up by hand, on another node) takes the ranks right after the current size."""
+        size = self.scaler.size
+        if ranks.stop <= size:  # its place in the launch, or its ranks again after a restart
+            return ""
+        if self.scaler.job is not None:
+            return f"a scale to {self.scaler.job.target} is in progress"
+        if ranks.start != size:
+            return (f"a node that joins takes the ranks from dp{size}, the current size "
+                    f"(--data-parallel-start-rank {size})")
+        return ""
+
+    def _joined(self, rank: int) -> None:
+        """A headless node's engine beyond the size became ready: the size grows over the
+        ranks ready from it on (a node joins with consecutive ranks)."""
+        if self.scaler.job is not None or rank < self.scaler.size:
+            return
+        size = self.scaler.size
+        while size in self.ready:
+            size += 1
+        if size > self.scaler.size:
+            logger.info("a headless node's ranks joined: data parallel size %d -> %d",
+                        self.scaler.size, size)
+            self.scaler.size = size
 
     def _rank_bytes(self) -> int:
         """What a running rank holds in memory, measured: the largest rank's process tree."""
@@ -325,6 +355,10 @@ class Launcher:
             logger.warning("could not answer API server %d's scale request: %s", index, e)
 
     def _begin_scale(self, index: int, msg: p.ScaleRequest) -> None:
+        if self.scaler.job is not None:  # one at a time, in order (the autoscaler's: dropped)
+            if index != AUTOSCALER:
+                self.pending_scales.append((index, msg))
+            return
         refused = self.scaler.refuse(msg)
         if refused is not None:
             self._answer_scale(index, refused)
@@ -356,6 +390,8 @@ class Launcher:
     def _advance_scale(self) -> None:
         job = self.scaler.job
         if job is None:
+            if self.pending_scales:
+                self._begin_scale(*self.pending_scales.popleft())
             return
         if job.phase == Phase.STARTING:
             if all(rank in self.ready for rank in job.ranks):
@@ -366,8 +402,8 @@ class Launcher:
                 self._fail_scale_up(f"engine {missing} did not become ready within "
                                     f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
             return
-        gone = {r: (0.0, p.EngineLoad(r, SchedulerStats(0, 0, 0.0)))
-                for r in job.ranks if not self.engines.running(r)}  # dead: nothing to drain
+        gone = {r: (0.0, p.EngineLoad(r, SchedulerStats(0, 0, 0.0)))  # dead: nothing to drain
+                for r in job.ranks if r not in self.handshake.claims}
         overdue = self.scaler.overdue()
         if not (overdue or self.scaler.drained({**self.loads, **gone})
                 or len(gone) == len(job.ranks)):
@@ -377,15 +413,19 @@ class Launcher:
                   else f"its rank was removed by a scale-down to {job.target}")
         for rank in job.ranks:
             self.api_servers.announce(p.RankRemoved(rank, reason))
-            self._remove_rank(rank)
+        self._remove_ranks(job.ranks)
         self._answer_scale(*self.scaler.finish())
 
-    def _remove_rank(self, rank: int) -> None:
-        self.engines.retire(rank, self.args.shutdown_timeout)
-        self.handshake.release(rank)
-        self.ready.pop(rank, None)
-        self.loads.pop(rank, None)
-        self.local_ranks = [r for r in self.local_ranks if r != rank]
+    def _remove_ranks(self, ranks: list[int]) -> None:
+        """Their processes stop: this node's here, a headless node's there (told to)."""
+        self.handshake.retire_node_ranks(ranks)
+        multi_node = self.args.multi_node(self.num_engines)
+        for rank in ranks:
+            self.engines.retire(rank, self.args.shutdown_timeout, reserve=not multi_node)
+            self.handshake.release(rank)
+            self.ready.pop(rank, None)
+            self.loads.pop(rank, None)
+        self.local_ranks = [r for r in self.local_ranks if r not in ranks]
 
     def _scale_up_failed(self, death: EngineDeath) -> bool:
         """A rank a scale-up starts died before it was ready: the scale fails."""
@@ -400,7 +440,7 @@ class Launcher:
         for rank in job.ranks:
             if rank in self.ready:  # it told the API servers it serves
                 self.api_servers.announce(p.RankRemoved(rank, f"a failed scale-up: {error}"))
-            self._remove_rank(rank)
+        self._remove_ranks(job.ranks)
         self._answer_scale(*self.scaler.finish(error, 503))
 
     def _hear_loads(self) -> None:

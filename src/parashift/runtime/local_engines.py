@@ -45,13 +45,17 @@ class LocalEngines:
         self.tokens[rank] = secrets.token_bytes(16)
         self._spawn(rank)
 
-    def retire(self, rank: int, timeout: float = 10.0) -> None:
+    def retire(self, rank: int, timeout: float = 10.0, reserve: bool = True) -> None:
         """The rank leaves (a scale-down, or a failed scale-up): its process stops (SIGTERM,
-        then SIGKILL after `timeout`) and is not restarted; `reap` does not report it."""
+        then SIGKILL after `timeout`) and is not restarted; `reap` does not report it.
+        `reserve`: no other node may take the rank meanwhile (`reserve`)."""
         self.restarts.forget(rank)
         proc = self.procs.pop(rank, None)
         self.placements.pop(rank, None)
-        self.reserve(rank)
+        if reserve:
+            self.reserve(rank)
+        else:
+            self.tokens.pop(rank, None)
         self.ranks = [r for r in self.ranks if r != rank]
         if proc is not None:
             if proc.is_alive():

@@ -12,7 +12,10 @@ one scale at a time, each a small state machine the launcher's loop advances wit
 
 The ranks a launch may run are fixed at launch (--data-parallel-size-max, the coordinator's,
 the API servers' and the handshake's tables); the size moves within them. Nothing that runs is
-restarted. Expert-parallel lockstep groups, Ray and several nodes do not scale yet."""
+restarted. Scales asked while one runs wait their turn, in order. On several nodes the
+head's scale-up starts ranks on its own node, and a `--headless` node that joins with the
+ranks from the current size grows the deployment; a scale-down stops a node's ranks there
+(and the node, once it has none). Expert-parallel lockstep groups and Ray do not scale yet."""
 
 from __future__ import annotations
 
@@ -65,15 +68,13 @@ class Scaler:
         self.job: Scale | None = None
 
     def refuse(self, msg: p.ScaleRequest) -> p.ScaleResult | None:
-        """The answer to a scale that cannot start (or needs nothing), else None."""
+        """The answer to a scale that cannot start (or needs nothing), else None; asked when
+        no other scale runs (the launcher queues them)."""
         def no(status: int, error: str) -> p.ScaleResult:
             return p.ScaleResult(msg.call_id, self.size, error, status)
 
         if self.limits.refusal:
             return no(400, self.limits.refusal)
-        if self.job is not None:
-            return no(409, f"a scale to {self.job.target} is in progress; ask again when it "
-                           "has answered")
         if msg.size < 1:
             return no(400, f"data_parallel_size {msg.size}: a deployment keeps at least 1")
         if msg.size > self.limits.capacity:

@@ -313,6 +313,9 @@ class EngineClient:
         try:
             self._send.send_multipart(msg, flags=zmq.NOBLOCK)
             result = await future
+        except zmq.ZMQError as e:
+            return p.ScaleResult(call_id, self.ranks.size, f"the launcher cannot be reached "
+                                 f"({e})", 503)
         finally:
             self._scales.pop(call_id, None)
         # The new ranks' EngineReady reach this server on their own links: the answer waits

@@ -115,7 +115,8 @@ class EngineRoutes:
                               "asleep: wake them (POST /wake_up) before scaling",
                               "conflict_error")
         result = await self.engines.scale(size)
-        self.metrics.scale_events.labels("ok" if not result.error else "refused").inc()
+        self.metrics.scale_events.labels(
+            "ok" if not result.error else "refused" if result.status < 500 else "failed").inc()
         if result.error:
             raise OpenAIError(result.status, result.error, {
                 409: "conflict_error", 503: "service_unavailable_error"}.get(

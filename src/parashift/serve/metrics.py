@@ -44,7 +44,8 @@ class Metrics:
         self.dp_size = Gauge("parashift_data_parallel_size", "Ranks in the deployment (those "
                              "serving, starting, draining or down)", registry=r)
         self.scale_events = Counter("parashift_scale_requests_total", "Scale requests this "
-                                    "API server passed on, by outcome", ["outcome"], registry=r)
+                                    "API server passed on, by outcome (ok, refused, failed)",
+                                    ["outcome"], registry=r)
         self.load_tokens = Gauge("parashift_engine_load_tokens", "The rank's work in tokens as "
                                  "the DP router sees it: prompt tokens still to compute "
                                  "(prefill), output tokens still allowed (output)",

@@ -239,10 +239,17 @@ class NodeInit(_Msg):
     config: EngineConfigWire | None = None
 
 
+class RetireRanks(_Msg):
+    """Head -> headless launcher: a scale-down removed these of its ranks (drained already):
+    stop their engines, report no death; with none left, the node exits."""
+
+    ranks: list[int]
+
+
 # on an engine's request sockets
 ToEngine = AddRequest | AbortRequests | Sleep | WakeUp | IsSleeping | ResetPrefixCache | GetStats
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
-ToNode = NodeInit | Shutdown  # head launcher -> headless launcher
+ToNode = NodeInit | Shutdown | RetireRanks  # head launcher -> headless launcher
 ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL socket
 FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and engines' SUB
 # on an API server's PULL socket
