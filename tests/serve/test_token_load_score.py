@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 import urllib.request
 
 import pytest
@@ -42,20 +41,36 @@ def test_by_requests_the_long_prompt_looks_lighter():
     assert (loads.score(0), loads.score(1)) == (4, 8)
 
 
-def test_what_was_sent_lately_counts_beside_any_vector():
-    """A vector may predate the rank's hearing of a request: what was sent counts for the
-    grace period whatever vectors come meanwhile, then only the vectors do."""
-    loads = EngineLoads(by_tokens=True, grace_s=3600)
+def test_what_was_sent_counts_until_a_vector_says_the_engine_took_it():
+    """Each engine's load counts the requests it has taken from each API server: a server
+    adds on top only what it sent since, whenever the vectors were made."""
+    loads = EngineLoads(by_tokens=True, client_index=1)
     idle = SchedulerStats(0, 0, 0.0)
     loads.take(vector(idle, idle))
     loads.sent(1, 300)
-    assert (loads.score(0), loads.score(1)) == (0, 300)
-    loads.take(vector(idle, idle))  # made before dp1 heard of it
+    loads.sent(1, 50)
+    assert (loads.score(0), loads.score(1)) == (0, 350)
+    # Made before dp1 took either (it has taken 4 of API server 0's, none of ours).
+    loads.take(p.LoadVector(2, [p.EngineLoad(0, idle, received=[0, 0]),
+                                p.EngineLoad(1, idle, received=[4, 0])]))
+    assert loads.score(1) == 350
+    loads.take(p.LoadVector(3, [p.EngineLoad(0, idle), p.EngineLoad(
+        1, SchedulerStats(1, 0, 0.0, prefill_tokens_left=290, output_tokens_left=10),
+        received=[4, 1])]))  # it took the first
+    assert loads.score(1) == 300 + 50
+    loads.new_incarnation(1)  # restarted: what went to the last one is gone
     assert loads.score(1) == 300
-    loads.sent_lately.appendleft((time.monotonic() - 7200, 0, 500))  # two hours ago
-    assert loads.score(0) == 0
-    loads.take(vector(idle, SHORT_TWO))
-    assert loads.score(1) == 232 + 300
+    loads.sent(1, 20)
+    loads.take(p.LoadVector(4, [p.EngineLoad(0, idle), p.EngineLoad(1, idle,
+                                                                       received=[0, 1])]))
+    assert loads.score(1) == 0
+
+
+def test_by_requests_what_was_sent_counts_one_each():
+    loads = EngineLoads(by_tokens=False)
+    loads.take(vector(SchedulerStats(0, 0, 0.0), SchedulerStats(0, 0, 0.0)))
+    loads.sent(0, 9000)
+    assert (loads.score(0), loads.score(1)) == (1, 0)
 
 
 def test_without_a_vector_the_score_is_this_servers_tokens_in_flight(tmp_path):
@@ -68,7 +83,8 @@ def test_without_a_vector_the_score_is_this_servers_tokens_in_flight(tmp_path):
         client.add_request("long", [1] * 500, params, None, 0, lambda out: None)
         client.add_request("short", [1] * 5, params, None, 1, lambda out: None)
         assert (client.loads.score(0), client.loads.score(1)) == (510, 15)
-        assert client.pick_engine(tokens=request_tokens([1] * 5, params)) == 1
+        assert request_tokens([1] * 5, params) == 15
+        assert client.pick_engine() == 1
         client.in_flight.forget("long")
         assert client.loads.score(0) == 0
     finally:

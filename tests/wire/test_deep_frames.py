@@ -94,7 +94,8 @@ def test_an_engine_calls_answer_is_typed():
     stats = p.decode(p.encode(p.UtilityResult(0, 1, SchedulerStats(1, 2, 0.5))), p.Outputs)
     assert stats.result == {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.5,
                             "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0,
-                            "num_preemptions": 0, "num_prefix_cache_resets": 0, "kv_tiers": None}
+                            "num_preemptions": 0, "num_prefix_cache_resets": 0, "kv_tiers": None,
+                            "prefill_tokens_left": 0, "output_tokens_left": 0}
     tiers = {"host_hit_blocks": 6, "host_load_seconds": 0.5}  # one record deep, numbers only
     for result in (True, {"level": 1, "released_bytes": 4096}, None, {"kv_tiers": tiers}):
         assert p.decode(p.encode(p.UtilityResult(0, 1, result)), p.Outputs).result == result

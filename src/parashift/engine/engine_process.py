@@ -69,6 +69,7 @@ class EngineProcess:
         self._last_load: tuple[int, ...] | None = None
         self._last_tokens = (0, 0)
         self._next_tokens_report = 0.0
+        self.received: list[int] = []  # AddRequests taken from each API server (its load says)
         self.steps: Steps | None = None  # how it steps: alone, or in waves (lockstep)
         self.sleep: SleepState | None = None  # with the core
         self.hold_while_asleep = False  # --while-asleep wait (else: refuse with a 503)
@@ -129,6 +130,7 @@ class EngineProcess:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
             self.outputs.append(sock)
+        self.received = [0] * len(self.outputs)
         if init.coordinator_address:
             self.load_out = self.links.socket(zmq.PUSH)
             self.load_out.setsockopt(zmq.LINGER, 0)
@@ -188,10 +190,11 @@ class EngineProcess:
             return
         stats = self.core.stats()
         stats.num_waiting += len(self.sleep.held)  # held while asleep: a backlog all the same
-        load = p.EngineLoad(self.rank, stats, None, self.sleep.level, self.sleep.released)
+        load = p.EngineLoad(self.rank, stats, None, self.sleep.level, self.sleep.released,
+                            list(self.received))
         extra = self.steps.extend_load(load)
         key = (stats.num_waiting, stats.num_running, extra, stats.num_prefix_cache_resets,
-               self.sleep.level, self.sleep.released)
+               self.sleep.level, self.sleep.released, *self.received)
         now = time.monotonic()
         if key == self._last_load and now < self._next_tokens_report:
             return
@@ -215,6 +218,8 @@ class EngineProcess:
             self._answer(msg, None, str(e))
 
     def _add_request(self, msg: p.AddRequest) -> None:
+        if 0 <= msg.client_index < len(self.received):  # taken, whatever becomes of it
+            self.received[msg.client_index] += 1
         if self.sleep.closed and not self.hold_while_asleep:
             self._refuse(msg, ASLEEP_MESSAGE, 503)
             return

@@ -72,7 +72,8 @@ class Autoscaler:
                 and now - self.backlog_since >= cfg.up_window_s):
             return Decision(size + 1, f"{per_rank:.0f} prompt tokens waiting per rank, above "
                                       f"{cfg.up_tokens} for {now - self.backlog_since:.1f} s")
-        idle = [r for r in range(size) if now - self.idle_since.get(r, now) >= cfg.idle_window_s]
+        idle = sorted(r for r, since in self.idle_since.items()
+                      if r < size and now - since >= cfg.idle_window_s)
         if idle and size > cfg.min_size and per_rank < cfg.up_tokens / 4:
             return Decision(size - 1, f"dp{idle[0]} held no request for "
                                       f"{now - self.idle_since[idle[0]]:.1f} s")

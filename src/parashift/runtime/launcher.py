@@ -341,8 +341,12 @@ class Launcher:
         for index, control in enumerate(self.api_servers.controls):
             while control.poll(0):
                 msg = p.decode_or_drop(control.recv(), p.FromApiServer, "api-server control")
+                job = self.scaler.job
                 if isinstance(msg, p.ScaleRequest):
                     self._begin_scale(index, msg)
+                elif (isinstance(msg, p.RankRemovedSeen) and job is not None
+                      and msg.rank in job.ranks):
+                    job.seen.add((index, msg.rank))
 
     def _answer_scale(self, index: int, result: p.ScaleResult) -> None:
         if index == AUTOSCALER:
@@ -402,6 +406,11 @@ class Launcher:
                 self._fail_scale_up(f"engine {missing} did not become ready within "
                                     f"{self.args.startup_timeout:.0f} s (--startup-timeout)")
             return
+        if job.phase == Phase.REMOVING:
+            if self.scaler.removed(len(self.api_servers.controls)):
+                self._remove_ranks(job.ranks)
+                self._answer_scale(*self.scaler.finish())
+            return
         gone = {r: (0.0, p.EngineLoad(r, SchedulerStats(0, 0, 0.0)))  # dead: nothing to drain
                 for r in job.ranks if r not in self.handshake.claims}
         overdue = self.scaler.overdue()
@@ -413,8 +422,7 @@ class Launcher:
                   else f"its rank was removed by a scale-down to {job.target}")
         for rank in job.ranks:
             self.api_servers.announce(p.RankRemoved(rank, reason))
-        self._remove_ranks(job.ranks)
-        self._answer_scale(*self.scaler.finish())
+        self.scaler.removing()  # the processes stop once the API servers let them go
 
     def _remove_ranks(self, ranks: list[int]) -> None:
         """Their processes stop: this node's here, a headless node's there (told to)."""

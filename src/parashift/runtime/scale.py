@@ -8,7 +8,8 @@ one scale at a time, each a small state machine the launcher's loop advances wit
   down: the leaving ranks (the highest) drain: the API servers route nothing more there and
         move the requests that have not started -> once the coordinator's load shows them
         empty, or after --drain-timeout, they are removed (what is left moves, or ends with an
-        error naming the drain) -> their processes stop -> answer.
+        error naming the drain) -> once every API server has said so (or REMOVE_WAIT_S
+        passed), their processes stop -> answer.
 
 The ranks a launch may run are fixed at launch (--data-parallel-size-max, the coordinator's,
 the API servers' and the handshake's tables); the size moves within them. Nothing that runs is
@@ -31,11 +32,13 @@ from parashift.wire import protocol as p
 logger = logging.getLogger(__name__)
 
 DRAIN_SETTLE_S = 0.5  # a load vector this long after the drain began shows what reached a rank
+REMOVE_WAIT_S = 5.0  # for the API servers' RankRemovedSeen (one that is gone never says it)
 
 
 class Phase(enum.Enum):
     STARTING = "starting"  # up: the new ranks load
     DRAINING = "draining"  # down: the leaving ranks finish or hand back their requests
+    REMOVING = "removing"  # down: the API servers let the ranks go; then they stop
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Scale:
     phase: Phase
     ranks: list[int]  # the ranks it starts, or those that leave
     began: float = field(default_factory=time.monotonic)
+    removing_since: float = 0.0
+    seen: set[tuple[int, int]] = field(default_factory=set)  # (API server, rank) let go
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,15 @@ class Scaler:
             if stats.num_waiting or stats.num_running:
                 return False
         return True
+
+    def removing(self) -> None:
+        self.job.phase, self.job.removing_since = Phase.REMOVING, time.monotonic()
+
+    def removed(self, num_api_servers: int) -> bool:
+        """Every API server let every leaving rank go, or they had REMOVE_WAIT_S to."""
+        job = self.job
+        return (len(job.seen) >= num_api_servers * len(job.ranks)
+                or time.monotonic() - job.removing_since > REMOVE_WAIT_S)
 
     def finish(self, error: str = "", status: int = 200) -> tuple[int, p.ScaleResult]:
         """The job's end: (the API server to answer, the answer)."""

@@ -75,7 +75,7 @@ class EngineClient:
         self._scale_ids = itertools.count()
         self.stats: dict[int, SchedulerStats] = {}
         routing = routing or RoutingConfig()
-        self.loads = EngineLoads(routing.by_tokens)
+        self.loads = EngineLoads(routing.by_tokens, client_index)
         self.in_flight = InFlight(self.loads)
         self.on_load = None  # optional hook(LoadVector) for metrics
         self.load_in = None
@@ -139,11 +139,10 @@ class EngineClient:
         return prompt_hashes(prompts, self.block_size, salt)
 
     def pick_engine(self, pinned: int | None = None, exclude: int | Collection[int] = (),
-                    hashes: Sequence[Sequence[int]] = (), tokens: int = 0) -> int:
+                    hashes: Sequence[Sequence[int]] = ()) -> int:
         """A pinned rank, or the router's choice for the request's first prompt (its
         `route_hashes`) among the live ranks not in `exclude` (one that died, those whose
-        queues refused it); the blocks of all its prompts are then recorded as living there.
-        `tokens`: the request's token load (`request_tokens`), counted on the rank."""
+        queues refused it); the blocks of all its prompts are then recorded as living there."""
         excluded = {exclude} if isinstance(exclude, int) else set(exclude)
         alive = [r for r in self.alive_engines() if r not in excluded]
         if pinned is not None:
@@ -157,7 +156,6 @@ class EngineClient:
                                       self.block_size)
         for blocks in hashes:
             self.router.record(rank, blocks)
-        self.loads.sent(rank, tokens)
         return rank
 
     async def _recv_load(self) -> None:
@@ -188,7 +186,9 @@ class EngineClient:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
         self._send_to(rank, msg)
-        self.in_flight.add(request_id, rank, sink, request_tokens(prompt_token_ids, params))
+        tokens = request_tokens(prompt_token_ids, params)
+        self.in_flight.add(request_id, rank, sink, tokens)
+        self.loads.sent(rank, tokens)
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -285,6 +285,7 @@ class EngineClient:
             return
         if route is not None:
             self.routes[msg.rank] = route
+        self.loads.new_incarnation(msg.rank)
         self.block_size = msg.block_size
         self.router.add_rank(msg.rank, msg.num_blocks, msg.kv_tier, msg.kv_tier_blocks)
         if left == RankStatus.DEAD:
@@ -337,15 +338,19 @@ class EngineClient:
                 f"engine dp{rank} is leaving the deployment (a scale-down)"))
 
     def remove_rank(self, rank: int, reason: str) -> None:
-        """`rank` left: what it still held moves (not streamed yet) or ends with `reason`."""
-        if self.ranks.status(rank) in (None, RankStatus.ABSENT):
-            return
-        logger.info("engine dp%d left the deployment: %s", rank, reason)
-        self.in_flight.fail_engine(rank, EngineDeadError(reason))
-        self.ranks.on_removed(rank)
-        self.routes.pop(rank, None)
-        self.router.remove(rank)
-        self.loads.vector.pop(rank, None)
+        """`rank` left: what it still held moves (not streamed yet) or ends with `reason`;
+        the launcher hears that this server let it go (then it stops the engine)."""
+        if self.ranks.status(rank) not in (None, RankStatus.ABSENT):
+            logger.info("engine dp%d left the deployment: %s", rank, reason)
+            self.in_flight.fail_engine(rank, EngineDeadError(reason))
+            self.ranks.on_removed(rank)
+            self.routes.pop(rank, None)
+            self.router.remove(rank)
+            self.loads.vector.pop(rank, None)
+            self.loads.new_incarnation(rank)
+        with contextlib.suppress(zmq.ZMQError):
+            self._send.send_multipart([self.launcher, p.encode(p.RankRemovedSeen(
+                self.client_index, rank))], flags=zmq.NOBLOCK)
 
     def mark_dead(self, rank: int, reason: str, incarnation: int = 0) -> None:
         if self.ranks.status(rank) in (None, RankStatus.DEAD, RankStatus.ABSENT):

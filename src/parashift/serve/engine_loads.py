@@ -1,7 +1,8 @@
 """Each engine's load as one API server sees it, and the score its router picks the least
-loaded rank by: the coordinator's last vector plus what this server sent in the last
-SENT_GRACE_S, or, without a coordinator (dp1, or before its first vector), this server's own
-requests in flight. With how
+loaded rank by: the coordinator's last vector plus what this server sent that the vector does
+not include yet (each engine's load counts the requests it has taken from each API server), or,
+without a coordinator (dp1, or before its first vector), this server's own requests in
+flight. With how
 fast its requests finish, it says when a refused client should come back (serve/overload.py).
 
 The score (`--dp-load-score`) counts the rank's work in tokens (the prompt tokens it has still
@@ -11,24 +12,22 @@ rank with one waiting 10,000-token prompt looks lighter than one with two 100-to
 
 from __future__ import annotations
 
-import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 
 from parashift.serve.overload import DrainRate, RoomWaiters, retry_after
 from parashift.wire import protocol as p
 
-SENT_GRACE_S = 0.3  # the coordinator's publication interval and then some
-
 
 class EngineLoads:
-    def __init__(self, by_tokens: bool = True, grace_s: float = SENT_GRACE_S) -> None:
+    def __init__(self, by_tokens: bool = True, client_index: int = 0) -> None:
         self.by_tokens = by_tokens
-        self.grace_s = grace_s
+        self.client_index = client_index  # this API server's: the engines count by it
         self.vector: dict[int, p.EngineLoad] = {}  # every rank's, from the coordinator
-        # What this server sent lately: (when, rank, tokens). A vector may have been made
-        # before a rank heard of them, so they count until `grace_s` have passed (a
-        # rank that has them in its vector counts them twice meanwhile: it is busy).
-        self.sent_lately: deque[tuple[float, int, int]] = deque()
+        # By rank: what this server sent that no vector includes yet, as (number, tokens),
+        # numbered from `sent_base` (the count when the rank's incarnation began).
+        self.unseen: dict[int, deque[tuple[int, int]]] = defaultdict(deque)
+        self.sent_count: Counter[int] = Counter()
+        self.sent_base: Counter[int] = Counter()
         # By rank: this server's requests in flight (and their tokens).
         self.in_flight: Counter[int] = Counter()
         self.in_flight_tokens: Counter[int] = Counter()
@@ -41,22 +40,30 @@ class EngineLoads:
             if load is None:
                 return self.in_flight_tokens[rank]
             return (load.stats.prefill_tokens_left + load.stats.output_tokens_left
-                    + sum(tokens for _, r, tokens in self._sent() if r == rank))
+                    + sum(tokens for _, tokens in self.unseen[rank]))
         if load is None:
             return self.in_flight[rank]
         # Waiting requests weigh more than running ones (they have not even started).
-        return (4 * load.stats.num_waiting + load.stats.num_running
-                + sum(r == rank for _, r, _ in self._sent()))
+        return 4 * load.stats.num_waiting + load.stats.num_running + len(self.unseen[rank])
 
     def sent(self, rank: int, tokens: int) -> None:
-        """A request went to `rank`: `tokens`, its prompt and max_tokens (over its samples)."""
-        self.sent_lately.append((time.monotonic(), rank, tokens))
+        """An engine request went to `rank`: `tokens`, its prompt and max_tokens."""
+        self.sent_count[rank] += 1
+        self.unseen[rank].append((self.sent_count[rank], tokens))
 
-    def _sent(self) -> deque[tuple[float, int, int]]:
-        expired = time.monotonic() - self.grace_s
-        while self.sent_lately and self.sent_lately[0][0] < expired:
-            self.sent_lately.popleft()
-        return self.sent_lately
+    def new_incarnation(self, rank: int) -> None:
+        """The rank (re)started: its counts start again; what went to the last one is gone."""
+        self.sent_base[rank] = self.sent_count[rank]
+        self.unseen[rank].clear()
+
+    def _seen(self, load: p.EngineLoad) -> None:
+        """Drop what `load` includes: the requests its engine had taken from this server."""
+        if self.client_index >= len(load.received):
+            return
+        taken = self.sent_base[load.rank] + load.received[self.client_index]
+        unseen = self.unseen[load.rank]
+        while unseen and unseen[0][0] <= taken:
+            unseen.popleft()
 
     def take(self, vector: p.LoadVector) -> list[int]:
         """A new vector; the ranks whose prefix cache was emptied since the last one (a reset
@@ -68,6 +75,8 @@ class EngineLoads:
             if (last := self.vector.get(load.rank)) is not None:
                 self.room.wake(_held(last) - _held(load))
         self.vector = {load.rank: load for load in vector.loads}
+        for load in vector.loads:
+            self._seen(load)
         return emptied
 
     def on_finished(self) -> None:

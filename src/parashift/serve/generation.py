@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.engine.request_tracker import RequestTracker, Sample, SampleDelta
-from parashift.serve.engine_client import EngineClient, request_tokens
+from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -232,8 +232,7 @@ class Generation:
 
     def _pick(self, pinned: int | None = None, exclude: int | Collection[int] = ()) -> int:
         """The engine client's choice for this request's prompts."""
-        tokens = sum(request_tokens(prompt, params) for prompt, params in self._samples.values())
-        return self.engines.pick_engine(pinned, exclude, self.hashes, tokens)
+        return self.engines.pick_engine(pinned, exclude, self.hashes)
 
     def _rank_with_room(self) -> int | None:
         if self.pinned:

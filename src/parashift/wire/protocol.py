@@ -177,10 +177,18 @@ class RankDraining(_Msg):
 
 class RankRemoved(_Msg):
     """Launcher -> API servers: `rank` left the deployment (a scale-down); what it still held
-    moves or ends with `reason`."""
+    moves or ends with `reason`. Each answers RankRemovedSeen before the engine is stopped,
+    so that the engine's own word of its stop never comes first."""
 
     rank: int
     reason: str
+
+
+class RankRemovedSeen(_Msg):
+    """API server -> launcher: it has let `rank` go."""
+
+    index: int
+    rank: int
 
 
 class EngineLoad(_Msg):
@@ -194,6 +202,9 @@ class EngineLoad(_Msg):
     wave: WaveStats | None = None  # lockstep only
     sleep_level: int = 0
     sleep_released_bytes: int = 0
+    # AddRequests this incarnation has taken from each API server (by index): the stats
+    # include them, so each server counts on top only what it sent since.
+    received: list[int] = msgspec.field(default_factory=list)
 
 
 class Heartbeat(_Msg):
@@ -256,7 +267,8 @@ FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and eng
 Outputs = EngineOutputs | RequestFailed | UtilityResult | EngineDead
 # on an API server's ROUTER socket
 Control = EngineReady | EngineDead | Shutdown | ScaleResult | RankDraining | RankRemoved
-FromApiServer = ApiServerReady | ScaleRequest  # on the launcher's control sockets
+# on the launcher's control sockets
+FromApiServer = ApiServerReady | ScaleRequest | RankRemovedSeen
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}

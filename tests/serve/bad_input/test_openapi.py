@@ -31,7 +31,8 @@ def test_openapi_describes_every_endpoint_and_the_bodies_it_accepts(server):
     assert status == 200 and doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                  "/health", "/metrics", "/reset_prefix_cache", "/openapi.json",
-                                 "/sleep", "/wake_up", "/is_sleeping"}
+                                 "/sleep", "/wake_up", "/is_sleeping", "/scale",
+                                 "/scale_elastic_ep"}
     jsonschema.Draft202012Validator.check_schema(
         {"components": doc["components"], "$ref": "#/components/schemas/CompletionRequest"})
     for path, name, body in GOOD_BODIES:
