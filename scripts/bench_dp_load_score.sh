@@ -22,21 +22,7 @@ with open(path, "w") as f:
         f.write(json.dumps({"prompt_len": 2000 if i in longs else 64, "output_len": 32}) + "\n")
 EOF
 
-serve() {  # serve LOG ARGS...: starts a server, waits for it
-  local log=$1; shift
-  setsid "$PY" -m parashift.cli run "${SERVE[@]}" "$@" > "$log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && return 0
-    kill -0 "$pid" 2> /dev/null || { cat "$log"; return 1; }
-    sleep 1
-  done
-  return 1
-}
-stop() {  # the server's process group, until it is gone
-  kill -INT -- "-$pid" 2> /dev/null || kill -INT "$pid"
-  while kill -0 "$pid" 2> /dev/null; do sleep 0.5; done
-}
+source "$(dirname "$0")/lib/serve.sh"  # serve LOG ARGS..., stop
 bench() {
   "$PY" -m parashift.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --dataset "$out/workload.jsonl" --num-prompts "$N" --request-rate "$RATE" \

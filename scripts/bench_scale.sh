@@ -9,16 +9,11 @@ reps=${1:-5}
 PY=${PARASHIFT_PY:-python}
 PORT=${PORT:-8033}
 KEY=bench-scale-key
+SERVE=(--port "$PORT" --strategy dp1 --data-parallel-size-max 2 --admin-api-key "$KEY")
+source "$(dirname "$0")/lib/serve.sh"  # serve LOG ARGS..., stop
 log=$(mktemp)
-setsid "$PY" -m parashift.cli run --port "$PORT" --strategy dp1 --data-parallel-size-max 2 \
-  --admin-api-key "$KEY" > "$log" 2>&1 &
-pid=$!
-trap 'kill -INT -- "-$pid" 2> /dev/null; while kill -0 "$pid" 2> /dev/null; do sleep 0.5; done; rm -f "$log"' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-  kill -0 "$pid" 2> /dev/null || { cat "$log"; exit 1; }
-  sleep 1
-done
+serve "$log"
+trap 'stop; rm -f "$log"' EXIT
 scale() {  # scale N: seconds to the answer
   curl -sf -o /dev/null -w '%{time_total}\n' -H "Authorization: Bearer $KEY" \
     -H 'Content-Type: application/json' -d "{\"data_parallel_size\": $1}" \
