@@ -104,9 +104,6 @@ class Handshake:
                            type(msg).__name__, rank)
         return None
 
-    def node_of(self, rank: int) -> bytes | None:
-        return next((node for node, held in self.nodes.items() if rank in held), None)
-
     def retire_node_ranks(self, ranks: list[int]) -> None:
         """A scale-down removed `ranks`: each headless node holding some stops them; a node
         left with none exits (and holds nothing here)."""

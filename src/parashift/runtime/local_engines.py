@@ -67,10 +67,6 @@ class LocalEngines:
         is answered meanwhile (the handshake answers a rank without a token for other nodes)."""
         self.tokens[rank] = secrets.token_bytes(16)
 
-    def running(self, rank: int) -> bool:
-        proc = self.procs.get(rank)
-        return proc is not None and proc.exitcode is None
-
     def pid(self, rank: int) -> int | None:
         proc = self.procs.get(rank)
         return proc.pid if proc is not None and proc.exitcode is None else None

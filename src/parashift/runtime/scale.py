@@ -44,7 +44,6 @@ class Phase(enum.Enum):
 @dataclass
 class Scale:
     asker: tuple[int, int]  # (API server index, call id): where the answer goes
-    size: int  # the size it leaves
     target: int
     phase: Phase
     ranks: list[int]  # the ranks it starts, or those that leave
@@ -102,7 +101,7 @@ class Scaler:
         up = msg.size > self.size
         ranks = (list(range(self.size, msg.size)) if up
                  else list(range(msg.size, self.size)))
-        self.job = Scale((msg.index, msg.call_id), self.size, msg.size,
+        self.job = Scale((msg.index, msg.call_id), msg.size,
                          Phase.STARTING if up else Phase.DRAINING, ranks)
         logger.info("scaling data parallel from %d to %d: %s dp%s", self.size, msg.size,
                     "starting" if up else "draining", ",".join(map(str, ranks)))
