@@ -152,8 +152,7 @@ class EngineClient:
         elif not alive:
             raise EngineUnavailableError(self.health()[1])
         else:
-            rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score,
-                                      self.block_size)
+            rank = self.router.choose(alive, hashes[0] if hashes else [], self.loads.score)
         for blocks in hashes:
             self.router.record(rank, blocks)
         return rank

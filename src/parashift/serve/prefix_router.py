@@ -3,10 +3,10 @@
 - `prefix` (default): where its prompt's leading blocks were last sent, so that the engine's
   prefix cache serves them. Each API server keeps, per rank, an approximate LRU index of the
   block hashes (engine/block_hash.py, the engine's own) it routed there, as many as that
-  rank's KV cache holds. The rank with the best score (what its cache would serve minus its
-  load score, both in tokens with the tokens score, else matched blocks minus the requests
-  score) wins when at least `min_match` of the prompt's full blocks are there and its load is
-  within `balance_threshold` of the least loaded rank's (the balance guard); otherwise the
+  rank's KV cache holds. Of the ranks where at least `min_match` of the prompt's full blocks
+  are and whose load is within `balance_threshold` of the least loaded rank's (the balance
+  guard), the one holding the most blocks wins (then the less loaded) with the tokens score,
+  and the best matched blocks minus requests score with the requests score; with none, the
   load rule decides (and the request's blocks then live there). With a host KV tier shared
   by a node's ranks (--kv-offloading-size), what was routed to any of them is in the tier: it
   counts as matched on each of them (an index per tier), so the load picks among them.
@@ -127,8 +127,8 @@ class Router:
         if rank in self.indexes:
             self.indexes[rank].blocks.clear()
 
-    def choose(self, alive: list[int], hashes: Sequence[int], load: Callable[[int], int],
-               block_size: int = 16) -> int:
+    def choose(self, alive: list[int], hashes: Sequence[int],
+               load: Callable[[int], int]) -> int:
         turn = next(self._turn)
         if self.config.policy == "round-robin":
             return alive[turn % len(alive)]
@@ -144,8 +144,9 @@ class Router:
                     and load(r) - load(by_load) <= self.config.balance_threshold]
         if not eligible:
             return by_load
-        served = block_size if self.config.by_tokens else 1  # a matched block's worth
-        return max(eligible, key=lambda r: (matched[r] * served - load(r), matched[r]))
+        if self.config.by_tokens:  # the guard bounds the imbalance in tokens: within it, the cache
+            return max(eligible, key=lambda r: (matched[r], -load(r)))
+        return max(eligible, key=lambda r: (matched[r] - load(r), matched[r]))
 
     def _matched(self, rank: int, hashes: Sequence[int]) -> int:
         local = self.indexes[rank].matched(hashes) if rank in self.indexes else 0
