@@ -73,26 +73,7 @@ class Launcher:
         self.num_engines = self.processes.num_engines  # launched
         self.local_ranks = args.local_ranks(self.num_engines)
         args.check_backend()
-        # Elastic: the ranks the deployment may grow to (its tables are sized for them).
-        self.capacity = max(self.num_engines, args.data_parallel_size_max or 0)
-        refusal = self._scale_refusal()
-        self.autoscaler = Autoscaler(args.autoscale) if args.autoscale else None
-        self.elastic = self.capacity > self.num_engines or self.autoscaler is not None
-        if refusal and self.elastic:
-            raise ValueError(f"--data-parallel-size-max/-min: {refusal}")
-        if args.autoscale and not (args.autoscale.min_size <= self.num_engines
-                                   <= args.autoscale.max_size):
-            raise ValueError(f"--strategy {self.spec} launches {self.num_engines} rank(s), "
-                             f"outside --data-parallel-size-min {args.autoscale.min_size} .. "
-                             f"--data-parallel-size-max {args.autoscale.max_size}")
-        if self.capacity > self.num_engines:  # engines up to the capacity are valid ranks
-            self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
-                self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
-        self.scaler = Scaler(ScaleLimits(self.capacity, args.startup_timeout,
-                                         args.drain_timeout, refusal),
-                             self.num_engines, self._rank_bytes, free_memory_bytes)
-        self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
-        self.pending_scales: collections.deque[tuple[int, p.ScaleRequest]] = collections.deque()
+        self._set_up_elastic(args)
         self.lockstep: LockstepGroup | None = None
         if self.processes.lockstep:
             if args.backend == "ray" or args.multi_node(self.num_engines):
@@ -137,6 +118,29 @@ class Launcher:
         self.stopping = False
         self.serving = False  # start() completed
         self.listener: socket.socket | None = None
+
+    def _set_up_elastic(self, args: ServeArgs) -> None:
+        """The ranks the deployment may grow to (its tables are sized for them), the scaler,
+        and the autoscaler; refused where this launch cannot scale."""
+        self.capacity = max(self.num_engines, args.data_parallel_size_max or 0)
+        refusal = self._scale_refusal()
+        self.autoscaler = Autoscaler(args.autoscale) if args.autoscale else None
+        self.elastic = self.capacity > self.num_engines or self.autoscaler is not None
+        if refusal and self.elastic:
+            raise ValueError(f"--data-parallel-size-max/-min: {refusal}")
+        if args.autoscale and not (args.autoscale.min_size <= self.num_engines
+                                   <= args.autoscale.max_size):
+            raise ValueError(f"--strategy {self.spec} launches {self.num_engines} rank(s), "
+                             f"outside --data-parallel-size-min {args.autoscale.min_size} .. "
+                             f"--data-parallel-size-max {args.autoscale.max_size}")
+        if self.capacity > self.num_engines:  # engines up to the capacity are valid ranks
+            self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
+                self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
+        self.scaler = Scaler(ScaleLimits(self.capacity, args.startup_timeout,
+                                         args.drain_timeout, refusal),
+                             self.num_engines, self._rank_bytes, free_memory_bytes)
+        self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
+        self.pending_scales: collections.deque[tuple[int, p.ScaleRequest]] = collections.deque()
 
     @property
     def model_name(self) -> str:

@@ -41,11 +41,7 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge("parashift_num_requests_waiting", "Waiting requests", ["engine"],
                              registry=r)
-        self.dp_size = Gauge("parashift_data_parallel_size", "Ranks in the deployment (those "
-                             "serving, starting, draining or down)", registry=r)
-        self.scale_events = Counter("parashift_scale_requests_total", "Scale requests this "
-                                    "API server passed on, by outcome (ok, refused, failed)",
-                                    ["outcome"], registry=r)
+        self._scale_metrics(r)
         self.load_tokens = Gauge("parashift_engine_load_tokens", "The rank's work in tokens as "
                                  "the DP router sees it: prompt tokens still to compute "
                                  "(prefill), output tokens still allowed (output)",
@@ -103,6 +99,14 @@ class Metrics:
                                        ["engine", "tier"], registry=r)
         self.tier_failed = Gauge("parashift_kv_tier_failed_loads", "Loads given up (the blocks "
                                  "were computed instead)", ["engine"], registry=r)
+
+    def _scale_metrics(self, r: CollectorRegistry) -> None:
+        """Elastic data parallel's (serve/engine_routes.py scale)."""
+        self.dp_size = Gauge("parashift_data_parallel_size", "Ranks in the deployment (those "
+                             "serving, starting, draining or down)", registry=r)
+        self.scale_events = Counter("parashift_scale_requests_total", "Scale requests this "
+                                    "API server passed on, by outcome (ok, refused, failed)",
+                                    ["outcome"], registry=r)
 
     def on_engine_outputs(self, msg: p.EngineOutputs) -> None:
         engine, s = f"dp{msg.rank}", msg.stats
