@@ -178,7 +178,6 @@ def impatient(tiny_llama_long):
         yield s
 
 
-@pytest.mark.extended  # failed once under CI's load (2026-12-06): out of the suite until fixed
 def test_past_the_drain_timeout_a_stream_ends_with_an_error_naming_the_drain(impatient):
     """A stream on the leaving rank that has shown tokens cannot move: it ends with an error
     event that names the scale-down; the server goes on at the new size."""
@@ -221,7 +220,6 @@ def test_a_new_rank_that_dies_fails_the_scale_and_the_size_stays(impatient):
 
 
 # --- the autoscaler --------------------------------------------------------------------------
-@pytest.mark.extended  # failed once under CI's load (2026-12-06): out of the suite until fixed
 def test_the_autoscaler_grows_on_a_backlog_and_shrinks_when_idle(tiny_llama_long):
     """dp1 that may grow to 2: a burst of long prompts is a backlog above the threshold (no
     window), so a rank is added; when the burst is served the idle rank goes (no window).

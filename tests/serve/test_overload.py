@@ -1,6 +1,6 @@
-"""Overload without engines: the drain rate and the Retry-After it gives, and the retry choice of
-a request a full rank refused (a real broker, its sends recorded instead of sent; the engines'
-answers delivered as its receive task would)."""
+"""Overload without engines: the drain rate and the Retry-After it gives, the retry choice of
+a request a full rank refused, and a stream on a rank a scale-down removes (a real broker, its
+sends recorded instead of sent; the engines' answers delivered as its receive task would)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import asyncio
 import pytest
 
 from parashift.serve.engine_client import EngineClient
-from parashift.serve.engine_errors import EngineUnavailableError, RequestFailedError
+from parashift.serve.engine_errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from parashift.serve.generation import Generation
 from parashift.serve.overload import (
     RETRY_AFTER_MAX_S,
@@ -251,5 +255,23 @@ def test_waiters_wake_in_arrival_order_on_any_servers_finish(broker):
         load(broker, {0: 4, 1: 1})  # one more on dp1 (dp0's new one is not a finish)
         await asyncio.gather(*tasks)
         assert woken == ["d", "a", "b", "c"]
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_and_the_removal_heard_together_end_a_shown_stream(broker, tiny_tokenizer):
+    """A stream that has shown tokens on a leaving rank: when the drain's notice and the
+    rank's removal both arrive before the stream reads either, the removal still ends it
+    (the notice alone would keep it waiting on a rank that is gone)."""
+    async def scenario() -> None:
+        gen = Generation(broker, tiny_tokenizer, "cmpl-d", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=16)], None, 1, streamed=True)
+        texts = gen.stream()
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-d-0-0", [40, 41]))
+        assert (await anext(texts)).text
+        broker.drain_rank(1)
+        broker.remove_rank(1, "its rank was removed by a scale-down to 1")
+        with pytest.raises(EngineDeadError, match="scale-down to 1"):
+            await asyncio.wait_for(anext(texts), 5)
 
     asyncio.run(scenario())

@@ -171,7 +171,9 @@ class Generation:
                                          delta.finished):
                     return  # nothing final yet (text held back), or late after a stop string
                 self._unread.setdefault(sample_id, _Unread(delta.sample)).add(delta)
-        if isinstance(item, Exception) and self._error is None:
+        # A drain's notice is no failure: a failure heard before the notice was read wins.
+        if isinstance(item, Exception) and (self._error is None
+                                            or isinstance(self._error, RankDrainingError)):
             self._error = item
         self._arrived.set()
 
