@@ -14,6 +14,7 @@ from parashift.runtime.scale import (
     ScaleLimits,
     Scaler,
     free_memory_bytes,
+    memory_room,
     tree_rss_bytes,
 )
 from parashift.types.outputs import SchedulerStats
@@ -25,7 +26,7 @@ GIB = 1 << 30
 def scaler(size: int = 1, capacity: int = 3, rank_gib: float = 1.0, free_gib: float = 10.0,
            refusal: str = "") -> Scaler:
     return Scaler(ScaleLimits(capacity, 600.0, 60.0, refusal), size,
-                  lambda: int(rank_gib * GIB), lambda: int(free_gib * GIB))
+                  memory_room(lambda: int(rank_gib * GIB), lambda: int(free_gib * GIB)))
 
 
 def ask(size: int, call_id: int = 7) -> p.ScaleRequest:
@@ -89,8 +90,7 @@ def test_a_failed_scale_keeps_the_size_and_says_why():
 
 
 def test_overdue_uses_the_phases_own_limit():
-    s = Scaler(ScaleLimits(3, startup_timeout=3600.0, drain_timeout=0.0), 2,
-               lambda: 0, lambda: 0)
+    s = Scaler(ScaleLimits(3, startup_timeout=3600.0, drain_timeout=0.0), 2, lambda n: "")
     s.begin(ask(3))
     assert not s.overdue()  # an hour to start
     s.finish()

@@ -117,10 +117,12 @@ def test_ray_backend_serves_like_mp(tiny_llama, strategy):
         time.sleep(0.5)
 
 
-def test_an_existing_cluster_too_small_planned_and_left_clean(tiny_llama):
+def test_an_existing_cluster_too_small_planned_scaled_and_left_clean(tiny_llama):
     """A cluster started like a user would (`ray start --head --num-cpus 3`): dp2xtp2 is
-    refused at once naming what is missing, `plan --backend ray` places dp2 on its node, and
-    a dp2 server leaves no actor or placement group behind."""
+    refused at once naming what is missing, `plan --backend ray` places dp2 on its node; a dp2
+    server that may grow to 4 grows to 3 (a new placement group whose rank serves), is refused
+    a 4th rank the cluster's CPUs cannot hold, shrinks to 1 (the leaving ranks' actors and
+    groups removed) and leaves no actor or placement group behind."""
     env = {**os.environ, **RAY_ENV}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     start = subprocess.run([ray_cli, "start", "--head", "--num-cpus", "3", "--port", "0",
@@ -145,21 +147,51 @@ def test_an_existing_cluster_too_small_planned_and_left_clean(tiny_llama):
         placement = json.loads(plan.stdout)["ray_placement"]
         assert [p["node"] is not None for p in placement] == [True, True], plan.stdout
 
+        expected = greedy_texts(tiny_llama)
         with running_server(tiny_llama, *TINY_ARGS, "--backend", "ray", "--ray-address",
-                            "auto", "--strategy", "dp2") as s:
+                            "auto", "--strategy", "dp2", "--data-parallel-size-max", "4",
+                            "--admin-api-key", KEY) as s:
             assert complete(s, PROMPTS[0])["choices"][0]["finish_reason"] == "length"
-        check = subprocess.run([sys.executable, "-c", CHECK_CLEAN], capture_output=True,
-                               text=True, timeout=120, env=env)
-        assert check.stdout.strip() == "clean", check.stdout + check.stderr[-2000:]
+            assert scale(s, 3) == (200, {"data_parallel_size": 3})
+            assert s.get_json("/health")[1]["ranks"] == {
+                "dp0": "serving", "dp1": "serving", "dp2": "serving"}
+            assert complete(s, PROMPTS[1], rank=2)["choices"][0]["text"] == expected[1]
+            status, body = scale(s, 4)
+            assert status == 409 and "the Ray cluster has 0 CPUs" in body["error"]["message"]
+            assert scale(s, 1) == (200, {"data_parallel_size": 1})
+            assert s.get_json("/health")[1]["ranks"] == {"dp0": "serving"}
+            assert ray_state(env) == {"groups": ["parashift-dp0"],
+                                      "actors": ["ParashiftEngineDp0"]}
+            assert complete(s, PROMPTS[2])["choices"][0]["text"] == expected[2]
+        assert ray_state(env) == {"groups": [], "actors": []}
     finally:
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120, env=env)
 
 
+KEY = "ray-admin-key"
+
+
+def scale(server, size: int) -> tuple[int, dict]:
+    status, raw = server.request("POST", "/scale", {"data_parallel_size": size},
+                                 headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    return status, json.loads(raw)
+
+
 # From the GCS tables (the state API would need the dashboard, which these clusters skip).
-CHECK_CLEAN = """
-import ray
+RAY_STATE = """
+import json, ray
 ray.init(address="auto", log_to_driver=False)
-groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-actors = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
-print("clean" if not groups and not actors else f"left: {groups} {actors}")
+groups = [g["name"] for g in ray.util.placement_group_table().values()
+          if g["state"] != "REMOVED"]
+actors = [a["ActorClassName"].rsplit(".", 1)[-1] for a in ray._private.state.actors().values()
+          if a["State"] != "DEAD"]
+print(json.dumps({"groups": sorted(groups), "actors": sorted(actors)}))
 """
+
+
+def ray_state(env: dict) -> dict:
+    """The live placement groups and actors of the cluster at RAY_ADDRESS=auto, by name."""
+    check = subprocess.run([sys.executable, "-c", RAY_STATE], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert check.returncode == 0, check.stderr[-2000:]
+    return json.loads(check.stdout.strip().splitlines()[-1])

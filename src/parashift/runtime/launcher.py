@@ -40,8 +40,6 @@ from parashift.runtime.scale import (
     Phase,
     ScaleLimits,
     Scaler,
-    free_memory_bytes,
-    tree_rss_bytes,
 )
 from parashift.serve.api_server import ApiServerArgs
 from parashift.types.outputs import SchedulerStats
@@ -88,7 +86,7 @@ class Launcher:
             self.mesh = None
             self.engines = RayEngines(self.local_ranks, self.config, args.log_level,
                                       args.startup_timeout, args.ray_address, args.ray_placement,
-                                      args.restart_dead_engines)
+                                      args.restart_dead_engines, self.capacity)
             # The handshake on any port (bound in start); the actors learn it as they start.
             self.endpoints = Endpoints.tcp(self.engines.node_ip, 0, n)
         else:
@@ -138,7 +136,7 @@ class Launcher:
                 self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
         self.scaler = Scaler(ScaleLimits(self.capacity, args.startup_timeout,
                                          args.drain_timeout, refusal),
-                             self.num_engines, self._rank_bytes, free_memory_bytes)
+                             self.num_engines, lambda n: self.engines.room(n))
         self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
         self.pending_scales: collections.deque[tuple[int, p.ScaleRequest]] = collections.deque()
 
@@ -306,8 +304,6 @@ class Launcher:
         if self.processes.lockstep:
             return (f"--strategy {self.spec}: expert-parallel lockstep groups do not scale "
                     "(elastic expert parallel, with expert re-sharding, is later work)")
-        if self.args.backend == "ray":
-            return "elastic data parallel runs with --backend mp for now"
         return ""
 
     def _node_refusal(self, ranks: range) -> str:
@@ -335,11 +331,6 @@ class Launcher:
             logger.info("a headless node's ranks joined: data parallel size %d -> %d",
                         self.scaler.size, size)
             self.scaler.size = size
-
-    def _rank_bytes(self) -> int:
-        """What a running rank holds in memory, measured: the largest rank's process tree."""
-        pids = [self.engines.pid(r) for r in self.local_ranks]
-        return max((tree_rss_bytes(pid) for pid in pids if pid is not None), default=0)
 
     def _serve_api_servers(self) -> None:
         for index, control in enumerate(self.api_servers.controls):
@@ -373,11 +364,11 @@ class Launcher:
             return
         job = self.scaler.begin(msgspec.structs.replace(msg, index=index))
         if job.phase == Phase.STARTING:
-            mesh = node_mesh(self.spec.with_size("dp", job.target), self.config.device.device,
-                             job.ranks)
+            mesh = (node_mesh(self.spec.with_size("dp", job.target), self.config.device.device,
+                              job.ranks) if self.mesh is not None else None)  # Ray: its own
             for rank in job.ranks:
                 self.ready.pop(rank, None)
-                self.engines.add(rank, mesh.engine_placement(rank))
+                self.engines.add(rank, mesh.engine_placement(rank) if mesh else None)
             return
         for rank in job.ranks:
             self.api_servers.announce(p.RankDraining(rank))

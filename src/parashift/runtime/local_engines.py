@@ -14,6 +14,7 @@ from parashift.engine.engine_process import run_engine
 from parashift.processes import exit_after, join_within
 from parashift.runtime import child_processes
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
+from parashift.runtime.scale import free_memory_bytes, memory_room, tree_rss_bytes
 from parashift.strategies.mesh import EnginePlacement
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,15 @@ class LocalEngines:
     def pid(self, rank: int) -> int | None:
         proc = self.procs.get(rank)
         return proc.pid if proc is not None and proc.exitcode is None else None
+
+    def room(self, n: int) -> str:
+        """Why n more ranks would not fit this machine's memory ("" if they fit)."""
+        return memory_room(self._rank_bytes, free_memory_bytes)(n)
+
+    def _rank_bytes(self) -> int:
+        """What a running rank holds in memory, measured: the largest rank's process tree."""
+        pids = [self.pid(r) for r in self.ranks]
+        return max((tree_rss_bytes(pid) for pid in pids if pid is not None), default=0)
 
     def restart_due(self) -> None:
         for rank in self.restarts.due():

@@ -16,7 +16,8 @@ the API servers' and the handshake's tables); the size moves within them. Nothin
 restarted. Scales asked while one runs wait their turn, in order. On several nodes the
 head's scale-up starts ranks on its own node, and a `--headless` node that joins with the
 ranks from the current size grows the deployment; a scale-down stops a node's ranks there
-(and the node, once it has none). Expert-parallel lockstep groups and Ray do not scale yet."""
+(and the node, once it has none); on Ray, placement groups come and go (runtime/ray_engines.py).
+Expert-parallel lockstep groups do not scale yet."""
 
 from __future__ import annotations
 
@@ -61,14 +62,12 @@ class ScaleLimits:
 
 
 class Scaler:
-    def __init__(self, limits: ScaleLimits, size: int,
-                 rank_bytes: Callable[[], int], free_bytes: Callable[[], int]):
-        """`rank_bytes()`: what one running rank holds in memory (measured); `free_bytes()`:
-        what the machine has available."""
+    def __init__(self, limits: ScaleLimits, size: int, room: Callable[[int], str]):
+        """`room(n)`: why n more ranks would not fit where they would run ("" if they fit;
+        LocalEngines.room, RayEngines.room)."""
         self.limits = limits
         self.size = size
-        self.rank_bytes = rank_bytes
-        self.free_bytes = free_bytes
+        self.room = room
         self.job: Scale | None = None
 
     def refuse(self, msg: p.ScaleRequest) -> p.ScaleResult | None:
@@ -87,14 +86,8 @@ class Scaler:
                            "(start it with a larger one)")
         if msg.size == self.size:
             return p.ScaleResult(msg.call_id, self.size)  # nothing to change
-        if msg.size > self.size:
-            need = (msg.size - self.size) * self.rank_bytes()
-            free = self.free_bytes()
-            if need > free:
-                return no(409, f"{msg.size - self.size} more rank(s) need about "
-                               f"{need / 2**30:.1f} GiB (a running rank holds "
-                               f"{self.rank_bytes() / 2**30:.1f} GiB); the machine has "
-                               f"{free / 2**30:.1f} GiB available")
+        if msg.size > self.size and (no_room := self.room(msg.size - self.size)):
+            return no(409, no_room)
         return None
 
     def begin(self, msg: p.ScaleRequest) -> Scale:
@@ -145,6 +138,20 @@ class Scaler:
         else:
             logger.error("scaling to %d failed: %s", job.target, error)
         return job.asker[0], p.ScaleResult(job.asker[1], self.size, error, status)
+
+
+def memory_room(rank_bytes: Callable[[], int], free_bytes: Callable[[], int]
+                ) -> Callable[[int], str]:
+    """Room for n more ranks on this machine: `rank_bytes()`, what a running rank holds
+    (measured), against `free_bytes()`, what the machine has available."""
+    def room(n: int) -> str:
+        held, free = rank_bytes(), free_bytes()
+        if n * held <= free:
+            return ""
+        return (f"{n} more rank(s) need about {n * held / 2**30:.1f} GiB (a running rank "
+                f"holds {held / 2**30:.1f} GiB); the machine has {free / 2**30:.1f} GiB "
+                "available")
+    return room
 
 
 def free_memory_bytes() -> int:
