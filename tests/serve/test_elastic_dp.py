@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -221,10 +222,11 @@ def test_a_new_rank_that_dies_fails_the_scale_and_the_size_stays(impatient):
 
 # --- the autoscaler --------------------------------------------------------------------------
 def test_the_autoscaler_grows_on_a_backlog_and_shrinks_when_idle(tiny_llama_long):
-    """dp1 that may grow to 2: a burst of long prompts is a backlog above the threshold (no
-    window), so a rank is added; when the burst is served the idle rank goes (no window).
-    Every request of the burst is answered."""
+    """dp1 that may grow to 2: bursts of long prompts (prefilled 256 tokens a step, so that
+    they wait) are a backlog above the threshold (no window), so a rank is added; when the
+    bursts are served the idle rank goes (no window). Every request is answered."""
     with running_server(tiny_llama_long, *LONG_ARGS, "--strategy", "dp1",
+                        "--max-num-batched-tokens", "256",
                         "--data-parallel-size-min", "1", "--data-parallel-size-max", "2",
                         "--autoscale-up-tokens", "500", "--autoscale-up-window", "0",
                         "--autoscale-idle-window", "0") as server:
@@ -235,11 +237,17 @@ def test_the_autoscaler_grows_on_a_backlog_and_shrinks_when_idle(tiny_llama_long
                 "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True},
                 timeout=300)[0]
 
+        def logged(pattern: str) -> bool:
+            return any(re.search(pattern, line) for line in list(server.lines))
+
+        answers: list[int] = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            burst = [pool.submit(long_one, i) for i in range(32)]
-            server.wait_line(r"autoscaler: data parallel 1 -> 2")
+            # The coordinator samples the load every 100 ms: bursts until one shows.
+            while not logged(r"autoscaler: data parallel 1 -> 2"):
+                answers += pool.map(long_one, range(8))
+            answers += pool.map(long_one, range(8))  # one more, during the scale-up
             server.wait_line(r"data parallel size is 2 now")
-            assert [f.result() for f in burst] == [200] * 32
+        assert answers == [200] * len(answers)
         server.wait_line(r"autoscaler: data parallel 2 -> 1: dp\d held no request")
         while ranks(server) != {"dp0": "serving"}:  # its last scale (it may have flapped)
             server.wait_line(r"data parallel size is 1 now")
