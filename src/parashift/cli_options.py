@@ -117,6 +117,10 @@ _ENGINE_FLAGS: dict[str, Any] = {
         "linear,onednn (default: linear, onednn, own-bf16)")],
     "enforce_eager": Annotated[bool, typer.Option(
         "--enforce-eager", help="CUDA: decode without CUDA graphs")],
+    "deterministic": Annotated[bool, typer.Option(
+        "--deterministic", help="CPU: a request's logits and tokens bitwise the same whatever "
+        "it shares a step with, however its prompt is chunked or cached "
+        "(docs/reproducibility.md; slower prefill)")],
     "async_scheduling": Annotated[bool | None, typer.Option(
         "--async-scheduling/--no-async-scheduling", help="schedule step N+1 while step N "
         "runs (default: on with CUDA, off on CPU, where it measured no faster)")],

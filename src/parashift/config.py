@@ -176,6 +176,8 @@ class DeviceConfig:
     # CPU: the GEMM paths the load-time timing chooses among (layers/gemm_paths.py); each
     # keeps one copy of a weight in the model's dtype, so the choice never changes the bytes
     gemm_paths: tuple[str, ...] = GEMM_PATHS
+    # batch-invariant numerics (EngineArgs.deterministic): gemm_paths then goes unused
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_cpu_kernels(self.cpu_kernels)

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parashift import env
 from parashift.config import (
@@ -79,6 +79,10 @@ class EngineArgs:
     # CPU: the GEMM paths load-time timing may choose (comma-separated; None: all of them)
     gemm_paths: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # a request's logits and tokens bitwise the same whatever it shares a step with
+    # (docs/reproducibility.md): one GEMM path per weight for every row count, every query
+    # token through the decode attention kernel
+    deterministic: bool = False
     # schedule step N+1 while step N runs; None: where it measured faster (default_async)
     async_scheduling: bool | None = None
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
@@ -156,7 +160,9 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         _say_auto_bf16(path)
     device = DeviceConfig(device_name, args.num_threads, resolve_attention_backend(
         args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager,
-        args.cpu_kernels, gemm_paths(args.gemm_paths, args.cpu_kernels))
+        args.cpu_kernels, gemm_paths(args.gemm_paths, args.cpu_kernels), args.deterministic)
+    if args.deterministic:
+        check_deterministic(device, hf_config, args.quantization)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
@@ -184,6 +190,27 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
                         args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
+
+
+def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str | None
+                        ) -> None:
+    """--deterministic where its guarantee holds, else a clear refusal (what is not made
+    batch-invariant yet)."""
+    from parashift.strategies.expert import num_experts_of
+
+    if device.device != "cpu":
+        raise ValueError("--deterministic runs on CPU for now: the Triton kernels' fixed "
+                         "split is later work")
+    if device.attention_backend != "cpu" or device.cpu_kernels == "off":
+        raise ValueError("--deterministic needs the compiled CPU kernels (--attention-backend "
+                         "cpu, --cpu-kernels not off): torch's attention splits a query's "
+                         "keys by the batch's shape")
+    if quantization:
+        raise ValueError(f"--deterministic with --quantization {quantization} is not "
+                         "supported yet")
+    if num_experts_of(hf_config):
+        raise ValueError("--deterministic with a mixture-of-experts model is not supported "
+                         "yet: an expert's GEMM runs over the tokens routed to it")
 
 
 def default_async_scheduling(device: str) -> bool:

@@ -62,7 +62,8 @@ class Worker:
             torch.set_num_threads(num_threads)
         use_cpu_kernels(config.device.cpu_kernels)
         torch.manual_seed(config.model.seed)
-        self.backend = get_attention_backend(config.device.attention_backend)
+        self.backend = get_attention_backend(config.device.attention_backend,
+                                             config.device.deterministic)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tier_link: TierLink | None = None  # the KV tiers' arena and job board, if any
@@ -75,7 +76,8 @@ class Worker:
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
-                                         mc.quantization, self.config.device.gemm_paths):
+                                         mc.quantization, self.config.device.gemm_paths,
+                                         self.config.device.deterministic):
             logger.info(note)
         tp = self.parallel.group("tp")
         # Async scheduling's placeholders: tp rank 0 shares what it sampled.

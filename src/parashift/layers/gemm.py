@@ -6,7 +6,11 @@ weight as its path keeps it and running its GEMM, x [..., in] -> [..., out] in x
 - `OneDnnGemm`: the weight reordered once into oneDNN's blocked layout for this CPU
   (`mkldnn::_linear_pointwise`), fp32 or half; F.linear reorders on every call instead;
 - `OwnBf16Gemm`: a bf16 weight packed for parashift's own kernel (kernels/cpu/gemm.cpp);
-- `QuantizedGemm` (layers/quantization.py): an int8 or int4 weight.
+- `QuantizedGemm` (layers/quantization.py): an int8 or int4 weight;
+- `RowGemm` (--deterministic, where our kernel does not take the weight): `F.linear` one row
+  at a time, through buffers of their own, so that each row meets the same call whatever the
+  row count (a BLAS picks its kernel, blocking and threads by the shape, and its vector loops
+  by the addresses).
 
 Every path keeps one copy of the weight, in the model's dtype: a prepared path takes the
 place of the module's plain weight, which becomes a meta tensor (its shape and dtype stay), so
@@ -109,7 +113,27 @@ class OwnBf16Gemm(Gemm):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-PATHS: dict[str, type[Gemm]] = {cls.kind: cls for cls in (Gemm, OneDnnGemm, OwnBf16Gemm)}
+class RowGemm(Gemm):
+    kind = "rows"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self.row_in = torch.empty(1, weight.shape[1], dtype=weight.dtype)
+        self.row_out = torch.empty(1, weight.shape[0], dtype=weight.dtype)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = torch.empty(flat.shape[0], self.weight.shape[0], dtype=flat.dtype)
+        for i in range(flat.shape[0]):
+            self.row_in.copy_(flat[i])
+            torch.mm(self.row_in, self.weight.t(), out=self.row_out)
+            y[i] = self.row_out[0]
+        if bias is not None:
+            y += bias
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+PATHS: dict[str, type[Gemm]] = {cls.kind: cls for cls in (Gemm, OneDnnGemm, OwnBf16Gemm, RowGemm)}
 
 
 def gemm_for_path(weight: torch.Tensor, path: str) -> Gemm:

@@ -66,6 +66,14 @@ def candidates(dtype: torch.dtype) -> list[str]:
     return ["linear", *(["onednn"] if can_reorder() else []), *own]
 
 
+def row_invariant_path(dtype: torch.dtype, in_features: int) -> str:
+    """--deterministic's path: our kernel where it takes the weight (each output a reduction
+    over K in one fixed order, threads splitting columns only, whatever the row count), else
+    one row at a time (`RowGemm`)."""
+    return ("own-bf16" if dtype == torch.bfloat16 and can_own_bf16() and in_features % 2 == 0
+            else "rows")
+
+
 def prepares_shared_weights(dtype: torch.dtype) -> bool:
     """Whether a weight another module also reads takes a prepared path (its own copy) in
     `dtype` on a CPU: float32 and bfloat16, where oneDNN's reorder runs on every CPU
@@ -211,9 +219,11 @@ class GemmPaths:
 
 def prepare_gemm_weights(model: nn.Module, device: torch.device,
                          quantization: str | None = None,
-                         policy: tuple[str, ...] | None = None) -> list[str]:
+                         policy: tuple[str, ...] | None = None,
+                         deterministic: bool = False) -> list[str]:
     """Give every module with a GEMM (a `gemm` attribute) the path chosen for its weight on
-    this CPU, or its quantized weight (`quantization`, what layers/quantization.py names).
+    this CPU, or its quantized weight (`quantization`, what layers/quantization.py names);
+    `deterministic`: the path whose rows do not depend on the row count (`row_invariant_path`).
     A prepared path's copy replaces the module's plain weight (then a meta tensor) unless
     another module reads that weight too. Returns what was done, for the load log."""
     if device.type != "cpu":
@@ -228,7 +238,8 @@ def prepare_gemm_weights(model: nn.Module, device: torch.device,
         if not isinstance(getattr(m, "gemm", None), Gemm) or isinstance(m.gemm, QuantizedGemm):
             continue
         shared = owners.get(id(m.weight), 0) > 1
-        path = paths.choose(m.weight.dtype, *m.weight.shape, shared=shared, policy=policy)
+        path = (row_invariant_path(m.weight.dtype, m.weight.shape[1]) if deterministic
+                else paths.choose(m.weight.dtype, *m.weight.shape, shared=shared, policy=policy))
         m.gemm = gemm_for_path(m.weight.data, path)
         if not m.gemm.reads_plain_weight and not shared:  # the prepared copy is the one kept
             m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)

@@ -211,6 +211,7 @@ _RESOLVED: dict[str, tuple[str, Callable[[EngineConfigWire], Any]]] = {
     "num_threads": ("--threads", attrgetter("device.num_threads")),
     "attention_backend": ("--attention-backend", attrgetter("device.attention_backend")),
     "enforce_eager": ("--enforce-eager", attrgetter("device.enforce_eager")),
+    "deterministic": ("--deterministic", attrgetter("device.deterministic")),
     "cpu_kernels": ("--cpu-kernels", attrgetter("device.cpu_kernels")),
     "gemm_paths": ("--gemm-paths", lambda w: ",".join(w.device.gemm_paths)),
     "disable_shm_all_reduce": ("--disable-shm-all-reduce",

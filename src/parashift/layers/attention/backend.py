@@ -55,10 +55,13 @@ _BACKENDS = {"torch": "parashift.layers.attention.torch_backend:TorchAttentionBa
              "triton": "parashift.layers.attention.triton_backend:TritonAttentionBackend"}
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, deterministic: bool = False) -> AttentionBackend:
+    """`deterministic` (the cpu backend only: config.check_deterministic): every query token
+    attends the same way whatever the step holds."""
     import importlib
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)
+    return backend(deterministic=True) if deterministic else backend()

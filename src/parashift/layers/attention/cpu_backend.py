@@ -8,6 +8,11 @@ head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chun
 AMX tiles where the CPU has them, on vdpbf16ps register blocks elsewhere);
 without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
+`deterministic` (--deterministic): every prefill token is a decode query over its prefix in
+the cache, whatever the dtype, head size or CPU. The decode kernel gives each query its own
+thread and reduces its keys in one order, so a token attends bit for bit the same in a decode
+step or in a prefill chunk of any size, over keys computed now or cached earlier.
+
 Without the kernels (`--cpu-kernels off`, or no compiler here) it is the torch backend."""
 
 from __future__ import annotations
@@ -56,13 +61,18 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         self.ops = cpu_ops()
+        self.deterministic = deterministic
+        if deterministic and self.ops is None:
+            raise RuntimeError("--deterministic needs the compiled CPU kernels, which could "
+                               "not be built here (is a C++ compiler installed?)")
 
     def build_metadata(self, step: AttentionStepInputs) -> TorchAttentionMetadata:
         md = super().build_metadata(step)
         nd = step.num_decodes
-        if self.ops is None or not self.ops.bf16_dot or nd == len(step.seq_lens):
+        per_token = self.ops is not None and (self.ops.bf16_dot or self.deterministic)
+        if not per_token or nd == len(step.seq_lens):
             return md
         q_lens = np.diff(step.query_start_loc[nd:])
         chunk_tables = _tables(step, slice(nd, None))
@@ -74,7 +84,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tokens = _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
                                step.sliding_window)
         chunks = None
-        if step.sliding_window is None:  # the tiled kernel takes them (it checks head_dim)
+        if step.sliding_window is None and not self.deterministic:  # the tiled kernel's
             query_starts = (step.query_start_loc[nd:] - step.query_start_loc[nd]).astype(np.int32)
             seq_lens = np.ascontiguousarray(step.seq_lens[nd:], dtype=np.int32)
             chunks = _PrefillChunks(torch.from_numpy(chunk_tables), torch.from_numpy(query_starts),
@@ -103,7 +113,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def prefill(self, out, query, key, value, kv_cache, metadata, scale: float) -> None:
         tokens = getattr(metadata, "prefill_tokens", None)
-        if tokens is None or query.dtype != torch.bfloat16 or query.shape[2] not in (64, 128):
+        if tokens is None or not self.deterministic and (
+                query.dtype != torch.bfloat16 or query.shape[2] not in (64, 128)):
             return super().prefill(out, query, key, value, kv_cache, metadata, scale)
         nd = metadata.num_decodes  # the K/V of every token are in the cache already
         chunks = metadata.prefill_chunks

@@ -1,0 +1,105 @@
+"""--deterministic (docs/reproducibility.md): a request's tokens and logprobs are bitwise the
+same alone and inside any batch of other requests, prefilled whole or in chunks of any size,
+after a prefix-cache hit, and after preemption and recompute; greedy and seeded sampling at
+temperature 1 with top-p, in float32 and bfloat16. Hypothesis draws the batches; the
+reference is the request alone on a fresh engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parashift import LLM, SamplingParams
+
+from .test_engine import assert_no_leaks
+
+TARGET = [(7 * i) % 250 + 1 for i in range(37)]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True,
+                        logprobs=5)
+CHUNKS = (5, 16, 64)  # --max-num-batched-tokens: the target's prefill in 8, 3 or 1 pieces
+
+
+def engine(model: str, dtype: str, **flags) -> LLM:
+    return LLM(model, dtype=dtype, max_model_len=256, deterministic=True,
+               kv_cache_memory=flags.pop("kv_cache_memory", 16 << 20), **flags)
+
+
+def answer(outputs) -> list[tuple]:
+    """Each choice's tokens and logprobs, the floats as they are (compared bit for bit)."""
+    return [(c.token_ids, [dict(lp) for lp in c.logprobs]) for c in outputs.outputs]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request, tiny_llama):
+    """The reference (the target alone on a fresh engine), then engines that prefill in
+    chunks of each size, and one whose small KV cache preempts."""
+    dtype = request.param
+    made = {"alone": engine(tiny_llama, dtype)}
+    try:
+        reference = {name: answer(made["alone"].generate([TARGET], params, use_tqdm=False)[0])
+                     for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+        for chunk in CHUNKS:
+            made[chunk] = engine(tiny_llama, dtype, max_num_batched_tokens=chunk)
+        made["preempting"] = engine(tiny_llama, dtype, max_num_batched_tokens=64,
+                                    kv_cache_memory=160 * 1024 if dtype == "float32"
+                                    else 80 * 1024)
+        yield made, reference
+        for llm in made.values():
+            assert_no_leaks(llm)
+    finally:
+        for llm in made.values():
+            llm.shutdown()
+
+
+OTHERS = st.lists(st.lists(st.integers(1, 250), min_size=1, max_size=60), max_size=63)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(others=OTHERS, where=st.integers(0, 63), on=st.sampled_from(["alone", *CHUNKS]),
+       sampled=st.booleans(), other_max_tokens=st.integers(1, 12))
+def test_a_request_is_bitwise_the_same_in_any_batch(engines, others, where, on, sampled,
+                                                    other_max_tokens):
+    made, reference = engines
+    params = SEEDED if sampled else GREEDY
+    where = min(where, len(others))
+    prompts = [*others[:where], TARGET, *others[where:]]
+    other = SamplingParams(temperature=0.8, max_tokens=other_max_tokens, ignore_eos=True)
+    outputs = made[on].generate(prompts, [*[other] * where, params,
+                                          *[other] * (len(others) - where)], use_tqdm=False)
+    assert answer(outputs[where]) == reference["seeded" if sampled else "greedy"]
+
+
+def test_after_a_prefix_cache_hit_and_under_preemption(engines):
+    made, reference = engines
+    alone = made["alone"]
+    hits = alone.engine.stats().prefix_cache_hit_tokens
+    assert answer(alone.generate([TARGET], GREEDY, use_tqdm=False)[0]) == reference["greedy"]
+    assert alone.engine.stats().prefix_cache_hit_tokens > hits  # served from the cache
+    # A prompt that shares the target's first 32 tokens, then the target: a partial hit.
+    cousin = TARGET[:32] + [3, 3, 3]
+    outputs = made[16].generate([cousin, TARGET], GREEDY, use_tqdm=False)
+    assert answer(outputs[1]) == reference["greedy"]
+    preempting = made["preempting"]
+    crowd = [[(11 * i + j) % 250 + 1 for j in range(40)] for i in range(12)]
+    for params, name in ((GREEDY, "greedy"), (SEEDED, "seeded")):
+        outputs = preempting.generate([*crowd, TARGET], [
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 12 + [params],
+            use_tqdm=False)
+        assert answer(outputs[-1]) == reference[name]
+    assert preempting.engine.stats().num_preemptions > 0
+
+
+def test_the_paths_it_runs(engines):
+    """Every linear on a path whose rows do not depend on the row count; the attention
+    backend sends prefill tokens through the decode kernel."""
+    made, _ = engines
+    model = made["alone"].engine.executor.worker.model
+    paths = {m.gemm.kind for m in model.modules() if hasattr(m, "gemm")}
+    dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
+    assert paths == ({"own-bf16"} if dtype == torch.bfloat16 else {"rows"}), paths
+    assert made["alone"].engine.executor.worker.backend.deterministic
