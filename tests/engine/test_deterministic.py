@@ -103,3 +103,24 @@ def test_the_paths_it_runs(engines):
     dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
     assert paths == ({"own-bf16"} if dtype == torch.bfloat16 else {"rows"}), paths
     assert made["alone"].engine.executor.worker.backend.deterministic
+
+
+@pytest.mark.parametrize("strategy", ["tp2", "pp2"])
+def test_with_tensor_or_pipeline_parallel_and_async_scheduling(tiny_llama, strategy):
+    """Across runs of one layout: the target alone, then inside a crowd, with async scheduling
+    off and on (a pipeline keeps its own batches in flight instead), in bfloat16."""
+    crowd = [[(13 * i + j) % 250 + 1 for j in range(5 + 7 * i)] for i in range(9)]
+    seen = []
+    for async_scheduling in (False, True):
+        llm = engine(tiny_llama, "bfloat16", strategy=strategy, max_num_batched_tokens=16,
+                     async_scheduling=async_scheduling)
+        try:
+            for params in (GREEDY, SEEDED):
+                alone = answer(llm.generate([TARGET], params, use_tqdm=False)[0])
+                inside = llm.generate([*crowd[:4], TARGET, *crowd[4:]], params, use_tqdm=False)
+                assert answer(inside[4]) == alone
+                seen.append(alone)
+            assert_no_leaks(llm)
+        finally:
+            llm.shutdown()
+    assert seen[:2] == seen[2:]

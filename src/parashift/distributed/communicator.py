@@ -26,14 +26,17 @@ class GroupCommunicator:
     """Collectives over one process group. At size 1 every collective is the identity, so
     models run unchanged in a single process; a real group (gloo on CPU, nccl on GPU) is passed
     in by the strategy that creates it. On one CPU node, all-reduces that fit go through `shm`.
-    The pipeline's point-to-point calls need a neighbour: only stages with one make them."""
+    The pipeline's point-to-point calls need a neighbour: only stages with one make them.
+    `deterministic` (--deterministic): every all-reduce through `shm`, in pieces that fit, so an
+    element's sum is the same (fp32, in rank order) whatever the tensor's size."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
-                 shm: ShmAllReduce | None = None):
+                 shm: ShmAllReduce | None = None, deterministic: bool = False):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.shm = shm
+        self.deterministic = deterministic and shm is not None
         self.stats = CommStats()
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
 
@@ -42,6 +45,9 @@ class GroupCommunicator:
             start = time.perf_counter()
             if self.shm is not None and self.shm.fits(tensor):
                 self.shm.all_reduce(tensor)
+            elif self.deterministic and tensor.is_contiguous():
+                for piece in tensor.view(-1).split(self.shm.slot_bytes // tensor.element_size()):
+                    self.shm.all_reduce(piece)
             else:
                 dist.all_reduce(tensor, group=self.group)
             self._count(start, tensor)

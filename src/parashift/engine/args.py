@@ -162,7 +162,7 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         args.attention_backend, device_name, args.block_size, dtype), args.enforce_eager,
         args.cpu_kernels, gemm_paths(args.gemm_paths, args.cpu_kernels), args.deterministic)
     if args.deterministic:
-        check_deterministic(device, hf_config, args.quantization)
+        check_deterministic(device, hf_config, args.quantization, spec, parallel)
     max_model_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
@@ -192,8 +192,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
 
 
-def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str | None
-                        ) -> None:
+def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str | None,
+                        spec: StrategySpec, parallel: ParallelConfig) -> None:
     """--deterministic where its guarantee holds, else a clear refusal (what is not made
     batch-invariant yet)."""
     from parashift.strategies.expert import num_experts_of
@@ -208,6 +208,12 @@ def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str 
     if quantization:
         raise ValueError(f"--deterministic with --quantization {quantization} is not "
                          "supported yet")
+    if spec.size("tp") > 2 and (not parallel.shm_all_reduce
+                                or parallel.distributed_executor_backend == "ray"):
+        # Two ranks' sum is the same in any order; three or more need the fixed one.
+        raise ValueError("--deterministic with tensor parallel over more than 2 ranks needs "
+                         "the shared-memory all-reduce (--backend mp, one node, without "
+                         "--disable-shm-all-reduce)")
     if num_experts_of(hf_config):
         raise ValueError("--deterministic with a mixture-of-experts model is not supported "
                          "yet: an expert's GEMM runs over the tokens routed to it")

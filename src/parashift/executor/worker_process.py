@@ -123,7 +123,8 @@ def _init(args: WorkerArgs):
     else:
         dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    groups = _join_groups(spec.local_groups(), args.rank, args.shm_path)
+    groups = _join_groups(spec.local_groups(), args.rank, args.shm_path,
+                          config.device.deterministic)
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
                                       placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
@@ -132,8 +133,8 @@ def _init(args: WorkerArgs):
                                       threads_for(config, placement.cpu_ids))
 
 
-def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None
-                 ) -> dict[str, GroupCommunicator]:
+def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | None,
+                 deterministic: bool = False) -> dict[str, GroupCommunicator]:
     """A communicator for each named group this worker is in. Every worker creates every
     group, in the same order (torch.distributed requires it)."""
     world = dist.get_world_size()
@@ -147,7 +148,8 @@ def _join_groups(groups: dict[str, list[list[int]]], rank: int, shm_path: str | 
             if shm_path and name == "tp":  # all-reduces that fit go through shared memory
                 shm = ShmAllReduce.open(f"{shm_path}-{index}", members.index(rank),
                                         len(members), group)
-            mine[name] = GroupCommunicator(group, members.index(rank), len(members), shm)
+            mine[name] = GroupCommunicator(group, members.index(rank), len(members), shm,
+                                           deterministic)
     return mine
 
 
