@@ -32,20 +32,23 @@ def answer(outputs) -> list[tuple]:
     return [(c.token_ids, [dict(lp) for lp in c.logprobs]) for c in outputs.outputs]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def engines(request, tiny_llama):
+@pytest.fixture(scope="module", params=[("tiny_llama", "float32"), ("tiny_llama", "bfloat16"),
+                                        ("smollm2_path", "bfloat16")], ids=lambda p: p[1] if
+                p[0] == "tiny_llama" else "smollm2")
+def engines(request):
     """The reference (the target alone on a fresh engine), then engines that prefill in
     chunks of each size, and one whose small KV cache preempts."""
-    dtype = request.param
-    made = {"alone": engine(tiny_llama, dtype)}
+    model, dtype = request.getfixturevalue(request.param[0]), request.param[1]
+    made = {"alone": engine(model, dtype)}
     try:
         reference = {name: answer(made["alone"].generate([TARGET], params, use_tqdm=False)[0])
                      for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
         for chunk in CHUNKS:
-            made[chunk] = engine(tiny_llama, dtype, max_num_batched_tokens=chunk)
-        made["preempting"] = engine(tiny_llama, dtype, max_num_batched_tokens=64,
-                                    kv_cache_memory=160 * 1024 if dtype == "float32"
-                                    else 80 * 1024)
+            made[chunk] = engine(model, dtype, max_num_batched_tokens=chunk)
+        # 20 blocks of 16 tokens: the crowd below cannot all stay
+        made["preempting"] = engine(model, dtype, max_num_batched_tokens=64,
+                                    kv_cache_memory=20 * made["alone"].engine.executor
+                                    .kv_block_bytes())
         yield made, reference
         for llm in made.values():
             assert_no_leaks(llm)
@@ -85,10 +88,10 @@ def test_after_a_prefix_cache_hit_and_under_preemption(engines):
     outputs = made[16].generate([cousin, TARGET], GREEDY, use_tqdm=False)
     assert answer(outputs[1]) == reference["greedy"]
     preempting = made["preempting"]
-    crowd = [[(11 * i + j) % 250 + 1 for j in range(40)] for i in range(12)]
+    crowd = [[(11 * i + j) % 250 + 1 for j in range(40)] for i in range(8)]  # 5 blocks each
     for params, name in ((GREEDY, "greedy"), (SEEDED, "seeded")):
         outputs = preempting.generate([*crowd, TARGET], [
-            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 12 + [params],
+            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 8 + [params],
             use_tqdm=False)
         assert answer(outputs[-1]) == reference[name]
     assert preempting.engine.stats().num_preemptions > 0
@@ -124,3 +127,20 @@ def test_with_tensor_or_pipeline_parallel_and_async_scheduling(tiny_llama, strat
         finally:
             llm.shutdown()
     assert seen[:2] == seen[2:]
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ({"device": "cuda"}, "runs on CPU for now"),
+    ({"cpu_kernels": "off"}, "--cpu-kernels not off"),
+    ({"attention_backend": "torch"}, "--attention-backend cpu"),
+    ({"quantization": "int8"}, "--quantization int8"),
+    ({"strategy": "tp4", "disable_shm_all_reduce": True}, "shared-memory all-reduce"),
+    ({"model": "mixtral"}, "mixture-of-experts"),
+])
+def test_what_it_refuses_names_why(tiny_model_factory, flags, named):
+    from parashift.engine.args import EngineArgs, create_config
+
+    model = tiny_model_factory(flags.pop("model", "llama"), num_attention_heads=4,
+                               num_key_value_heads=4)
+    with pytest.raises(ValueError, match=named):
+        create_config(EngineArgs(model=model, deterministic=True, **flags))
