@@ -19,6 +19,8 @@ TARGET = [(7 * i) % 250 + 1 for i in range(37)]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True,
                         logprobs=5)
+SEEDED_N3 = SamplingParams(temperature=1.0, top_p=0.9, seed=5, n=3, max_tokens=8,
+                           ignore_eos=True, logprobs=5)
 CHUNKS = (5, 16, 64)  # --max-num-batched-tokens: the target's prefill in 8, 3 or 1 pieces
 
 
@@ -111,14 +113,15 @@ def test_the_paths_it_runs(engines):
 @pytest.mark.parametrize("strategy", ["tp2", "pp2"])
 def test_with_tensor_or_pipeline_parallel_and_async_scheduling(tiny_llama, strategy):
     """Across runs of one layout: the target alone, then inside a crowd, with async scheduling
-    off and on (a pipeline keeps its own batches in flight instead), in bfloat16."""
+    off and on (a pipeline keeps its own batches in flight instead), in bfloat16; greedy and
+    seeded n=3."""
     crowd = [[(13 * i + j) % 250 + 1 for j in range(5 + 7 * i)] for i in range(9)]
     seen = []
     for async_scheduling in (False, True):
         llm = engine(tiny_llama, "bfloat16", strategy=strategy, max_num_batched_tokens=16,
                      async_scheduling=async_scheduling)
         try:
-            for params in (GREEDY, SEEDED):
+            for params in (GREEDY, SEEDED_N3):
                 alone = answer(llm.generate([TARGET], params, use_tqdm=False)[0])
                 inside = llm.generate([*crowd[:4], TARGET, *crowd[4:]], params, use_tqdm=False)
                 assert answer(inside[4]) == alone

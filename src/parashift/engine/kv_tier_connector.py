@@ -310,9 +310,15 @@ class TierConnector:
         logger.info("KV disk tier: this engine writes %s (%d blocks held)", folder,
                     tier.num_blocks())
 
-    def close(self) -> None:
+    def stop_disk_writer(self) -> None:
+        """The background writer stops after its batch (whose pins go with it); `close`
+        still persists what the arena holds."""
         if self._writer is not None:
             self._writer.stop()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.stop_disk_writer()
             while self._writer.persist_batch()[0]:  # what the arena holds, for a restart
                 pass
         if self._writer_lock is not None:

@@ -107,9 +107,10 @@ class EngineRoutes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise OpenAIError(400, f"give {{\"{field}\": N}} with a whole number N >= 1",
                               param=field)
-        vector = self.engines.loads.vector
-        asleep = [r for r in self.engines.alive_engines()
-                  if r in vector and vector[r].sleep_level]
+        # Asked of the engines themselves: the coordinator's vector may not carry a sleep
+        # that has just been answered.
+        levels = await self._call_all(IsSleeping)
+        asleep = [r for r, answer in levels.items() if answer["level"]]
         if asleep:
             raise OpenAIError(409, f"engine(s) {', '.join(f'dp{r}' for r in asleep)} are "
                               "asleep: wake them (POST /wake_up) before scaling",
