@@ -1,8 +1,9 @@
 """--deterministic (docs/reproducibility.md): a request's tokens and logprobs are bitwise the
 same alone and inside any batch of other requests, prefilled whole or in chunks of any size,
-after a prefix-cache hit, and after preemption and recompute; greedy and seeded sampling at
-temperature 1 with top-p, in float32 and bfloat16. Hypothesis draws the batches; the
-reference is the request alone on a fresh engine."""
+after a prefix-cache hit (local, or loaded back from the host KV tier), after preemption and
+recompute, with tp2 or pp2 and async scheduling on or off; greedy and seeded sampling at
+temperature 1 with top-p, in float32 and bfloat16, on a tiny model and SmolLM2. Hypothesis
+draws the batches; the reference is the request alone on a fresh engine."""
 
 from __future__ import annotations
 
@@ -108,6 +109,26 @@ def test_the_paths_it_runs(engines):
     dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
     assert paths == ({"own-bf16"} if dtype == torch.bfloat16 else {"rows"}), paths
     assert made["alone"].engine.executor.worker.backend.deterministic
+
+
+def test_a_prefix_loaded_back_from_the_host_tier(tiny_llama):
+    """The target computed cold, its blocks evicted from a pool of 12 by other prompts, then
+    its prefix loaded back from the host KV tier: the same bits, greedy and seeded."""
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128, deterministic=True,
+              kv_cache_memory=12 * 8192, kv_offloading_size=1 << 20)  # 8 KiB blocks
+    try:
+        cold = {name: answer(llm.generate([TARGET], params, use_tqdm=False)[0])
+                for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+        for params, name in ((GREEDY, "greedy"), (SEEDED, "seeded")):
+            for i in range(2):  # 2 x 7 blocks: the target's are evicted from the pool
+                llm.generate([[(17 * i + j) % 250 + 1 for j in range(100)]],
+                             SamplingParams(max_tokens=4), use_tqdm=False)
+            loads = llm.engine.connector.stats.host_hit_blocks
+            assert answer(llm.generate([TARGET], params, use_tqdm=False)[0]) == cold[name]
+            assert llm.engine.connector.stats.host_hit_blocks > loads  # from the tier
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["tp2", "pp2"])
