@@ -216,21 +216,10 @@ class RayEngines:
 
     def stop(self, timeout: float = 10.0) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             return
-        for actor in self.actors.values():
-            try:
-                ray.kill(actor)
-            except Exception as e:  # already gone
-                logger.debug("ray.kill: %s", e)
-        for group in self.groups.values():
-            try:
-                remove_placement_group(group)
-            except Exception as e:
-                logger.debug("remove_placement_group: %s", e)
-        self.actors.clear()
-        self.groups.clear()
+        for rank in sorted({*self.actors, *self.groups}):
+            self.retire(rank, timeout, reserve=False)
         if self.started_cluster:
             ray.shutdown()
