@@ -18,6 +18,7 @@ import pytest
 
 from .conftest import TINY_ARGS, live, running_server
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
+from .test_elastic_dp import KEY, scale
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -166,15 +167,6 @@ def test_an_existing_cluster_too_small_planned_scaled_and_left_clean(tiny_llama)
         assert ray_state(env) == {"groups": [], "actors": []}
     finally:
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120, env=env)
-
-
-KEY = "ray-admin-key"
-
-
-def scale(server, size: int) -> tuple[int, dict]:
-    status, raw = server.request("POST", "/scale", {"data_parallel_size": size},
-                                 headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
-    return status, json.loads(raw)
 
 
 # From the GCS tables (the state API would need the dashboard, which these clusters skip).

@@ -78,8 +78,28 @@ class Launcher:
                 raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
                                  "on one node with --backend mp for now")
             self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
-        n = args.api_server_count
         args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
+        self._set_up_engines(args)
+        self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None
+        self.ctx = zmq_context(role=self.head_keys.role(cluster=True) if self.head_keys
+                               else None)
+        self.handshake = Handshake(self.ctx, self.capacity, self.head_keys,
+                                   self._engine_init,
+                                   p.NodeInit(self.endpoints.coordinator_publish),
+                                   self.engines.tokens)
+        self.handshake.node_refusal = self._node_refusal
+        self.coordinator: multiprocessing.Process | None = None
+        self.load_in = None  # the coordinator's publications, for the scale-down's drain
+        self.api_servers = ApiServers(self.ctx)
+        self.ready: dict[int, p.Ready] = {}
+        self.stopping = False
+        self.serving = False  # start() completed
+        self.listener: socket.socket | None = None
+
+    def _set_up_engines(self, args: ServeArgs) -> None:
+        """The engines' runner (Ray actors, or this node's processes on its mesh) and the
+        endpoints they reach the launcher, coordinator and API servers at."""
+        n = args.api_server_count
         if args.backend == "ray":  # every rank is an actor, anywhere on the cluster: tcp
             from parashift.runtime.ray_engines import RayEngines
 
@@ -101,21 +121,6 @@ class Launcher:
             if not args.multi_node(self.num_engines):  # else a joining node may take them
                 for rank in range(self.num_engines, self.capacity):
                     self.engines.reserve(rank)
-        self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None
-        self.ctx = zmq_context(role=self.head_keys.role(cluster=True) if self.head_keys
-                               else None)
-        self.handshake = Handshake(self.ctx, self.capacity, self.head_keys,
-                                   self._engine_init,
-                                   p.NodeInit(self.endpoints.coordinator_publish),
-                                   self.engines.tokens)
-        self.handshake.node_refusal = self._node_refusal
-        self.coordinator: multiprocessing.Process | None = None
-        self.load_in = None  # the coordinator's publications, for the scale-down's drain
-        self.api_servers = ApiServers(self.ctx)
-        self.ready: dict[int, p.Ready] = {}
-        self.stopping = False
-        self.serving = False  # start() completed
-        self.listener: socket.socket | None = None
 
     def _set_up_elastic(self, args: ServeArgs) -> None:
         """The ranks the deployment may grow to (its tables are sized for them), the scaler,

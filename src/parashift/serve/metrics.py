@@ -48,16 +48,7 @@ class Metrics:
                                  ["engine", "kind"], registry=r)
         self.kv_usage = Gauge("parashift_kv_cache_usage_ratio", "Share of KV blocks in use",
                               ["engine"], registry=r)
-        self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
-                                     "Prompt tokens served by the prefix cache / queried",
-                                     ["engine"], registry=r)
-        # The engine's own totals since it started: what usage.prompt_tokens_details reports.
-        self.prefix_queried = Gauge("parashift_prefix_cache_queried_tokens",
-                                    "Prompt tokens looked up in the prefix cache (since the "
-                                    "engine started)", ["engine"], registry=r)
-        self.prefix_hits = Gauge("parashift_prefix_cache_hit_tokens",
-                                 "Prompt tokens the prefix cache served (since the engine "
-                                 "started)", ["engine"], registry=r)
+        self._prefix_cache_gauges(r)
         self.routed = Counter("parashift_engine_requests", "Requests routed to each engine",
                               ["engine"], registry=r)
         self._tier_gauges(r)
@@ -84,6 +75,18 @@ class Metrics:
                                     "memory on GPU; 0 awake)", ["engine"], registry=r)
         self.engine_up = Gauge("parashift_engine_up", "1 while the engine is alive", ["engine"],
                                registry=r)
+
+    def _prefix_cache_gauges(self, r: CollectorRegistry) -> None:
+        self.prefix_hit_rate = Gauge("parashift_prefix_cache_hit_rate",
+                                     "Prompt tokens served by the prefix cache / queried",
+                                     ["engine"], registry=r)
+        # The engine's own totals since it started: what usage.prompt_tokens_details reports.
+        self.prefix_queried = Gauge("parashift_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up in the prefix cache (since the "
+                                    "engine started)", ["engine"], registry=r)
+        self.prefix_hits = Gauge("parashift_prefix_cache_hit_tokens",
+                                 "Prompt tokens the prefix cache served (since the engine "
+                                 "started)", ["engine"], registry=r)
 
     def _tier_gauges(self, r: CollectorRegistry) -> None:
         """KV tiers: the engine's counts since it started (set, as the prefix cache's are)."""
