@@ -14,11 +14,12 @@ import torch.distributed as dist
 from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY
 from parashift.distributed.parallel_context import ParallelContext
+from parashift.executor.layer_paths import FUSED, choose_layer_path
 from parashift.executor.model_runner import ModelRunner
 from parashift.executor.step_result import StepResult
 from parashift.kv_tiers.transfers import KVTransfers, TierLink
 from parashift.layers.attention.backend import get_attention_backend
-from parashift.layers.gemm_paths import prepare_gemm_weights, weight_bytes
+from parashift.layers.gemm_paths import GemmPaths, prepare_gemm_weights, weight_bytes
 from parashift.layers.kernel_dispatch import use_cpu_kernels
 from parashift.models.loader import load_model
 from parashift.processes import status_bytes
@@ -75,9 +76,15 @@ class Worker:
         mc = self.config.model
         self.model = load_model(mc.path, mc.hf_config, mc.dtype, self.device, self.backend,
                                 mc.max_model_len, self.parallel)
+        device = self.config.device
+        paths = GemmPaths() if self.device.type == "cpu" else None
+        own_layers = (paths is not None and not mc.quantization and not device.deterministic
+                      and choose_layer_path(self.model, self.backend,
+                                            self.config.cache.block_size, paths,
+                                            device.gemm_paths) == FUSED)
         for note in prepare_gemm_weights(self.model, self.device,  # after: it may time GEMMs
-                                         mc.quantization, self.config.device.gemm_paths,
-                                         self.config.device.deterministic):
+                                         mc.quantization, device.gemm_paths,
+                                         device.deterministic, paths, own_layers):
             logger.info(note)
         tp = self.parallel.group("tp")
         # Async scheduling's placeholders: tp rank 0 shares what it sampled.

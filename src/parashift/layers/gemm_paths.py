@@ -183,9 +183,13 @@ class GemmPaths:
             return allowed[0]
         best, timed = self._time(dtype, out_features, in_features, allowed)
         if policy is None or set(every) <= set(policy):  # a narrower policy's pick: not cached
-            self.choices[key] = best
-            self.timed[key] = timed
+            self.record(key, best, timed)
         return best
+
+    def record(self, key: str, choice: str, timed: dict) -> None:
+        """Keep a choice made now, with its timings (written by `save`)."""
+        self.choices[key] = choice
+        self.timed[key] = timed
 
     @staticmethod
     def _time(dtype: torch.dtype, out_features: int, in_features: int, allowed: list[str]
@@ -220,26 +224,33 @@ class GemmPaths:
 def prepare_gemm_weights(model: nn.Module, device: torch.device,
                          quantization: str | None = None,
                          policy: tuple[str, ...] | None = None,
-                         deterministic: bool = False) -> list[str]:
+                         deterministic: bool = False, paths: GemmPaths | None = None,
+                         own_layers: bool = False) -> list[str]:
     """Give every module with a GEMM (a `gemm` attribute) the path chosen for its weight on
-    this CPU, or its quantized weight (`quantization`, what layers/quantization.py names);
-    `deterministic`: the path whose rows do not depend on the row count (`row_invariant_path`).
-    A prepared path's copy replaces the module's plain weight (then a meta tensor) unless
-    another module reads that weight too. Returns what was done, for the load log."""
+    this CPU (in `paths`), or its quantized weight (`quantization`, what layers/quantization.py
+    names); `deterministic`: the path whose rows do not depend on the row count
+    (`row_invariant_path`); `own_layers`: our bf16 kernel for the decoder layers' projections
+    (`quantizable`), so that the fused layer runs (executor/layer_paths.py chooses). A prepared
+    path's copy replaces the module's plain weight (then a meta tensor) unless another module
+    reads that weight too. Returns what was done, for the load log."""
     if device.type != "cpu":
         return []
     notes = quantize_weights(model, quantization) if quantization else []
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
-    paths = GemmPaths()
+    paths = paths or GemmPaths()
     counts: dict[str, int] = {}
     for m in model.modules():
         if not isinstance(getattr(m, "gemm", None), Gemm) or isinstance(m.gemm, QuantizedGemm):
             continue
         shared = owners.get(id(m.weight), 0) > 1
-        path = (row_invariant_path(m.weight.dtype, m.weight.shape[1]) if deterministic
-                else paths.choose(m.weight.dtype, *m.weight.shape, shared=shared, policy=policy))
+        if deterministic:
+            path = row_invariant_path(m.weight.dtype, m.weight.shape[1])
+        elif own_layers and getattr(m, "quantizable", False):
+            path = "own-bf16"
+        else:
+            path = paths.choose(m.weight.dtype, *m.weight.shape, shared=shared, policy=policy)
         m.gemm = gemm_for_path(m.weight.data, path)
         if not m.gemm.reads_plain_weight and not shared:  # the prepared copy is the one kept
             m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
