@@ -16,7 +16,9 @@ memory size. A candidate this CPU cannot run (oneDNN's fp16 without AVX512-FP16)
 when timed. A weight another module also reads (a tied LM head) takes a prepared path where
 one runs, in float32 or bfloat16 (F.linear on a plain bf16 weight reorders it on every call):
 its one extra copy is then known too. `prepare_gemm_weights` gives every linear module of a
-loaded model its path's GEMM, or its quantized one (`--quantization`)."""
+loaded model its path's GEMM, or its quantized one (`--quantization`); the decoder layers'
+projections all take our kernel where whole steps ran faster so (the fused layers: the choice
+of executor/layer_paths.py, cached in the same file)."""
 
 from __future__ import annotations
 
