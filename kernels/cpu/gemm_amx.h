@@ -10,6 +10,7 @@
 #pragma once
 
 #include "amx.h"
+#include "column_shares.h"
 
 #ifdef PARASHIFT_AMX
 
@@ -136,9 +137,11 @@ void amx_block(const uint16_t* x, int64_t x_stride, int rt, const BlockWeight& b
   store_c_tiles(c);
 }
 
-// gemm.cpp's product on AMX (k a multiple of 32). Threads split the 16-column blocks as there;
-// rows go in panels (x's panel stays in L2 while the thread's columns pass over it), each
-// column group over all the panel's row blocks (its weight stays in L1/L2 between them).
+// gemm.cpp's product on AMX (k a multiple of 32). Threads take the 16-column blocks in chunks
+// (column_shares.h: a thread's own share from its front, then the back of the share with the
+// most left, so no thread waits for a slower one at the end); rows go in panels (x's panel
+// stays in L2 while the columns pass over it), each chunk's column groups over all the panel's
+// row blocks (their weight stays in L1/L2 between them).
 // `next` (w may be null): the weight the caller multiplies by next, where this thread's stream
 // runs on, so the next GEMM does not start from memory (a decode layer's GEMMs are 0.7-3.5 MB
 // each, a few register blocks per thread).
@@ -150,13 +153,14 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
   // bytes the stream runs ahead: 16 KiB read the step's 121 GEMMs at 15.8 GB/s, 32-64 at 17.5,
   // 128 at 18-19.5, 512 at 14.3 (on a Xeon whose memory streams 23.5 GB/s to two threads)
   constexpr int64_t kStreamAhead = 128 << 10;
+  ColumnShares shares(blocks, (m + kAmxPanel - 1) / kAmxPanel, kTile, threads);
 #pragma omp parallel num_threads(threads)
   {
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t first = blocks * tid / nth, last = blocks * (tid + 1) / nth;
     alignas(64) float c[4 * 256];
     int configured = -1;  // rows of the row block the tiles are configured for
-    Stream stream;
+    Stream stream;  // over its own share's weight, which it takes first
     if (first < last) {
       std::tie(stream.at, stream.end) = block_range(weight, first, last);
       const int64_t next_first = next.blocks() * tid / nth;
@@ -165,11 +169,14 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
         std::tie(stream.then_at, stream.then_end) = block_range(next, next_first, next_last);
       stream.fetch(kStreamAhead / 64);
     }
-    for (int64_t row0 = 0; row0 < m; row0 += kAmxPanel) {
-      const int64_t panel_end = std::min(m, row0 + kAmxPanel);
+    ColumnChunk chunk;
+    while (shares.next(tid, chunk)) {
+      const int64_t row0 = chunk.panel * kAmxPanel, panel_end = std::min(m, row0 + kAmxPanel);
       const int64_t most = panel_end - row0 > 16 ? 2 : 4;  // blocks per register block
-      for (int64_t blk = first; blk < last;) {
-        const BlockWeight bw = block_at(weight, blk, last, most);
+      const bool own = first <= chunk.block && chunk.block < last;
+      const int64_t chunk_end = chunk.block + chunk.blocks;
+      for (int64_t blk = chunk.block; blk < chunk_end;) {
+        const BlockWeight bw = block_at(weight, blk, chunk_end, most);
         for (int64_t r = row0; r < panel_end; r += 32) {
           const int rows = static_cast<int>(std::min<int64_t>(32, panel_end - r));
           if (rows != configured) {
@@ -179,7 +186,7 @@ void gemm_amx(uint16_t* y, int64_t out_stride, const uint16_t* x, int64_t x_stri
           const int rt = rows > 16 ? 2 : 1;  // then bw.nb <= 2: `most` saw the panel's rows
           // later row blocks find the weight in L2
           amx_block(x + r * x_stride, x_stride, rt, bw, c,
-                    r == row0 && row0 == 0 ? &stream : nullptr);
+                    own && r == row0 && row0 == 0 ? &stream : nullptr);
           for (int jb = 0; jb < bw.nb; ++jb) {
             const int64_t col = (blk + jb) * 16;
             const uint16_t* bias_j = bias ? bias + col : nullptr;

@@ -76,15 +76,16 @@ def test_strided_rows_and_a_long_k(ops):
     _check(ops, 9, 96, 1536, bias=True, strided=True)
 
 
-def test_the_same_bits_from_any_thread_count_while_threads_take_each_others_columns(ops):
+@pytest.mark.parametrize("k", [40, 64])
+def test_the_same_bits_from_any_thread_count_while_threads_take_each_others_columns(ops, k):
     """7 threads on this machine's cores lose them to each other all the time, so threads that
     finish take chunks from the back of another's share (column_shares.h): 23 blocks split
-    unevenly across tiles, three row panels. Each element still comes from one micro-kernel
-    run, so the result is bit for bit the one-thread result. k = 40 keeps an AMX CPU on these
-    register blocks (its tiles take k % 32 == 0)."""
+    unevenly across tiles, three row panels (four of AMX's 256 rows). Each element still comes
+    from one micro-kernel run, so the result is bit for bit the one-thread result. k = 40 keeps
+    an AMX CPU on the register blocks (its tiles take k % 32 == 0), k = 64 on its tiles."""
     g = torch.Generator().manual_seed(7)
-    weight = torch.randn(23 * 16, 40, generator=g).bfloat16()
-    x = torch.randn(800, 40, generator=g).bfloat16()
+    weight = torch.randn(23 * 16, k, generator=g).bfloat16()
+    x = torch.randn(800, k, generator=g).bfloat16()
     packed = ops.pack_bf16(weight)
     threads = torch.get_num_threads()
     try:
