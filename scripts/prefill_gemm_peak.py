@@ -2,7 +2,8 @@
 
 The peak: a loop of TDPBF16PS on tile registers only (no memory operand; four accumulators,
 two A and two B tiles, the register block our GEMM uses), compiled here with the system's C
-compiler into a program of its own (not a library beside torch's OpenMP), on 1 and 2 threads. Then each decoder GEMM of the embedded SmolLM2 (QKV 960 x 576,
+compiler into a program of its own (not a library beside torch's OpenMP), on 1 and 2
+threads. Then each decoder GEMM of the embedded SmolLM2 (QKV 960 x 576,
 O 576 x 576, gate_up 3072 x 576, down 576 x 1536) at prefill rows, by our bf16 kernel and by
 oneDNN's reordered weight, in GFLOP/s and as a share of the 2-thread peak (best of 5 calls;
 the weight and the rows stay in cache, as in a prefill chunk that reuses them).
