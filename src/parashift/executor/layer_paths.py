@@ -14,8 +14,9 @@ The choice is cached with the GEMM paths, per CPU and layer shape; each path kee
 a weight, so the bytes `plan` predicts do not depend on it.
 
 Not timed, fused or not as before: a model whose per-GEMM choice already puts every projection
-on our kernel, a model the fused layer does not take (MoE experts, tensor parallel, q/k norms,
-a head size other than 64 or 128), and any model outside bf16 on a CPU with our kernels."""
+on our kernel, a model the fused layer does not take (MoE experts and tensor parallel, seen
+from the model; q/k norms or a head size other than 64 or 128, seen once from the probe and
+cached), and any model outside bf16 on a CPU with our kernels."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from parashift.layers.gemm_paths import (
     candidates,
     prepare_gemm_weights,
 )
+from parashift.layers.kernel_dispatch import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,9 @@ def layer_key(model: nn.Module) -> str:
 
 
 def _may_fuse(model: nn.Module, policy: tuple[str, ...] | None) -> bool:
-    layers = getattr(model, "layers", None)
-    if not layers or not hasattr(layers[0], "parts") or not can_own_bf16():
+    layers, ops = getattr(model, "layers", None), cpu_ops()
+    if (not layers or not hasattr(layers[0], "parts") or not can_own_bf16()
+            or not ops.bf16_attention):
         return False
     if policy is not None and "own-bf16" not in policy:
         return False
@@ -98,8 +101,11 @@ def choose_layer_path(model: nn.Module, backend: AttentionBackend, block_size: i
     known = paths.choices.get(key)
     if known in (FUSED, SPLIT):
         return known
+    cached = policy is None or set(candidates(torch.bfloat16)) <= set(policy)
     timings = _time_probes(model, backend, block_size, paths, policy)
-    if timings is None:  # the fused layer does not take this model here
+    if timings is None:  # the fused layer does not take this model here: not built again
+        if cached:
+            paths.record(key, SPLIT, {"fused": "not taken"})
         return SPLIT
     (fused_decode, fused_prefill), (split_decode, split_prefill) = timings
     choice = (FUSED if fused_decode < split_decode and LOSS_MARGIN * fused_prefill <= split_prefill
@@ -108,7 +114,7 @@ def choose_layer_path(model: nn.Module, backend: AttentionBackend, block_size: i
                 "a prefill chunk of %d tokens %.2f ms, %.2f ms (%d-layer probe)", choice,
                 DECODE_ROWS, fused_decode * 1e3, split_decode * 1e3, PREFILL_TOKENS,
                 fused_prefill * 1e3, split_prefill * 1e3, probe_layers(model))
-    if policy is None or set(candidates(torch.bfloat16)) <= set(policy):
+    if cached:  # (a narrower --gemm-paths policy's pick is not)
         paths.record(key, choice, {"decode": [fused_decode, split_decode],
                                    "prefill": [fused_prefill, split_prefill]})
     return choice
@@ -190,5 +196,5 @@ def _time_probes(model: nn.Module, backend: AttentionBackend, block_size: int,
                     start = time.perf_counter()
                     run()
                     times[i] = min(times[i], time.perf_counter() - start)
-    (fd, fp), (sd, sp) = best
-    return (fd, fp), (sd, sp)
+    (fused_decode, fused_prefill), (split_decode, split_prefill) = best
+    return (fused_decode, fused_prefill), (split_decode, split_prefill)
