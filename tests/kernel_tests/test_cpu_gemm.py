@@ -66,6 +66,22 @@ def test_rows_around_the_register_block_and_the_panel(ops, rows, k):
     _check(ops, rows, 160, k, bias=False)  # 10 blocks: two whole tiles, a last of two
 
 
+@pytest.mark.parametrize("rows", [33, 100, 300])
+def test_a_row_block_gives_the_same_bits_alone_and_in_a_panel(ops, rows):
+    """A long k (20 AMX chunks of 32) over several row blocks: the rows come out as the
+    reference, and bit for bit as the same rows multiplied alone (each element one sum over k
+    in one order, whatever the row blocks around it: a prefill chunk and a decode step agree)."""
+    _check(ops, rows, 160, 640, bias=True)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(160, 640, generator=g).bfloat16()
+    x = torch.randn(rows, 640, generator=g).bfloat16()
+    packed = ops.pack_bf16(weight)
+    whole = ops.gemm_bf16(x, packed, 160, None)
+    for r in range(0, rows, 32):
+        alone = ops.gemm_bf16(x[r : r + 32].contiguous(), packed, 160, None)
+        assert torch.equal(whole[r : r + 32], alone)
+
+
 @pytest.mark.parametrize("rows", [13, 29])
 @pytest.mark.parametrize("n", [1, 15, 17, 48, 64, 65, 200])
 def test_partial_blocks_and_narrow_last_tiles(ops, n, rows):
