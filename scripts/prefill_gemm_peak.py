@@ -119,6 +119,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
     args = ap.parse_args()
+    with open("/proc/cpuinfo") as f:
+        if "amx_bf16" not in f.read():
+            raise SystemExit("this CPU has no AMX tiles (no amx_bf16 in /proc/cpuinfo)")
     torch.set_num_threads(2)
     peaks = tile_peak()
     print(f"tile loop: {peaks[1]:,.0f} GFLOP/s on 1 thread, {peaks[2]:,.0f} on 2")
