@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 import pytest
 
-from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena, shm_path
+from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena, shm_path, sweep
 from parashift.kv_tiers.identity import tier_identity, tier_key
 from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
 
@@ -238,6 +238,53 @@ def test_another_process_shares_the_slots_and_the_index(path):
     [found] = arena.lookup([43])
     assert found == seen["reserved"] and bytes(arena.slot(found)) == payload[::-1]
     arena.close()
+
+
+HOLDER = """
+    import sys
+    from parashift.kv_tiers.host_arena import HostArena
+    arena = HostArena.open(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), owner=True)
+    print("held", flush=True)
+    sys.stdin.read()  # until the test kills it, or closes its stdin (then it exits cleanly)
+"""
+
+
+def test_the_sweep_takes_only_arenas_no_live_process_holds(tmp_path):
+    """A launch killed by SIGKILL leaves its arena (its exit handlers never ran); the next
+    start's sweep removes it, and nothing else: not an arena a live process holds (in another
+    process or in this one), not a file younger than the age limit, not a link, a job board
+    or a name of another pattern."""
+    size = HostArena.file_bytes(WAYS, SLOT_BYTES)
+    dead, there, here = (str(tmp_path / f"parashift-kv-{n}-{h}")
+                         for n, h in ((123, "aa11"), (124, "bb22"), (125, "cc33")))
+    holders = []
+    for name in (dead, there):
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), name,  # nosec
+                                   str(size), str(SLOT_BYTES)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "held\n"
+        holders.append(holder)
+    holders[0].kill()
+    holders[0].wait()
+    assert os.path.exists(dead)
+    mine = HostArena.open(here, size, SLOT_BYTES, owner=False)
+    (tmp_path / "parashift-kv-jobs-x1").write_bytes(b"\0")
+    os.symlink(dead, tmp_path / "parashift-kv-126-dd44")
+    (tmp_path / "kept-parashift-kv-127-ee55").write_bytes(b"\0")
+    try:
+        assert sweep(str(tmp_path), min_age_s=3600) == []  # all of them younger than that
+        assert sweep(str(tmp_path), min_age_s=0) == [(dead, size)]
+        assert sorted(os.listdir(tmp_path)) == ["kept-parashift-kv-127-ee55",
+                                                "parashift-kv-124-bb22", "parashift-kv-125-cc33",
+                                                "parashift-kv-126-dd44", "parashift-kv-jobs-x1"]
+        [slot] = mine.reserve([7])  # still this process's arena
+        mine.publish([slot])
+    finally:
+        mine.close(unlink=False)
+        holders[1].stdin.close()  # it exits, and its arena goes with it (owner)
+        assert holders[1].wait() == 0
+    assert not os.path.exists(there)
+    assert sweep(str(tmp_path), min_age_s=0) == [(here, size)]  # closed: nobody holds it
 
 
 # --- the tier identity ----------------------------------------------------------------------

@@ -118,7 +118,7 @@ class EngineCore:
         if not cache.kv_offloading_size:
             return None
         from parashift.kv_tiers.disk_tier import DiskTier
-        from parashift.kv_tiers.host_arena import HostArena, shm_path
+        from parashift.kv_tiers.host_arena import HostArena, shm_path, sweep
         from parashift.kv_tiers.identity import tier_identity
 
         num_workers = self.executor.num_workers
@@ -129,6 +129,8 @@ class EngineCore:
                           sorted(self.config.parallel.strategy.sizes().items()) if axis != "dp")
         identity = tier_identity(model.path, str(model.dtype), cache.block_size, layout,
                                  worker_bytes, num_workers)
+        if cache.kv_host_tier is None:  # an arena of its own (no launcher's): it sweeps
+            sweep()
         path = cache.kv_host_tier or shm_path(f"parashift-kv-{os.getpid()}-{uuid.uuid4().hex}")
         arena = HostArena.open(path, cache.kv_offloading_size, slot_bytes,
                                owner=cache.kv_host_tier is None)

@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
+import re
+import stat
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 WAYS = 16
 FREE, WRITING, READY = 0, 1, 2
@@ -46,6 +52,53 @@ def node_arena_path(token: str) -> str:
     return shm_path(f"parashift-kv-{os.getpid()}-{token}")
 
 
+# struct flock (Linux, 64-bit): type, whence, start, length, pid (0 for a file-description lock)
+_FLOCK = struct.Struct("hhxxxxqqi4x")
+# the names node_arena_path and the engines give arenas, and their temporary names while made
+_ARENA_NAME = re.compile(r"parashift-kv-\d+-[0-9a-f]+(\.\d+\.\d+)?")
+
+
+def _hold(fd: int) -> None:
+    """A read lock on the file's first byte for as long as this open file lives: an open file
+    description lock, which the kernel drops when the last process holding it dies, in any PID
+    namespace (independent of the index's flock). `sweep` takes only files nobody holds."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
+
+
+def sweep(folder: str = "/dev/shm", min_age_s: float = 60.0) -> list[tuple[str, int]]:
+    """Remove the arenas that launches killed before their exit handlers ran (SIGKILL, the
+    OOM killer) left in `folder`: this user's regular files named as arenas, older than
+    `min_age_s` (a file being made takes its lock just after it is created), that no process
+    holds (`_hold`). Returns what went, with its bytes."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        if not _ARENA_NAME.fullmatch(name):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, a link, not ours
+            continue
+        try:
+            st = os.fstat(fd)
+            if (st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode)
+                    or time.time() - st.st_ctime < min_age_s):
+                continue
+            try:  # while it is held for writing here, nobody maps it
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK,
+                            _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+            except OSError:  # a live process holds it
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append((path, st.st_size))
+                logger.warning("removed %s (%.1f MiB): a KV host tier a killed launch left",
+                               path, st.st_size / 2**20)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def remove(path: str | None) -> None:
     """The arena's name, at the end of the launch that named it (mappings live on)."""
     if path is not None:
@@ -61,6 +114,7 @@ class HostArena:
         # The owner's name goes when it closes, or at the latest when the process exits (an
         # LLM never shut down would leave the arena's memory taken until a reboot).
         self._unlink = weakref.finalize(self, remove, path) if owner else None
+        _hold(fd)
         size = os.fstat(fd).st_size
         if size < _PAGE:
             raise ValueError(f"KV host tier {path}: {size} bytes, not an arena")

@@ -62,6 +62,7 @@ class Launcher:
         if self.config.cache.kv_offloading_size:
             if args.backend == "ray":  # its workers may sit on other nodes than the arena
                 raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
+            host_arena.sweep()  # what killed launches left in /dev/shm
             # One host tier per node, shared by its engines.
             cache = dataclasses.replace(
                 self.config.cache, kv_host_tier=host_arena.node_arena_path(secrets.token_hex(8)))
