@@ -43,8 +43,11 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+SHM_FOLDER = "/dev/shm"  # nosec B108: shared memory; files O_EXCL or O_NOFOLLOW, and 0600
+
+
 def shm_path(name: str) -> str:
-    return os.path.join("/dev/shm", name)  # nosec B108: shared memory, O_EXCL and 0600
+    return os.path.join(SHM_FOLDER, name)
 
 
 def node_arena_path(token: str) -> str:
@@ -65,7 +68,7 @@ def _hold(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
 
 
-def sweep(folder: str = "/dev/shm", min_age_s: float = 60.0) -> list[tuple[str, int]]:
+def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0) -> list[tuple[str, int]]:
     """Remove the arenas that launches killed before their exit handlers ran (SIGKILL, the
     OOM killer) left in `folder`: this user's regular files named as arenas, older than
     `min_age_s` (a file being made takes its lock just after it is created), that no process
