@@ -54,6 +54,7 @@ def lockstep_state(server, num_engines: int) -> dict[str, list[float]]:
 
     return {"dummy_steps": series("parashift_lockstep_dummy_steps"),
             "waves": series("parashift_lockstep_waves"),
+            "in_wave": series("parashift_lockstep_in_wave"),
             "requests": [a + b for a, b in zip(series("parashift_num_requests_running"),
                                                series("parashift_num_requests_waiting"),
                                                strict=True)],
@@ -82,11 +83,11 @@ def wave_ended(server, before: dict[str, list[float]], min_dummy_steps: list[int
 
 
 def fence(server) -> dict[str, list[float]]:
-    """The state after a wave whose end is known: once no request is left, one that prefills
-    on dp1 and stops (a wave of its step and the dummy step that ends it). No metric tells
-    whether an earlier wave is still in its last step; the counts asked of this wave hold
-    whether the request joined that wave or came after it."""
-    before = poll(server, 2, lambda s: not any(s["requests"]), "requests left")
+    """The state after a wave whose end is known: once no engine has requests or is in a wave
+    (its counters are final: they go out in the same report as the wave's end), one request
+    that prefills on dp1 and stops (a wave of its step and the dummy step that ends it)."""
+    before = poll(server, 2, lambda s: not any(s["requests"]) and not any(s["in_wave"]),
+                  "requests or a wave left")
     assert complete(server, PROMPTS[0], rank=1, max_tokens=1)
     return wave_ended(server, before, [2, 1])
 
@@ -125,9 +126,7 @@ def dp2xep(mixtral):
 
 def test_one_request_runs_one_wave_with_one_dummy_step_after(dp2xep):
     """The serving rank runs one dummy step (the wave's last, where no rank had work); the
-    other runs one per step of the wave. Then they block: no more steps, almost no CPU. First
-    on its server: the load a wave reports reaches /metrics up to 100 ms after it ends, so
-    after another test's waves the fence could read a wave's counts before that wave ended."""
+    other runs one per step of the wave. Then they block: no more steps, almost no CPU."""
     s = dp2xep
     before = fence(s)
     prompt = PROMPTS[0]  # one prefill step, then a decode step per further token

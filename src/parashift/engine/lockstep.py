@@ -89,7 +89,10 @@ class LockstepSteps(Steps):
         self.publish(outputs)
         self.wave.after_step(group_has_work)
 
-    def extend_load(self, load: p.EngineLoad) -> int:
-        """The wave counters go along when a wave ends (not every dummy step)."""
-        load.wave = self.core.wave_stats
-        return load.wave.num_waves
+    def extend_load(self, load: p.EngineLoad) -> tuple[int, bool]:
+        """The wave counters go along when a wave starts or ends (not every dummy step): a
+        report of no requests and no wave says the counters are final until the next one."""
+        stats = self.core.wave_stats
+        stats.in_wave = self.wave.running
+        load.wave = stats
+        return stats.num_waves, self.wave.running

@@ -4,7 +4,7 @@ engine's loop consults this one object; it knows no mode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import zmq
@@ -43,7 +43,7 @@ class Steps:
         else:
             self.core.executor.check_health()  # a dead tp worker takes its rank down now
 
-    def extend_load(self, load: p.EngineLoad) -> int:
+    def extend_load(self, load: p.EngineLoad) -> Hashable:
         """Adds what this way of stepping reports to the engine's load report; returns what
         makes the report worth sending again when it changes."""
-        return 0
+        return None

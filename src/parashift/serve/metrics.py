@@ -7,12 +7,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from parashift.types.outputs import KVTierStats
 from parashift.wire import protocol as p
 
-# Expert-parallel lockstep, per engine since it started: stats field -> (metric, help)
+# Expert-parallel lockstep, per engine (counters since it started): stats field -> (metric, help)
 _LOCKSTEP = {
     "num_dummy_steps": ("parashift_lockstep_dummy_steps",
                         "Steps an engine ran with nothing to schedule so that its "
                         "expert-parallel group's collectives had it"),
     "num_waves": ("parashift_lockstep_waves", "Lockstep waves an engine has ended"),
+    "in_wave": ("parashift_lockstep_in_wave",
+                "1 while an engine is in a lockstep wave (as of its last load report)"),
     "step_seconds": ("parashift_lockstep_step_seconds",
                      "Seconds an engine spent in lockstep steps"),
     "dispatch_seconds": ("parashift_expert_dispatch_seconds",
@@ -148,7 +150,7 @@ class Metrics:
             self.sleep_released.labels(engine).set(load.sleep_released_bytes)
             if load.wave is not None:
                 for field, gauge in self.lockstep.items():
-                    gauge.labels(engine).set(getattr(load.wave, field))
+                    gauge.labels(engine).set(float(getattr(load.wave, field)))
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:

@@ -17,12 +17,14 @@ from parashift.wire.message import _Msg
 @dataclass
 class WaveStats:
     """Since the engine started: steps run with nothing to schedule, waves ended, and the
-    seconds of all steps and of their expert dispatch / combine within them."""
+    seconds of all steps and of their expert dispatch / combine within them; and whether the
+    engine is in a wave now."""
 
     num_dummy_steps: int = 0
     num_waves: int = 0
     step_seconds: float = 0.0
     dispatch_seconds: float = 0.0
+    in_wave: bool = False
 
 
 @dataclass
