@@ -193,7 +193,8 @@ def run(
         "--heartbeat-timeout", help="seconds of silence before a rank is declared dead")] = 5.0,
     data_parallel_size_max: Annotated[int | None, typer.Option(
         "--data-parallel-size-max", help="elastic data parallel: POST /scale (or parashift "
-        "scale) may grow the deployment to this many ranks")] = None,
+        "scale) may grow the deployment to this many ranks (on CPU each rank has its slice "
+        "of the cores split this many ways, from the launch)")] = None,
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", help="seconds a scale-down lets its ranks' running requests "
         "finish; then unstreamed ones move and streams end with an error")] = 60.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -99,6 +100,9 @@ def test_one_to_three_and_back_under_load_loses_nothing(server, expected):
         try:
             assert scale(server, 2) == (200, {"data_parallel_size": 2})
             assert ranks(server) == {"dp0": "serving", "dp1": "serving"}
+            # On CPU the layout is the capacity's: the new rank's cores are not dp0's.
+            cores = [set(server.engine_process(r).cpu_affinity()) for r in (0, 1)]
+            assert len(os.sched_getaffinity(0)) < 2 or cores[0].isdisjoint(cores[1]), cores
             assert scale(server, 3, "/scale_elastic_ep", "new_data_parallel_size") == (
                 200, {"data_parallel_size": 3})
             assert ranks(server) == {"dp0": "serving", "dp1": "serving", "dp2": "serving"}

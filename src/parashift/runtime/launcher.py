@@ -42,6 +42,7 @@ from parashift.runtime.scale import (
     Scaler,
 )
 from parashift.serve.api_server import ApiServerArgs
+from parashift.strategies.mesh import DeviceMesh
 from parashift.types.outputs import SchedulerStats
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HeadKeys
@@ -111,7 +112,7 @@ class Launcher:
             # The handshake on any port (bound in start); the actors learn it as they start.
             self.endpoints = Endpoints.tcp(self.engines.node_ip, 0, n)
         else:
-            self.mesh = node_mesh(self.spec, self.config.device.device, self.local_ranks)
+            self.mesh = self._node_mesh(args)
             self.endpoints = (Endpoints.tcp(args.data_parallel_address or "127.0.0.1",
                                             args.data_parallel_rpc_port, n)
                               if args.multi_node(self.num_engines) else Endpoints.local(n))
@@ -122,6 +123,19 @@ class Launcher:
             if not args.multi_node(self.num_engines):  # else a joining node may take them
                 for rank in range(self.num_engines, self.capacity):
                     self.engines.reserve(rank)
+
+    def _node_mesh(self, args: ServeArgs) -> DeviceMesh:
+        """This node's ranks on its devices. On CPU, a single-node deployment with room to grow
+        is laid out for its capacity: each rank's cores are its slice of the node split
+        --data-parallel-size-max ways, so a rank a scale adds takes cores no running rank
+        holds (two ranks' thread pools on one core slow both). On GPU a rank's device follows
+        its number already."""
+        device = self.config.device.device
+        if device == "cpu" and self.capacity > self.num_engines and not args.multi_node(
+                self.num_engines):
+            return node_mesh(self.spec.with_size("dp", self.capacity), device,
+                             list(range(self.capacity)))
+        return node_mesh(self.spec, device, self.local_ranks)
 
     def _set_up_elastic(self, args: ServeArgs) -> None:
         """The ranks the deployment may grow to (its tables are sized for them), the scaler,
@@ -164,7 +178,10 @@ class Launcher:
 
     def start(self) -> None:
         if self.mesh is not None:
-            logger.info("strategy %s; this node runs:\n%s", self.spec, self.mesh.table())
+            later = [r for r in self.mesh.engines or () if r >= self.num_engines]
+            grows = f" (dp{', dp'.join(map(str, later))} once scaled up)" if later else ""
+            logger.info("strategy %s; this node runs%s:\n%s", self.spec, grows,
+                        self.mesh.table())
         else:
             logger.info("strategy %s on Ray: one placement group per rank, bundles %s",
                         self.spec, self.engines.bundles)
@@ -370,8 +387,10 @@ class Launcher:
             return
         job = self.scaler.begin(msgspec.structs.replace(msg, index=index))
         if job.phase == Phase.STARTING:
-            mesh = (node_mesh(self.spec.with_size("dp", job.target), self.config.device.device,
-                              job.ranks) if self.mesh is not None else None)  # Ray: its own
+            mesh = self.mesh  # Ray (None): each actor its own
+            if mesh is not None and not set(job.ranks) <= set(mesh.engines or ()):
+                mesh = node_mesh(self.spec.with_size("dp", job.target),
+                                 self.config.device.device, job.ranks)
             for rank in job.ranks:
                 self.ready.pop(rank, None)
                 self.engines.add(rank, mesh.engine_placement(rank) if mesh else None)
