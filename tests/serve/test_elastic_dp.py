@@ -20,7 +20,15 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import LONG_ARGS, launch, live, running_server, stop, wait_serving
+from .conftest import (
+    LONG_ARGS,
+    LONG_MAX_MODEL_LEN,
+    launch,
+    live,
+    running_server,
+    stop,
+    wait_serving,
+)
 
 KEY = "elastic-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -183,7 +191,7 @@ def impatient(tiny_llama_long):
 def test_past_the_drain_timeout_a_stream_ends_with_an_error_naming_the_drain(impatient):
     """A stream on the leaving rank that has shown tokens cannot move: it ends with an error
     event that names the scale-down; the server goes on at the new size."""
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0,
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": LONG_MAX_MODEL_LEN - 3, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     req = urllib.request.Request(impatient.url + "/v1/completions", data=body, headers={
         "Content-Type": "application/json", "X-data-parallel-rank": "1"})
@@ -198,7 +206,8 @@ def test_past_the_drain_timeout_a_stream_ends_with_an_error_naming_the_drain(imp
     events = [json.loads(line[6:]) for line in lines
               if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
     errors = [e["error"]["message"] for e in events if "error" in e]
-    assert errors and "scale-down" in errors[0] and "--drain-timeout" in errors[0]
+    assert errors and "scale-down" in errors[0] and "--drain-timeout" in errors[0], (
+        events[-2:], impatient.output()[-4000:])
     assert ranks(impatient) == {"dp0": "serving"}
     assert impatient.request("POST", "/v1/completions", {
         "prompt": [1, 2], "max_tokens": 4, "temperature": 0})[0] == 200
