@@ -164,19 +164,20 @@ def main() -> None:
                        "--autoscale-idle-window", str(a.autoscale_idle_window)],
     }
     results = []
-    with tempfile.TemporaryDirectory() as logs:
-        for k in range(a.rounds):
-            for name, args in servers.items():
-                print(f"round {k + 1}: {name} ...", file=sys.stderr, flush=True)
-                r = one_run(name, args, a, os.path.join(logs, f"{name}-{k}.log"))
-                r["round"] = k + 1
-                results.append(r)
-                print(f"{name:>10} round {k + 1}: TTFT p50 {r['ttft_p50_ms']:.0f} ms "
-                      f"(phases {', '.join(f'{t:.0f}' for t in r['ttft_p50_ms_by_phase'])}), "
-                      f"p99 {r['ttft_p99_ms']:.0f} ms, {r['total_tok_s']:.0f} tok/s, "
-                      f"{r['failed']}/{r['requests']} failed, rank-seconds "
-                      f"{r['rank_seconds']:.1f} over {r['span_s']:.1f} s, DP size (at s, size) "
-                      f"{r['dp_size_changes']}", flush=True)
+    logs = tempfile.mkdtemp(prefix="bench-autoscale-")  # kept: the servers' logs
+    print(f"server logs in {logs}", file=sys.stderr)
+    for k in range(a.rounds):
+        for name, args in servers.items():
+            print(f"round {k + 1}: {name} ...", file=sys.stderr, flush=True)
+            r = one_run(name, args, a, os.path.join(logs, f"{name}-{k}.log"))
+            r["round"] = k + 1
+            results.append(r)
+            print(f"{name:>10} round {k + 1}: TTFT p50 {r['ttft_p50_ms']:.0f} ms "
+                  f"(phases {', '.join(f'{t:.0f}' for t in r['ttft_p50_ms_by_phase'])}), "
+                  f"p99 {r['ttft_p99_ms']:.0f} ms, {r['total_tok_s']:.0f} tok/s, "
+                  f"{r['failed']}/{r['requests']} failed, rank-seconds "
+                  f"{r['rank_seconds']:.1f} over {r['span_s']:.1f} s, DP size (at s, size) "
+                  f"{r['dp_size_changes']}", flush=True)
     if a.save_json:
         with open(a.save_json, "w") as f:
             json.dump(results, f, indent=1)
