@@ -19,62 +19,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
-import statistics
-import subprocess  # nosec B404: starts parashift's own servers
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 
+from study_server import running_server
+
 from parashift.bench.datasets import random_requests
-from parashift.bench.metrics import RequestRecord
+from parashift.bench.metrics import RequestRecord, summarize
 from parashift.bench.serve_client import run_load
 
-PORT = 8044
 DP_SIZE = re.compile(r"^parashift_data_parallel_size (\S+)$", re.MULTILINE)
 
 
-def get(path: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}{path}", timeout=timeout) as r:  # nosec B310
-        return r.read().decode()
-
-
-def start(args: list[str], log: str) -> subprocess.Popen:
-    with open(log, "w") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen(  # nosec B603: our own CLI, no shell
-            [sys.executable, "-m", "parashift.cli", "run", "--port", str(PORT), *args],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}; see {log}")
-        try:
-            get("/health", 1.0)
-            return proc
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"server not healthy in 600 s; see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 class RankSeconds(threading.Thread):
-    """The DP size on /metrics, sampled every 0.2 s and integrated; its changes, timed."""
+    """The DP size on the server's /metrics, sampled every 0.2 s and integrated; its changes,
+    timed."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
+        self.url = url + "/metrics"
         self.done = threading.Event()
         self.total = 0.0
         self.changes: list[tuple[float, int]] = []
@@ -83,7 +49,8 @@ class RankSeconds(threading.Thread):
         begin = last = time.monotonic()
         size = None
         while True:
-            m = DP_SIZE.search(get("/metrics"))
+            with urllib.request.urlopen(self.url, timeout=5) as r:  # nosec B310: loopback
+                m = DP_SIZE.search(r.read().decode())
             now = time.monotonic()
             if size is not None:
                 self.total += size * (now - last)
@@ -95,47 +62,33 @@ class RankSeconds(threading.Thread):
                 return
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def load(rate: float, seconds: float, input_len: int, output_len: int, seed: int
-         ) -> tuple[list[list[RequestRecord]], float]:
+def load(url: str, a: argparse.Namespace) -> tuple[list[list[RequestRecord]], float]:
     """The three phases, back to back: their records and the whole span in seconds."""
     phases = []
     begin = time.perf_counter()
-    for k, r in enumerate((rate, 2 * rate, rate)):
-        n = max(1, round(r * seconds))
-        requests = random_requests(n, (input_len, input_len), (output_len, output_len), 32000,
-                                   seed + k)
-        records, _ = asyncio.run(run_load(f"http://127.0.0.1:{PORT}", None, requests, r,
-                                          seed=seed + k))
+    for k, rate in enumerate((a.rate, 2 * a.rate, a.rate)):
+        requests = random_requests(max(1, round(rate * a.phase_seconds)),
+                                   (a.input_len, a.input_len), (a.output_len, a.output_len),
+                                   32000, a.seed + k)
+        records, _ = asyncio.run(run_load(url, None, requests, rate, seed=a.seed + k))
         phases.append(records)
     return phases, time.perf_counter() - begin
 
 
-def one_run(name: str, server_args: list[str], a: argparse.Namespace, log: str) -> dict:
-    proc = start(server_args, log)
-    try:
-        sampler = RankSeconds()
+def one_run(name: str, run_args: list[str], a: argparse.Namespace) -> dict:
+    with running_server(None, run_args) as server:
+        sampler = RankSeconds(server.url)
         sampler.start()
-        phases, span = load(a.rate, a.phase_seconds, a.input_len, a.output_len, a.seed)
+        phases, span = load(server.url, a)
         sampler.done.set()
         sampler.join()
-    finally:
-        stop(proc)
-    every = [r for p in phases for r in p]
-    ok = [r for r in every if r.ok]
-    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
-    return {
-        "server": name, "requests": len(every), "failed": len(every) - len(ok),
-        "ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": percentile(ttft, 0.99),
-        "ttft_p50_ms_by_phase": [statistics.median([r.ttft * 1000 for r in p if r.ok])
-                                 for p in phases],
-        "total_tok_s": sum(r.prompt_len + r.generated for r in ok) / span,
-        "span_s": span, "rank_seconds": sampler.total, "dp_size_changes": sampler.changes,
-    }
+    summary = summarize([r for p in phases for r in p], span)
+    return {"server": name, "requests": summary["completed"] + summary["failed"],
+            "failed": summary["failed"], "ttft_p50_ms": summary["ttft_ms"]["median"],
+            "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "ttft_p50_ms_by_phase": [summarize(p, span)["ttft_ms"]["median"] for p in phases],
+            "total_tok_s": summary["total_token_throughput"], "span_s": span,
+            "rank_seconds": sampler.total, "dp_size_changes": sampler.changes}
 
 
 def main() -> None:
@@ -164,12 +117,10 @@ def main() -> None:
                        "--autoscale-idle-window", str(a.autoscale_idle_window)],
     }
     results = []
-    logs = tempfile.mkdtemp(prefix="bench-autoscale-")  # kept: the servers' logs
-    print(f"server logs in {logs}", file=sys.stderr)
     for k in range(a.rounds):
         for name, args in servers.items():
             print(f"round {k + 1}: {name} ...", file=sys.stderr, flush=True)
-            r = one_run(name, args, a, os.path.join(logs, f"{name}-{k}.log"))
+            r = one_run(name, args, a)
             r["round"] = k + 1
             results.append(r)
             print(f"{name:>10} round {k + 1}: TTFT p50 {r['ttft_p50_ms']:.0f} ms "
