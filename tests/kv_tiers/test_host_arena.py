@@ -1,8 +1,8 @@
 """The host tier's arena in real shared memory: made by the first open and attached by the rest,
 refused when its slots, mode or size do not fit; lookup finds the ready run from the first key
 and pins it; a full set evicts its least recently used ready, unpinned slot; the disk writer's
-unpersisted slots; another process sees the same slots and index. Also the tier identity and
-the job board the workers report on."""
+unpersisted slots; another process sees the same slots and index; what a killed process pinned
+or wrote is released. Also the tier identity and the job board the workers report on."""
 
 from __future__ import annotations
 
@@ -237,6 +237,59 @@ def test_another_process_shares_the_slots_and_the_index(path):
     assert arena.contains(43) and arena.reserve([43]) == [None]
     [found] = arena.lookup([43])
     assert found == seen["reserved"] and bytes(arena.slot(found)) == payload[::-1]
+    arena.close()
+
+
+PINNER = """
+    import sys
+    from parashift.kv_tiers.host_arena import HostArena
+    arena = HostArena.attach(sys.argv[1], int(sys.argv[2]))
+    keys = [int(k) for k in sys.argv[3:]]
+    pinned = arena.lookup(keys[:-1])
+    [writing] = arena.reserve(keys[-1:])
+    print(len(pinned), writing, flush=True)
+    sys.stdin.read()  # until the test kills it
+"""
+
+
+def test_what_a_killed_process_pinned_or_wrote_is_released(path):
+    """A process pins every way of a set but one and writes the last, then dies by SIGKILL
+    (an engine killed mid-load): the set looked full of live holds; after the death a
+    reserve finds the holder's lock gone and takes the slots back."""
+    arena = make(path)
+    keys = same_set(arena, WAYS + 1)
+    oldest = store(arena, keys[:WAYS - 1])[0]
+    other = same_set(arena, 2, which=1)
+    killed = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PINNER), path,  # nosec
+                               str(SLOT_BYTES), *map(str, keys[:WAYS - 1]), str(other[0])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        num_pinned, writing = map(int, killed.stdout.readline().split())
+        assert num_pinned == WAYS - 1 and arena.state[writing] == WRITING
+        [last] = arena.reserve([keys[WAYS - 1]])  # the set's last way, written here
+        assert arena.reserve([keys[WAYS]]) == [None]  # the rest pinned by a live process
+    finally:
+        killed.kill()
+        killed.wait()
+    # The dead holder's pins are gone: the least recently used way is evicted.
+    assert arena.reserve([keys[WAYS]]) == [oldest]
+    arena.publish([last])
+    assert not arena.contains(keys[0]) and not arena.pins.any()
+    assert arena.state[writing] == FREE and not arena.contains(other[0])
+    [again] = arena.reserve([other[0]])  # its half-written slot is free to write
+    assert again == writing
+    arena.close()
+
+
+def test_a_clean_close_drops_its_pins(path):
+    arena = make(path)
+    keys = same_set(arena, WAYS + 1)
+    store(arena, keys[:WAYS])
+    other = HostArena.attach(path, SLOT_BYTES)
+    assert len(other.lookup(keys[:WAYS])) == WAYS
+    assert arena.reserve([keys[WAYS]]) == [None]
+    other.close()
+    assert not arena.pins.any() and arena.reserve([keys[WAYS]]) != [None]
     arena.close()
 
 

@@ -9,6 +9,12 @@ disk read fills it) or READY; a pinned slot (a load or a disk write reads it) is
 evicted. Index updates take a lock: flock on the file between processes, a thread lock
 within one (flock is per open file, so threads sharing it would not exclude each other).
 
+Pins and WRITING slots are kept per holder: a process that pins or reserves first claims one
+of MAX_HOLDERS holder numbers, with an open file description lock on that number's byte of
+the file, which the kernel drops when the process dies. A holder that died (SIGKILL, the OOM
+killer) leaves pins and half-written slots that no one would release; whoever claims its
+number next, or finds a set with nothing to evict, sees its byte unlocked and releases them.
+
 Keys are 63-bit digests of (the tier identity, the block hash), kv_tiers/identity.py: blocks
 of another model, dtype or shard layout never match."""
 
@@ -32,9 +38,10 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 WAYS = 16
+MAX_HOLDERS = 64  # processes of a node that pin or write at once (engines, not workers)
 FREE, WRITING, READY = 0, 1, 2
 _MAGIC = b"PSKVHOST"
-_VERSION = 1
+_VERSION = 2
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, ways, num_slots, slot_bytes, clock offset
 _PAGE = 4096
 
@@ -59,6 +66,10 @@ def node_arena_path(token: str) -> str:
 _FLOCK = struct.Struct("hhxxxxqqi4x")
 # the names node_arena_path and the engines give arenas, and their temporary names while made
 _ARENA_NAME = re.compile(r"parashift-kv-\d+-[0-9a-f]+(\.\d+\.\d+)?")
+
+
+def _holder_byte(holder: int) -> int:
+    return 1 + holder  # byte 0 is `_hold`'s
 
 
 def _hold(fd: int) -> None:
@@ -141,8 +152,11 @@ class HostArena:
         self.keys = array(np.int64)
         self.state = array(np.uint8)
         self.persisted = array(np.uint8)
-        self.pins = array(np.int32)
         self.ticks = array(np.uint64)
+        self._writer = array(np.int16)  # a WRITING slot's holder, plus one (0: none)
+        self._live = array(np.uint8, MAX_HOLDERS)  # holder numbers claimed
+        self._pins = array(np.int32, MAX_HOLDERS * num_slots).reshape(MAX_HOLDERS, num_slots)
+        self._holder: int | None = None
         self._data_offset = _round_up(offset, _PAGE)
         if self._data_offset + num_slots * self._stride > size:
             raise ValueError(f"KV host tier {path}: truncated")
@@ -151,7 +165,9 @@ class HostArena:
 
     @staticmethod
     def file_bytes(num_slots: int, slot_bytes: int) -> int:
-        index = sum(_round_up(num_slots * width, 64) for width in (8, 1, 1, 4, 8)) + 64
+        widths = (8, 1, 1, 8, 2, 4 * MAX_HOLDERS)
+        index = (sum(_round_up(num_slots * width, 64) for width in widths) + 64
+                 + _round_up(MAX_HOLDERS, 64))
         return _round_up(_PAGE + index, _PAGE) + num_slots * _round_up(slot_bytes, 64)
 
     @classmethod
@@ -213,8 +229,16 @@ class HostArena:
         return arena
 
     def close(self, unlink: bool = True) -> None:
-        """Unmaps (a view still alive keeps the map until it goes); the owner unlinks."""
-        for name in ("keys", "state", "persisted", "pins", "ticks", "_clock"):
+        """Unmaps (a view still alive keeps the map until it goes); the owner unlinks. This
+        process's pins go; a slot it still writes (a worker's copy may not have ended) stays
+        WRITING until its holder number is next claimed or found dead, once this file is
+        closed."""
+        if self._holder is not None:
+            with self._locked():
+                self._pins[self._holder] = 0
+                self._live[self._holder] = (self._writer == self._holder + 1).any()
+        for name in ("keys", "state", "persisted", "ticks", "_writer", "_live", "_pins",
+                     "_clock"):
             setattr(self, name, None)
         with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
             self._data.release()
@@ -246,6 +270,55 @@ class HostArena:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @property
+    def pins(self) -> np.ndarray:
+        """Each slot's pins, every holder's together (a copy)."""
+        return self._pins.sum(axis=0)
+
+    def _me(self) -> int:
+        """This open file's holder number, claimed at its first pin or reservation (under the
+        index lock). A number whose last holder died is released first, then taken."""
+        if self._holder is None:
+            for holder in range(MAX_HOLDERS):
+                try:
+                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(
+                        fcntl.F_WRLCK, os.SEEK_SET, _holder_byte(holder), 1, 0))
+                except OSError:  # (EAGAIN) a live process holds it
+                    continue
+                if self._live[holder]:
+                    self._release(holder)
+                self._live[holder], self._holder = 1, holder
+                break
+            else:
+                raise RuntimeError(f"KV host tier {self.path}: more than {MAX_HOLDERS} "
+                                   "processes pin its blocks at once")
+        return self._holder
+
+    def _release(self, holder: int) -> None:
+        """What a dead holder held: its pins go, its half-written slots are freed."""
+        writing = np.flatnonzero((self._writer == holder + 1) & (self.state == WRITING))
+        self.keys[writing], self.state[writing], self._writer[writing] = -1, FREE, 0
+        num_pins = int(self._pins[holder].sum())
+        self._pins[holder] = 0
+        self._live[holder] = 0
+        if num_pins or len(writing):
+            logger.warning("KV host tier: released %d pins and %d slots being written that a "
+                           "closed or dead process held", num_pins, len(writing))
+
+    def _reclaim(self) -> bool:
+        """Releases what dead holders held (a probe per claimed number: only a set with
+        nothing to evict asks); True if any."""
+        found = False
+        for holder in np.flatnonzero(self._live):
+            if holder == self._holder:
+                continue
+            probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _holder_byte(int(holder)), 1, 0)
+            kind = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe))[0]
+            if kind == fcntl.F_UNLCK:
+                self._release(int(holder))
+                found = True
+        return found
+
     def _tick(self) -> int:
         self._clock[0] += 1
         return int(self._clock[0])
@@ -260,11 +333,12 @@ class HostArena:
         pinned (`unpin` when read) and counts as a use."""
         out = []
         with self._locked():
+            me = self._me()
             for key in keys:
                 slot = self._find(key)
                 if slot is None or self.state[slot] != READY:
                     break
-                self.pins[slot] += 1
+                self._pins[me, slot] += 1
                 self.ticks[slot] = self._tick()
                 out.append(slot)
         return out
@@ -279,17 +353,20 @@ class HostArena:
         held already or its set has nothing to evict (every way written or pinned)."""
         out: list[int | None] = []
         with self._locked():
+            me = self._me()
             for key in keys:
                 if self._find(key) is not None:
                     out.append(None)
                     continue
                 base = key % self.num_sets * WAYS
                 ways = slice(base, base + WAYS)
+                evictable = (self.state[ways] == READY) & ~self._pins[:, ways].any(axis=0)
+                if not (evictable.any() or (self.state[ways] == FREE).any()) and self._reclaim():
+                    evictable = (self.state[ways] == READY) & ~self._pins[:, ways].any(axis=0)
                 free = np.flatnonzero(self.state[ways] == FREE)
                 if len(free):
                     slot = base + int(free[0])
                 else:
-                    evictable = (self.state[ways] == READY) & (self.pins[ways] == 0)
                     if not evictable.any():
                         out.append(None)
                         continue
@@ -298,8 +375,8 @@ class HostArena:
                         self.persisted[ways] == 1, 0, 1 << 62).astype(np.uint64),
                         np.iinfo(np.uint64).max)
                     slot = base + int(np.argmin(ticks))
-                self.keys[slot], self.state[slot] = key, WRITING
-                self.persisted[slot], self.pins[slot] = 0, 0
+                self.keys[slot], self.state[slot], self._writer[slot] = key, WRITING, me + 1
+                self.persisted[slot] = 0
                 self.ticks[slot] = self._tick()
                 out.append(slot)
         return out
@@ -308,27 +385,29 @@ class HostArena:
         """Filled: WRITING -> READY (`persisted`: read from the disk tier, on it already;
         `pin`: pinned for a load that follows)."""
         with self._locked():
+            me = self._me()
             for slot in slots:
-                self.state[slot] = READY
+                self.state[slot], self._writer[slot] = READY, 0
                 self.persisted[slot] = persisted
-                self.pins[slot] += pin
+                self._pins[me, slot] += pin
 
     def abandon(self, slots: Sequence[int]) -> None:
         """Not filled after all: WRITING -> FREE."""
         with self._locked():
             for slot in slots:
-                self.keys[slot], self.state[slot] = -1, FREE
+                self.keys[slot], self.state[slot], self._writer[slot] = -1, FREE, 0
 
     def unpin(self, slots: Sequence[int]) -> None:
         with self._locked():
+            me = self._me()
             for slot in slots:
-                self.pins[slot] -= 1
+                self._pins[me, slot] -= 1
 
     def unpersisted(self, limit: int) -> list[tuple[int, int]]:
         """Up to `limit` READY slots not on disk yet, as (slot, key), each pinned."""
         with self._locked():
             slots = np.flatnonzero((self.state == READY) & (self.persisted == 0))[:limit]
-            self.pins[slots] += 1
+            self._pins[self._me(), slots] += 1
             return [(int(s), int(self.keys[s])) for s in slots]
 
     def mark_persisted(self, slots: Sequence[int]) -> None:
