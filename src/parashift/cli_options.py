@@ -93,6 +93,10 @@ _ENGINE_FLAGS: dict[str, Any] = {
         "--kv-offloading-size", help="host memory for the node's KV tier, shared by its DP "
         "ranks: GiB (vLLM's unit) or a size like 512MiB; blocks evicted from the KV cache "
         "load from it instead of being recomputed")],
+    "kv_offloading_decode": Annotated[bool, typer.Option(
+        "--kv-offloading-decode/--no-kv-offloading-decode", help="the host tier also stores "
+        "the full blocks of generated tokens (a chat's next turn finds its last answer), not "
+        "only prompt blocks")],
     "kv_offloading_backend": Annotated[Literal["native"], typer.Option(
         "--kv-offloading-backend", help="the KV tiers' implementation")],
     "kv_disk_dir": Annotated[str | None, typer.Option(

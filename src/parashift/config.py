@@ -71,6 +71,7 @@ class CacheConfig:
     kv_disk_dir: str | None = None
     kv_disk_size: int | None = None
     kv_host_tier: str | None = None  # the arena's file, made by the launcher for its engines
+    kv_offloading_decode: bool = False  # the tier also takes blocks filled by output tokens
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +95,8 @@ class CacheConfig:
         if self.kv_disk_dir is not None and not self.kv_offloading_size:
             raise ValueError("--kv-disk-dir needs --kv-offloading-size (disk blocks are read "
                              "through the host tier)")
+        if self.kv_offloading_decode and not self.kv_offloading_size:
+            raise ValueError("--kv-offloading-decode needs --kv-offloading-size")
         if self.kv_disk_size is not None and self.kv_disk_size <= 0:
             raise ValueError(f"--kv-disk-size must be positive, got {self.kv_disk_size}")
 

@@ -1,7 +1,8 @@
 """KV tiers in one engine (the offline LLM): blocks evicted from a pool of a few blocks load
 back from the host tier, or after a restart from the disk tier, and give the tokens that a
 local prefix hit gives (the same computation: the same cached prefix, the request alone);
-an abort while loading, and two requests waiting for one load, leave nothing held."""
+an abort while loading, and two requests waiting for one load, leave nothing held; generated
+tokens' blocks are stored when asked."""
 
 from __future__ import annotations
 
@@ -72,6 +73,41 @@ def test_host_tier_serves_evicted_blocks(tiny_llama, reference):
         stats = llm.engine.connector.stats
         assert stats.host_loads >= 3 and stats.host_hit_blocks >= 3 * (HIT // 16)
         assert stats.failed_loads == 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_decode_blocks_are_stored_when_asked(tiny_llama, decode):
+    """A chat's next turn: the last prompt, its answer and a new message. With
+    --kv-offloading-decode the tier holds the answer's full blocks too, so the next turn loads
+    them (the same tokens as a local hit of as many blocks); without, only the prompt's."""
+    first = prompts(1)[0][:90]  # 5 whole blocks and 10 tokens
+    answer_params = SamplingParams(max_tokens=20, temperature=0.0)
+
+    def turns(llm: LLM, evict: bool) -> tuple[list[int], int]:
+        (out,) = llm.generate([first], answer_params, use_tqdm=False)
+        if evict:
+            for p in prompts(3)[1:]:
+                one(llm, p)
+            assert llm.engine.scheduler.kv_cache.pool.lookup(
+                block_hashes(first, 16)[0]) is None
+        return one(llm, first + list(out.outputs[0].token_ids) + [1, 2, 3])
+
+    roomy = LLM(tiny_llama, dtype="float32", max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
+    try:
+        expected = turns(roomy, evict=False)
+    finally:
+        roomy.shutdown()
+    assert expected[1] == 96  # prompt and answer: 109 tokens computed, 6 whole blocks
+
+    llm = tiered(tiny_llama, kv_offloading_decode=decode)
+    try:
+        tokens, cached = turns(llm, evict=True)
+        assert cached == (96 if decode else 80)
+        if decode:
+            assert tokens == expected[0]
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
@@ -177,6 +213,8 @@ def test_tier_flags_are_checked():
         CacheConfig(kv_offloading_size=1 << 20, kv_disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="needs --kv-offloading-size"):
         CacheConfig(kv_disk_dir="/tmp/x", kv_disk_size=1 << 20)
+    with pytest.raises(ValueError, match="--kv-offloading-decode needs --kv-offloading-size"):
+        CacheConfig(kv_offloading_decode=True)
 
 
 def test_tensor_parallel_workers_each_copy_their_share(tiny_llama):

@@ -64,6 +64,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     kv_offloading_size: int | None = None  # bytes of the node's host KV tier (vLLM's flag)
     kv_offloading_backend: str = "native"
+    kv_offloading_decode: bool = False  # output tokens' full blocks go to the tier too
     kv_disk_dir: str | None = None  # a disk KV tier, warm across restarts
     kv_disk_size: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
@@ -188,7 +189,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
-                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)
+                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size,
+                        kv_offloading_decode=args.kv_offloading_decode)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
 
 

@@ -138,7 +138,8 @@ class EngineCore:
             disk = (DiskTier(cache.kv_disk_dir, cache.kv_disk_size, identity, slot_bytes,
                              writer=False) if cache.kv_disk_dir else None)
             connector = TierConnector(kv_cache, arena, identity, slot_bytes, num_workers, disk,
-                                      cache.kv_disk_dir, cache.kv_disk_size or 0)
+                                      cache.kv_disk_dir, cache.kv_disk_size or 0,
+                                      store_decode=cache.kv_offloading_decode)
         except BaseException:
             arena.close()
             raise

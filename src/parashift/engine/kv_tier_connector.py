@@ -60,8 +60,9 @@ class _Job:
 class TierConnector:
     def __init__(self, kv_cache: KVCacheManager, arena: HostArena, identity: bytes,
                  block_bytes: int, num_workers: int, disk: DiskTier | None = None,
-                 disk_folder: str | None = None, disk_size: int = 0):
+                 disk_folder: str | None = None, disk_size: int = 0, store_decode: bool = False):
         self.kv_cache, self.pool = kv_cache, kv_cache.pool
+        self.store_decode = store_decode
         self.block_size = kv_cache.block_size
         self.arena, self.identity, self.block_bytes = arena, identity, block_bytes
         self.board = JobBoard.create(MAX_JOBS, num_workers)
@@ -155,10 +156,12 @@ class TierConnector:
 
     # --- stores -----------------------------------------------------------------------------
     def store(self, request: Request) -> None:
-        """Its prompt blocks this step filled (write-through)."""
+        """Its blocks this step filled (write-through): prompt blocks, and with `store_decode`
+        the generated tokens' too."""
         req_id = request.request_id
-        upto = min(self.kv_cache.num_cached_blocks.get(req_id, 0),
-                   request.num_prompt_tokens // self.block_size)
+        upto = self.kv_cache.num_cached_blocks.get(req_id, 0)
+        if not self.store_decode:
+            upto = min(upto, request.num_prompt_tokens // self.block_size)
         start = self._stored.get(req_id, 0)
         if upto <= start or not self._free_ids:  # (no job free: tried again next step)
             return
