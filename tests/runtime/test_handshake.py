@@ -77,6 +77,12 @@ def test_a_rank_is_its_first_engines_until_that_engine_dies(desk):
     assert init_fields(other)[-1][0] == keys.ranks[1].public
 
 
+def refusal(node) -> str:
+    msg = p.decode(node.recv(), p.ToNode)
+    assert isinstance(msg, p.NodeRefused), msg
+    return msg.reason
+
+
 def test_a_node_reports_only_its_own_ranks_deaths(desk):
     handshake, _, peer = desk
     node, rogue = peer("node-1"), peer("node-1")
@@ -90,9 +96,11 @@ def test_a_node_reports_only_its_own_ranks_deaths(desk):
     # of the old node's holds one, a restarted node can.
     engine = peer("dp2")
     said(handshake, engine, p.Hello(2, 300))
-    assert said(handshake, rogue, p.NodeHello(2, 1)) is None and not rogue.poll(0)
-    assert said(handshake, rogue, p.NodeHello(-1, 2)) is None and not rogue.poll(0)
-    assert said(handshake, rogue, p.NodeHello(1, 2**62)) is None and not rogue.poll(0)
+    for hello, reason in [((2, 1), "ranks dp2-dp2 refused: another node's engines run them"),
+                          ((-1, 2), "ranks dp-1-dp0 refused: the launch has 3 engines"),
+                          ((1, 2**62), "refused: the launch has 3 engines (dp0-dp2)")]:
+        assert said(handshake, rogue, p.NodeHello(*hello)) is None
+        assert reason in refusal(rogue)
     handshake.release(2)
     assert said(handshake, rogue, p.NodeHello(1, 2)) is None
     assert p.decode(rogue.recv(), p.ToNode) == p.NodeInit("publish")
@@ -107,8 +115,10 @@ def test_no_node_holds_or_reports_the_death_of_a_rank_the_launcher_starts(desk):
     rogue, engine = peer("node-0"), peer("dp0")
     death = p.EngineDead(0, "forged", 0)
     assert said(handshake, rogue, p.NodeHello(0, 2)) is None
+    assert refusal(rogue) == "ranks dp0-dp1 refused: the head runs dp0"
     assert said(handshake, rogue, p.NodeHello(0, 1)) is None
-    assert not rogue.poll(0) and handshake.nodes == {}
+    assert refusal(rogue) == "ranks dp0-dp0 refused: the head runs dp0"
+    assert handshake.nodes == {}
     assert said(handshake, rogue, death) is None
     assert said(handshake, engine, p.Hello(0, 200, TOKEN)) is None
     init_fields(engine)

@@ -81,19 +81,31 @@ class Server:
     tree: list[psutil.Process] = field(default_factory=list)  # launcher + children at start
     health_at_start: tuple[int, bytes] = (0, b"")  # GET /health right after "is serving"
     cmd: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None  # appends to `lines` until the output ends
 
     def output(self) -> str:
         return "".join(self.lines)
 
+    def wait_exit(self, timeout: float) -> int:
+        """Its exit code, once every line it wrote is in `lines`."""
+        code = self.proc.wait(timeout)
+        if self.reader is not None:
+            self.reader.join(timeout)
+        return code
+
     def wait_line(self, pattern: str, timeout: float = 120.0) -> re.Match:
         """The first line of its output that matches `pattern`, once there; AssertionError
         (with the output) if the process exits or `timeout` passes first."""
-        deadline = time.monotonic() + timeout
+        deadline, last_look = time.monotonic() + timeout, False
         while True:
             for line in list(self.lines):
                 if found := re.search(pattern, line):
                     return found
             if self.proc.poll() is not None:
+                if not last_look and self.reader is not None:
+                    self.reader.join(10)  # its last lines, then one more look
+                    last_look = True
+                    continue
                 raise AssertionError(f"exited with code {self.proc.returncode} before a line "
                                      f"matching {pattern!r}; output:\n{self.output()}")
             if time.monotonic() > deadline:
@@ -182,7 +194,8 @@ def launch(model: str, args: list[str], model_name: str | None = None,
         for line in proc.stdout:
             server.lines.append(line)
 
-    threading.Thread(target=drain, daemon=True).start()
+    server.reader = threading.Thread(target=drain, daemon=True)
+    server.reader.start()
     return server
 
 

@@ -270,16 +270,28 @@ SECRET_ENV = {"PARASHIFT_CLUSTER_SECRET": "elastic-multi-node-secret-0123456789"
 @pytest.mark.slow
 def test_a_headless_node_joins_a_running_head_and_a_scale_down_lets_it_go(tiny_llama,
                                                                            expected):
-    """Two process trees on 127.0.0.1: a head serving dp1 (room for 2) and, later, a
+    """Two process trees on 127.0.0.1: a head serving dp1 (room for 3) and, later, a
     `--headless --data-parallel-start-rank 1` node whose rank joins the deployment; a
-    scale-down to 1 drains that rank, and the node exits on its own, cleanly."""
-    head = launch(tiny_llama, [*BASE, "--strategy", "dp1", "--data-parallel-size-max", "2",
+    POST /scale to 3 then starts dp2 on the head's node (beside the joined rank); a
+    scale-down to 1 drains both, and the node exits on its own, cleanly."""
+    head = launch(tiny_llama, [*BASE, "--strategy", "dp1", "--data-parallel-size-max", "3",
                                "--admin-api-key", KEY, "--data-parallel-address", "127.0.0.1",
                                "--data-parallel-rpc-port", "0"], env=SECRET_ENV)
     try:
         port = head.wait_line(r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1)
         wait_serving(head)
         assert ranks(head) == {"dp0": "serving"}
+        # A node that would leave a gap (dp1 is the next rank) is told why and stops.
+        gap = launch(tiny_llama, [*BASE, "--headless", "--data-parallel-start-rank", "2",
+                                  "--data-parallel-size-local", "1",
+                                  "--data-parallel-address", "127.0.0.1",
+                                  "--data-parallel-rpc-port", port], env=SECRET_ENV)
+        try:
+            assert gap.wait_exit(120) != 0
+            assert ("refused this node: ranks dp2-dp2 refused: a node that joins takes the "
+                    "ranks from dp1, the current size") in "".join(gap.lines)
+        finally:
+            stop(gap)
         node = launch(tiny_llama, [*BASE, "--headless", "--data-parallel-start-rank", "1",
                                    "--data-parallel-size-local", "1",
                                    "--data-parallel-address", "127.0.0.1",
@@ -291,6 +303,12 @@ def test_a_headless_node_joins_a_running_head_and_a_scale_down_lets_it_go(tiny_l
             for i in range(len(PROMPTS)):
                 assert complete(head, i, stream=i % 2 == 0) == expected[i]
             assert head.metric("parashift_engine_requests_total", 'engine="dp1"') > 0
+            assert scale(head, 3) == (200, {"data_parallel_size": 3})
+            assert ranks(head) == {"dp0": "serving", "dp1": "serving", "dp2": "serving"}
+            assert 2 in engine_ranks(head) and node.proc.poll() is None  # dp2: the head's
+            for i in range(len(PROMPTS)):
+                assert complete(head, i, stream=i % 2 == 1) == expected[i]
+            assert head.metric("parashift_engine_requests_total", 'engine="dp2"') > 0
             assert scale(head, 1) == (200, {"data_parallel_size": 1})
             assert node.proc.wait(60) == 0, "".join(node.lines)  # it exits on its own
             assert ranks(head) == {"dp0": "serving"}

@@ -146,7 +146,7 @@ def rogue_frames(address: str, secret: str | None, hellos: tuple[int, ...] = ())
 
 def rogue_node(address: str, rank: int) -> None:
     """A holder of the secret that says it is the node of ranks `rank`.. `rank` + 1 (the
-    head's own), then reports `rank` dead: it must get no answer."""
+    head's own), then reports `rank` dead: it is refused, and gets nothing else."""
     import zmq
 
     from parashift.wire import protocol as p
@@ -160,8 +160,10 @@ def rogue_node(address: str, rank: int) -> None:
         rogue.setsockopt(zmq.IDENTITY, routing_id("node"))
         rogue.connect(address)
         rogue.send(p.encode(p.NodeHello(rank, 2)))
+        assert rogue.poll(60_000), "the head did not answer a node's Hello"
+        answer = p.decode(rogue.recv(), p.ToNode)
+        assert isinstance(answer, p.NodeRefused) and "the head runs" in answer.reason, answer
         rogue.send(p.encode(p.EngineDead(rank, "forged by a rogue node")))
-        assert not rogue.poll(2000), "a rogue node got an answer"
         rogue.close()
     finally:
         ctx.destroy(linger=1000)
@@ -170,7 +172,7 @@ def rogue_node(address: str, rank: int) -> None:
 def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
     """Rogue frames on the handshake port, from a stranger and from a peer with the secret
     (a Hello as the head's dp0 among them), while the head waits for the other node: the head
-    survives and answers nothing. Then the node joins, every rank answers (pinned requests), a
+    survives and answers nothing but a refusal to a node that claims its ranks. Then the node joins, every rank answers (pinned requests), a
     Hello as the node's running dp3 is answered by nothing, and the head's shutdown stops the
     node."""
     with head_node(tiny_llama) as (head, port):
@@ -184,8 +186,7 @@ def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
         # Nor can it pass for the node of the head's own ranks and report one dead (during
         # start-up, that would abort the launch).
         rogue_node(f"tcp://127.0.0.1:{port}", 0)
-        head.wait_line("a headless node with ranks dp0-dp1, of which the head runs dp0, dp1: "
-                       "not answered")
+        head.wait_line("a headless node's ranks dp0-dp1 refused: the head runs dp0, dp1")
         head.wait_line("a death of dp0 from a peer that is not its node: dropped")
         with headless_node(tiny_llama, port) as (node, lines):
             wait_serving(head)

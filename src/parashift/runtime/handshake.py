@@ -149,24 +149,21 @@ class Handshake:
     def _answer_node(self, identity: bytes, hello: p.NodeHello) -> None:
         """A node takes ranks no other node holds, or whose engines all died (it restarted)."""
         ranks = range(hello.start_rank, hello.start_rank + hello.size)
-        if not (0 <= ranks.start < ranks.stop <= self.num_engines):
-            logger.warning("a headless node with ranks dp%d-dp%d, of %d engines: not answered",
-                           ranks.start, ranks.stop - 1, self.num_engines)
-            return
-        if refusal := self.node_refusal(ranks):
-            logger.warning("a headless node with ranks dp%d-dp%d: not answered (%s)",
-                           ranks.start, ranks.stop - 1, refusal)
-            return
-        if owned := [r for r in ranks if r in self.tokens]:
-            logger.warning("a headless node with ranks dp%d-dp%d, of which the head runs %s: "
-                           "not answered", ranks.start, ranks.stop - 1,
-                           ", ".join(f"dp{r}" for r in owned))
-            return
-        others = [node for node, held in self.nodes.items()
-                  if node != identity and set(held) & set(ranks)]
-        if any(r in self.claims for node in others for r in self.nodes[node]):
-            logger.warning("a headless node with ranks dp%d-dp%d, whose engines run: not "
-                           "answered", ranks.start, ranks.stop - 1)
+        others = []
+        if not (0 <= ranks.start < ranks.stop <= self.num_engines):  # (before any set of them)
+            refusal = f"the launch has {self.num_engines} engines (dp0-dp{self.num_engines - 1})"
+        elif owned := [r for r in ranks if r in self.tokens]:
+            refusal = f"the head runs {', '.join(f'dp{r}' for r in owned)}"
+        else:
+            others = [node for node, held in self.nodes.items()
+                      if node != identity and set(held) & set(ranks)]
+            refusal = ("another node's engines run them"
+                       if any(r in self.claims for node in others for r in self.nodes[node])
+                       else self.node_refusal(ranks))
+        if refusal:
+            refusal = f"ranks dp{ranks.start}-dp{ranks.stop - 1} refused: {refusal}"
+            logger.warning("a headless node's %s", refusal)
+            self.socket.send_multipart([identity, p.encode(p.NodeRefused(refusal))])
             return
         for node in others:
             del self.nodes[node]

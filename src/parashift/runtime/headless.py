@@ -96,6 +96,8 @@ class HeadlessLauncher:
         msg = p.decode_or_drop(self.to_head.recv(), p.ToNode, "head")
         if isinstance(msg, p.Shutdown):
             raise StartupError("the head node is shutting down")
+        if isinstance(msg, p.NodeRefused):
+            raise StartupError(f"the head node at {self.head} refused this node: {msg.reason}")
         if msg is None or msg.config is None:
             raise StartupError(f"the head node at {self.head} answered with a message this node "
                                "cannot read (another parashift version?)")

@@ -250,6 +250,14 @@ class NodeInit(_Msg):
     config: EngineConfigWire | None = None
 
 
+class NodeRefused(_Msg):
+    """Head -> headless launcher: this node's ranks are not taken, and why (they are out of
+    the launch, the head runs them, another node's engines run them, or a joining node must
+    take the ranks from the current size); the node stops with the reason."""
+
+    reason: str
+
+
 class RetireRanks(_Msg):
     """Head -> headless launcher: a scale-down removed these of its ranks (drained already):
     stop their engines, report no death; with none left, the node exits."""
@@ -260,7 +268,7 @@ class RetireRanks(_Msg):
 # on an engine's request sockets
 ToEngine = AddRequest | AbortRequests | Sleep | WakeUp | IsSleeping | ResetPrefixCache | GetStats
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
-ToNode = NodeInit | Shutdown | RetireRanks  # head launcher -> headless launcher
+ToNode = NodeInit | NodeRefused | Shutdown | RetireRanks  # head -> headless launcher
 ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL socket
 FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and engines' SUB
 # on an API server's PULL socket
