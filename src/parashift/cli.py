@@ -202,13 +202,13 @@ def run(
         "--data-parallel-size-min", help="start the autoscaler: between this many ranks and "
         "--data-parallel-size-max, by load")] = None,
     autoscale_up_tokens: Annotated[int, typer.Option(
-        "--autoscale-up-tokens", help="one rank more while the prompt tokens waiting per "
-        "rank stay above this")] = 2048,
+        "--autoscale-up-tokens", help="one rank more when the prompt tokens waiting per "
+        "rank average above this ...")] = 2048,
     autoscale_up_window: Annotated[float, typer.Option(
-        "--autoscale-up-window", help="... for this many seconds")] = 10.0,
+        "--autoscale-up-window", help="... over this many seconds")] = 10.0,
     autoscale_idle_window: Annotated[float, typer.Option(
-        "--autoscale-idle-window", help="one rank less once a rank has held no request "
-        "for this many seconds")] = 60.0,
+        "--autoscale-idle-window", help="one rank less when, over this many seconds, one "
+        "rank fewer would have held requests at most 75% of the time")] = 60.0,
     backend: Annotated[Literal["mp", "ray"], typer.Option(
         "--backend", "--data-parallel-backend",
         help="processes here, or actors on a Ray cluster")] = "mp",

@@ -172,9 +172,9 @@ def rogue_node(address: str, rank: int) -> None:
 def test_rogue_peers_then_a_node_joins_and_the_head_stops_it(tiny_llama):
     """Rogue frames on the handshake port, from a stranger and from a peer with the secret
     (a Hello as the head's dp0 among them), while the head waits for the other node: the head
-    survives and answers nothing but a refusal to a node that claims its ranks. Then the node joins, every rank answers (pinned requests), a
-    Hello as the node's running dp3 is answered by nothing, and the head's shutdown stops the
-    node."""
+    survives and answers nothing but a refusal to a node that claims its ranks. Then the node
+    joins, every rank answers (pinned requests), a Hello as the node's running dp3 is
+    answered by nothing, and the head's shutdown stops the node."""
     with head_node(tiny_llama) as (head, port):
         rogue_frames(f"tcp://127.0.0.1:{port}", None, hellos=(0, 3))
         assert "dropped" not in head.output()  # none got through

@@ -2,16 +2,23 @@
 from the coordinator's load vectors, it decides a scale the launcher then runs as one asked for
 by hand (runtime/scale.py, which refuses a rank the machine's memory cannot hold).
 
-- up, one rank at a time: while the prompt tokens waiting per rank stay above
-  `up_tokens` for `up_window_s` (a backlog that lasts, not a burst the ranks absorb);
-- down, one rank at a time: while some rank has held no request for `idle_window_s` and the
-  backlog is under a quarter of `up_tokens` (the band between is the hysteresis);
-- every window starts again after a scale or a refusal, so one decision is not taken twice on
-  the same evidence."""
+It reads two signals, each as a time-weighted mean over its window (the launcher samples the
+latest loads several times a second; a value holds until the next sample), so that a backlog
+that dips between two arrivals, or a rank that idles between two of them, does not reset it:
+- up, one rank at a time: the prompt tokens waiting per rank average above `up_tokens` over
+  `up_window_s` (a backlog that lasts, not a burst the ranks absorb);
+- down, one rank at a time: over `idle_window_s` the ranks were busy (held a request) so little
+  that one rank fewer would have been busy at most `down_busy` of the time, and the backlog
+  averaged under a quarter of `up_tokens` (the band between is the hysteresis). A rank busy
+  half the time at Poisson arrivals is idle for seconds at a stretch, so an idle stretch alone
+  is no evidence that the others can take its load.
+A window counts only once it has been watched whole since the last scale or refusal, so one
+decision is not taken twice on the same evidence; a window of 0 reads the latest sample."""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from parashift.wire import protocol as p
@@ -26,6 +33,8 @@ class AutoscaleConfig:
     up_tokens: int = 2048
     up_window_s: float = 10.0
     idle_window_s: float = 60.0
+    # one rank fewer only if the rest would have been busy at most this share of the time
+    down_busy: float = 0.75
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.max_size:
@@ -35,6 +44,8 @@ class AutoscaleConfig:
             raise ValueError("--autoscale-up-tokens must be >= 1")
         if self.up_window_s < 0 or self.idle_window_s < 0:
             raise ValueError("--autoscale-up-window and --autoscale-idle-window must be >= 0")
+        if not 0.0 < self.down_busy <= 1.0:
+            raise ValueError("the autoscaler's down_busy must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -43,38 +54,53 @@ class Decision:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Sample:
+    at: float
+    busy_ranks: int  # ranks holding a request
+    backlog: float  # prompt tokens waiting per rank
+
+
 class Autoscaler:
     def __init__(self, config: AutoscaleConfig):
         self.config = config
-        self.backlog_since: float | None = None
-        self.idle_since: dict[int, float] = {}  # rank -> since when it has held nothing
+        self.samples: deque[_Sample] = deque()
 
     def restart_windows(self) -> None:
-        self.backlog_since = None
-        self.idle_since.clear()
+        self.samples.clear()
+
+    def _mean(self, now: float, window: float, field: str) -> float | None:
+        """The time-weighted mean of a sampled value over the last `window` seconds; None
+        until that much has been watched."""
+        first = self.samples[0]
+        if now - first.at < window:
+            return None
+        if window == 0:
+            return float(getattr(self.samples[-1], field))
+        start, samples = now - window, list(self.samples)
+        ends = [s.at for s in samples[1:]] + [now]
+        return sum(getattr(s, field) * (end - max(s.at, start))
+                   for s, end in zip(samples, ends, strict=True) if end > start) / window
 
     def decide(self, now: float, size: int, loads: dict[int, p.EngineLoad]) -> Decision | None:
         """`loads`: the latest load of each rank in the deployment (ranks 0..size-1)."""
         cfg = self.config
-        backlog = sum(loads[r].stats.prefill_tokens_left for r in range(size) if r in loads)
-        per_rank = backlog / size
-        if per_rank > cfg.up_tokens:
-            self.backlog_since = self.backlog_since if self.backlog_since is not None else now
-        else:
-            self.backlog_since = None
-        for rank in range(size):
-            load = loads.get(rank)
-            if load is not None and (load.stats.num_waiting or load.stats.num_running):
-                self.idle_since.pop(rank, None)
-            else:
-                self.idle_since.setdefault(rank, now)
-        if (self.backlog_since is not None and size < cfg.max_size
-                and now - self.backlog_since >= cfg.up_window_s):
-            return Decision(size + 1, f"{per_rank:.0f} prompt tokens waiting per rank, above "
-                                      f"{cfg.up_tokens} for {now - self.backlog_since:.1f} s")
-        idle = sorted(r for r, since in self.idle_since.items()
-                      if r < size and now - since >= cfg.idle_window_s)
-        if idle and size > cfg.min_size and per_rank < cfg.up_tokens / 4:
-            return Decision(size - 1, f"dp{idle[0]} held no request for "
-                                      f"{now - self.idle_since[idle[0]]:.1f} s")
+        stats = [loads[r].stats for r in range(size) if r in loads]
+        busy = sum(1 for s in stats if s.num_waiting or s.num_running)
+        self.samples.append(_Sample(now, busy, sum(s.prefill_tokens_left for s in stats) / size))
+        oldest = now - max(cfg.up_window_s, cfg.idle_window_s)
+        while len(self.samples) > 1 and self.samples[1].at <= oldest:
+            self.samples.popleft()
+        backlog = self._mean(now, cfg.up_window_s, "backlog")
+        if backlog is not None and backlog > cfg.up_tokens and size < cfg.max_size:
+            return Decision(size + 1, f"{backlog:.0f} prompt tokens waiting per rank on average "
+                                      f"over {cfg.up_window_s:g} s, above {cfg.up_tokens}")
+        busy_ranks = self._mean(now, cfg.idle_window_s, "busy_ranks")
+        calm = self._mean(now, cfg.idle_window_s, "backlog")
+        if busy_ranks is None or calm is None or size <= cfg.min_size:
+            return None
+        if busy_ranks <= cfg.down_busy * (size - 1) and calm < cfg.up_tokens / 4:
+            return Decision(size - 1, f"{busy_ranks:.2f} of {size} ranks busy on average over "
+                                      f"{cfg.idle_window_s:g} s: {size - 1} would have been "
+                                      f"busy {busy_ranks / (size - 1):.0%} of the time")
         return None
