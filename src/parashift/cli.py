@@ -208,7 +208,8 @@ def run(
         "--autoscale-up-window", help="... over this many seconds")] = 10.0,
     autoscale_idle_window: Annotated[float, typer.Option(
         "--autoscale-idle-window", help="one rank less when, over this many seconds, one "
-        "rank fewer would have held requests at most 75% of the time")] = 60.0,
+        "rank fewer would have held requests at most 75% of the time; one more when the "
+        "ranks held requests 95% of it")] = 60.0,
     backend: Annotated[Literal["mp", "ray"], typer.Option(
         "--backend", "--data-parallel-backend",
         help="processes here, or actors on a Ray cluster")] = "mp",

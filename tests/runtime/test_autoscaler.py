@@ -1,6 +1,7 @@
 """The autoscaler's decisions (runtime/autoscaler.py) on a clock of its own: a backlog whose
-mean over its window is high adds a rank, ranks seldom busy over theirs remove one (an idle
-stretch of one rank alone does not), the band between does nothing, and the limits hold.
+mean over its window is high adds a rank, and so do ranks busy all along; ranks seldom busy
+remove one (an idle stretch of one rank alone does not), the band between does nothing, and
+the limits hold.
 Served: tests/serve/test_elastic_dp.py."""
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def test_an_idle_stretch_of_one_rank_is_not_enough():
     assert a.decide(60.0, 2, loads((0, 3, 0), (1, 1, 100))) is None  # 1.67 ranks busy
 
 
+def test_ranks_busy_all_along_add_one_though_little_waits():
+    """A load just under what one rank does: it is never free, but little queues."""
+    a = Autoscaler(CONFIG)
+    for t in range(0, 60, 2):
+        assert a.decide(t, 1, loads((1, 1, 500))) is None
+        assert a.decide(t + 1, 1, loads((0, 1, 0))) is None
+    decision = a.decide(60.0, 1, loads((0, 1, 0)))
+    assert decision.size == 2 and "1.00 of 1 ranks busy" in decision.reason
+    b = Autoscaler(CONFIG)  # free a tenth of the time: not saturated
+    for t in range(0, 60, 10):
+        b.decide(t, 1, loads((0, 1, 0)))
+        assert b.decide(t + 9, 1, loads((0, 0, 0))) is None
+    assert b.decide(60.0, 1, loads((0, 0, 0))) is None
+
+
 def test_the_band_between_does_nothing():
     """The ranks are seldom busy, but the backlog per rank is between a quarter of the
     threshold and the threshold: neither way."""
@@ -109,6 +125,8 @@ def test_bad_settings_are_refused(bad):
         AutoscaleConfig(**bad)
 
 
-def test_down_busy_is_a_share():
-    with pytest.raises(ValueError, match="down_busy"):
-        AutoscaleConfig(1, 2, down_busy=0.0)
+@pytest.mark.parametrize("shares", [dict(down_busy=0.0), dict(up_busy=1.5),
+                                    dict(down_busy=0.9, up_busy=0.8)])
+def test_the_busy_shares_are_ordered_shares(shares):
+    with pytest.raises(ValueError, match="down_busy < up_busy"):
+        AutoscaleConfig(1, 2, **shares)

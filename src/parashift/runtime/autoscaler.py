@@ -6,14 +6,17 @@ It reads two signals, each as a time-weighted mean over its window (the launcher
 latest loads several times a second; a value holds until the next sample), so that a backlog
 that dips between two arrivals, or a rank that idles between two of them, does not reset it:
 - up, one rank at a time: the prompt tokens waiting per rank average above `up_tokens` over
-  `up_window_s` (a backlog that lasts, not a burst the ranks absorb);
+  `up_window_s` (a backlog that lasts, not a burst the ranks absorb), or over `idle_window_s`
+  the ranks held requests `up_busy` of the time or more (saturated: a load just under what
+  the ranks can do queues little, yet every request waits behind the others);
 - down, one rank at a time: over `idle_window_s` the ranks were busy (held a request) so little
   that one rank fewer would have been busy at most `down_busy` of the time, and the backlog
   averaged under a quarter of `up_tokens` (the band between is the hysteresis). A rank busy
   half the time at Poisson arrivals is idle for seconds at a stretch, so an idle stretch alone
   is no evidence that the others can take its load.
 A window counts only once it has been watched whole since the last scale or refusal, so one
-decision is not taken twice on the same evidence; a window of 0 reads the latest sample."""
+decision is not taken twice on the same evidence; a window of 0 reads the latest sample (and
+an idle window of 0 never finds the ranks saturated: one sample is no share of time)."""
 
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ class AutoscaleConfig:
     up_tokens: int = 2048
     up_window_s: float = 10.0
     idle_window_s: float = 60.0
-    # one rank fewer only if the rest would have been busy at most this share of the time
+    # one rank fewer only if the rest would have been busy at most this share of the time;
+    # one more once the ranks are busy this share of the time or more
     down_busy: float = 0.75
+    up_busy: float = 0.95
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.max_size:
@@ -44,8 +49,8 @@ class AutoscaleConfig:
             raise ValueError("--autoscale-up-tokens must be >= 1")
         if self.up_window_s < 0 or self.idle_window_s < 0:
             raise ValueError("--autoscale-up-window and --autoscale-idle-window must be >= 0")
-        if not 0.0 < self.down_busy <= 1.0:
-            raise ValueError("the autoscaler's down_busy must be in (0, 1]")
+        if not 0.0 < self.down_busy < self.up_busy <= 1.0:
+            raise ValueError("the autoscaler's busy shares need 0 < down_busy < up_busy <= 1")
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,12 @@ class Autoscaler:
                                       f"over {cfg.up_window_s:g} s, above {cfg.up_tokens}")
         busy_ranks = self._mean(now, cfg.idle_window_s, "busy_ranks")
         calm = self._mean(now, cfg.idle_window_s, "backlog")
-        if busy_ranks is None or calm is None or size <= cfg.min_size:
+        if busy_ranks is None or calm is None:
+            return None
+        if cfg.idle_window_s and busy_ranks >= cfg.up_busy * size and size < cfg.max_size:
+            return Decision(size + 1, f"{busy_ranks:.2f} of {size} ranks busy on average over "
+                                      f"{cfg.idle_window_s:g} s: saturated")
+        if size <= cfg.min_size:
             return None
         if busy_ranks <= cfg.down_busy * (size - 1) and calm < cfg.up_tokens / 4:
             return Decision(size - 1, f"{busy_ranks:.2f} of {size} ranks busy on average over "
