@@ -11,7 +11,7 @@ when the size changed, and rank-seconds: the DP size that /metrics reports (ever
 deployment, starting and draining ones included), integrated over the load's span. The two
 servers alternate --rounds times, on one machine, one at a time.
 
-    python scripts/bench_autoscale.py [--rate 0.6] [--phase-seconds 30] [--rounds 2]
+    python scripts/bench_autoscale.py [--rate 0.6] [--phase-seconds 30] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def main() -> None:
     ap.add_argument("--min", type=int, default=1)
     ap.add_argument("--max", type=int, default=2)
     ap.add_argument("--autoscale-up-tokens", type=int, default=512)
-    ap.add_argument("--autoscale-up-window", type=float, default=1.0)
-    ap.add_argument("--autoscale-idle-window", type=float, default=5.0)
+    ap.add_argument("--autoscale-up-window", type=float, default=3.0)
+    ap.add_argument("--autoscale-idle-window", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-json", default=None)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 TAGS = sorted(name for name, kind in vars(p).items()
               if isinstance(kind, type) and issubclass(kind, p._Msg) and kind is not p._Msg)
-FUZZ_SECONDS = 30.0
+FUZZ_ROUNDS = 4000  # a junk frame to every internal socket each round
 
 
 def junk(rng: random.Random) -> list[bytes]:
@@ -151,8 +151,7 @@ def test_fuzzed_internal_sockets_kill_nothing(dp2_server):
     rng = random.Random(0)
     sent = 0
     with peers(dp2_server) as sockets:
-        deadline = time.monotonic() + FUZZ_SECONDS
-        while time.monotonic() < deadline:
+        for _ in range(FUZZ_ROUNDS):
             for sock in sockets:
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(junk(rng), zmq.NOBLOCK)
