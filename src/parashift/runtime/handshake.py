@@ -149,7 +149,7 @@ class Handshake:
     def _answer_node(self, identity: bytes, hello: p.NodeHello) -> None:
         """A node takes ranks no other node holds, or whose engines all died (it restarted)."""
         ranks = range(hello.start_rank, hello.start_rank + hello.size)
-        others = []
+        others: list[bytes] = []
         if not (0 <= ranks.start < ranks.stop <= self.num_engines):  # (before any set of them)
             refusal = f"the launch has {self.num_engines} engines (dp0-dp{self.num_engines - 1})"
         elif owned := [r for r in ranks if r in self.tokens]:

@@ -15,7 +15,8 @@ engine: engine_calls.py; lockstep's: lockstep_protocol.py). Sockets (docs/archit
               -> engine SUB (lockstep only): StartWave
   workers     an engine and its workers: wire/worker_protocol.py
   nodes       head launcher ROUTER (the handshake socket) <- headless launcher DEALER
-              NodeHello -> NodeInit; EngineDead up; Shutdown down.
+              NodeHello -> NodeInit (or NodeRefused, why); EngineDead up; Shutdown,
+              RetireRanks down.
 
 Every identity on a ROUTER is unguessable and new in each process (`sockets.routing_id`), and
 no ROUTER hands one over. Over CURVE, what speaks for a rank counts only from the link of that
