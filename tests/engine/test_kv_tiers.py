@@ -51,13 +51,18 @@ def reference(tiny_llama) -> dict[str, list]:
     return {"cold": cold, "hit": hit}
 
 
+def settle(llm: LLM) -> None:
+    """`generate` returns with its last request; a store that request's prefill started may
+    still be on the copy thread (holding its pool blocks), and only a later step settles it,
+    as the engine loop does."""
+    while llm.engine.has_work():
+        llm.engine.step()
+
+
 def assert_nothing_held(llm: LLM) -> None:
     core = llm.engine
     pool = core.scheduler.kv_cache.pool
-    # `generate` returns with its last request; a store that request's prefill started may
-    # still be on the copy thread, and only a later step settles it (as the engine loop does).
-    while core.has_work():
-        core.step()
+    settle(llm)
     assert pool.num_free_blocks == pool.num_blocks
     assert not core.connector.arena.pins.any()
 
@@ -123,6 +128,7 @@ def test_a_host_load_is_admitted_in_its_step(tiny_llama, reference):
     try:
         for p in prompts(3):
             one(llm, p)  # the first prompt's blocks leave the pool for the tier
+        settle(llm)  # (the last prompt's stores hold blocks the load needs)
         a = _request(llm, "a", prompts(1)[0])
         core.add_request(a)
         core.step()  # loaded before the step's forward, admitted in it
