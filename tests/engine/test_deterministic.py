@@ -126,6 +126,8 @@ def test_a_prefix_loaded_back_from_the_host_tier(tiny_llama):
             loads = llm.engine.connector.stats.host_hit_blocks
             assert answer(llm.generate([TARGET], params, use_tqdm=False)[0]) == cold[name]
             assert llm.engine.connector.stats.host_hit_blocks > loads  # from the tier
+        while llm.engine.has_work():  # the last stores, settled as the engine loop would
+            llm.engine.step()
         assert_no_leaks(llm)
     finally:
         llm.shutdown()
