@@ -18,9 +18,10 @@ import uuid
 import numpy as np
 import pytest
 
-from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena, shm_path, sweep
+from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena
 from parashift.kv_tiers.identity import tier_identity, tier_key
 from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
+from parashift.kv_tiers.shm_files import shm_path, sweep
 
 SLOT_BYTES = 1024
 

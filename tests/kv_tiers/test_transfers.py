@@ -12,8 +12,9 @@ import uuid
 import pytest
 import torch
 
-from parashift.kv_tiers.host_arena import WAYS, HostArena, shm_path
+from parashift.kv_tiers.host_arena import WAYS, HostArena
 from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
+from parashift.kv_tiers.shm_files import shm_path
 from parashift.kv_tiers.transfers import KVTransfers, TierLink
 from parashift.types.outputs import KVTransferJob
 

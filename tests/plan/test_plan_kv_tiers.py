@@ -11,7 +11,8 @@ import pytest
 from conftest import cli_in_process
 
 from parashift.kv_tiers.disk_tier import DiskTier
-from parashift.kv_tiers.host_arena import HostArena, shm_path
+from parashift.kv_tiers.host_arena import HostArena
+from parashift.kv_tiers.shm_files import shm_path
 from parashift.plan.estimate import PlanSettings, make_plan
 from parashift.plan.hardware import DEVICES, GiB
 from parashift.plan.presets import PRESETS

@@ -118,8 +118,9 @@ class EngineCore:
         if not cache.kv_offloading_size:
             return None
         from parashift.kv_tiers.disk_tier import DiskTier
-        from parashift.kv_tiers.host_arena import HostArena, shm_path, sweep
+        from parashift.kv_tiers.host_arena import HostArena
         from parashift.kv_tiers.identity import tier_identity
+        from parashift.kv_tiers.shm_files import shm_path, sweep
 
         num_workers = self.executor.num_workers
         worker_bytes = self.executor.kv_block_bytes()

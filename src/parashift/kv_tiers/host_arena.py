@@ -25,15 +25,14 @@ import fcntl
 import logging
 import mmap
 import os
-import re
-import stat
 import struct
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from parashift.kv_tiers.shm_files import FLOCK, hold, remove
 
 logger = logging.getLogger(__name__)
 
@@ -50,74 +49,8 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-SHM_FOLDER = "/dev/shm"  # nosec B108: shared memory; files O_EXCL or O_NOFOLLOW, and 0600
-
-
-def shm_path(name: str) -> str:
-    return os.path.join(SHM_FOLDER, name)
-
-
-def node_arena_path(token: str) -> str:
-    """The name a launch gives its node's arena (its engines make it; it removes it)."""
-    return shm_path(f"parashift-kv-{os.getpid()}-{token}")
-
-
-# struct flock (Linux, 64-bit): type, whence, start, length, pid (0 for a file-description lock)
-_FLOCK = struct.Struct("hhxxxxqqi4x")
-# the names node_arena_path and the engines give arenas, and their temporary names while made
-_ARENA_NAME = re.compile(r"parashift-kv-\d+-[0-9a-f]+(\.\d+\.\d+)?")
-
-
 def _holder_byte(holder: int) -> int:
-    return 1 + holder  # byte 0 is `_hold`'s
-
-
-def _hold(fd: int) -> None:
-    """A read lock on the file's first byte for as long as this open file lives: an open file
-    description lock, which the kernel drops when the last process holding it dies, in any PID
-    namespace (independent of the index's flock). `sweep` takes only files nobody holds."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
-
-
-def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0) -> list[tuple[str, int]]:
-    """Remove the arenas that launches killed before their exit handlers ran (SIGKILL, the
-    OOM killer) left in `folder`: this user's regular files named as arenas, older than
-    `min_age_s` (a file being made takes its lock just after it is created), that no process
-    holds (`_hold`). Returns what went, with its bytes."""
-    removed = []
-    for name in sorted(os.listdir(folder)):
-        if not _ARENA_NAME.fullmatch(name):
-            continue
-        path = os.path.join(folder, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:  # gone, a link, not ours
-            continue
-        try:
-            st = os.fstat(fd)
-            if (st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode)
-                    or time.time() - st.st_ctime < min_age_s):
-                continue
-            try:  # while it is held for writing here, nobody maps it
-                fcntl.fcntl(fd, fcntl.F_OFD_SETLK,
-                            _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
-            except OSError:  # a live process holds it
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append((path, st.st_size))
-                logger.warning("removed %s (%.1f MiB): a KV host tier a killed launch left",
-                               path, st.st_size / 2**20)
-        finally:
-            os.close(fd)
-    return removed
-
-
-def remove(path: str | None) -> None:
-    """The arena's name, at the end of the launch that named it (mappings live on)."""
-    if path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    return 1 + holder  # byte 0 is `hold`'s
 
 
 class HostArena:
@@ -128,7 +61,7 @@ class HostArena:
         # The owner's name goes when it closes, or at the latest when the process exits (an
         # LLM never shut down would leave the arena's memory taken until a reboot).
         self._unlink = weakref.finalize(self, remove, path) if owner else None
-        _hold(fd)
+        hold(fd)
         size = os.fstat(fd).st_size
         if size < _PAGE:
             raise ValueError(f"KV host tier {path}: {size} bytes, not an arena")
@@ -281,7 +214,7 @@ class HostArena:
         if self._holder is None:
             for holder in range(MAX_HOLDERS):
                 try:
-                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(
+                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, FLOCK.pack(
                         fcntl.F_WRLCK, os.SEEK_SET, _holder_byte(holder), 1, 0))
                 except OSError:  # (EAGAIN) a live process holds it
                     continue
@@ -312,8 +245,8 @@ class HostArena:
         for holder in np.flatnonzero(self._live):
             if holder == self._holder:
                 continue
-            probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _holder_byte(int(holder)), 1, 0)
-            kind = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe))[0]
+            probe = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _holder_byte(int(holder)), 1, 0)
+            kind = FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe))[0]
             if kind == fcntl.F_UNLCK:
                 self._release(int(holder))
                 found = True

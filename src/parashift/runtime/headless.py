@@ -26,7 +26,7 @@ from parashift.config import EngineConfig
 from parashift.defaults import DEFAULT_CPU_KV_CACHE_MEMORY, resolve_dtype_name
 from parashift.engine.args import EngineArgs, config_for_this_node, gemm_paths, strategy_spec
 from parashift.engine.placement import node_mesh
-from parashift.kv_tiers import host_arena
+from parashift.kv_tiers import shm_files
 from parashift.runtime.local_engines import LocalEngines
 from parashift.runtime.node import ServeArgs, StartupError
 from parashift.strategies.mesh import DeviceMesh
@@ -154,7 +154,7 @@ class HeadlessLauncher:
     def shutdown(self) -> None:
         if self.engines is not None:
             self.engines.stop()
-        host_arena.remove(self.kv_host_tier)
+        shm_files.remove(self.kv_host_tier)
         self.ctx.destroy(linger=500)
 
 

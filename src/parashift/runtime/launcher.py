@@ -23,7 +23,7 @@ from parashift import env
 from parashift.engine.args import create_config
 from parashift.engine.placement import node_mesh
 from parashift.engine.request_tracker import choose_eos_token_id
-from parashift.kv_tiers import host_arena
+from parashift.kv_tiers import shm_files
 from parashift.kv_tiers.disk_tier import check_private_folder
 from parashift.models.gguf import DEFAULT_MODEL_NAME
 from parashift.runtime import child_processes
@@ -63,10 +63,10 @@ class Launcher:
         if self.config.cache.kv_offloading_size:
             if args.backend == "ray":  # its workers may sit on other nodes than the arena
                 raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
-            host_arena.sweep()  # what killed launches left in /dev/shm
+            shm_files.sweep()  # what killed launches left in /dev/shm
             # One host tier per node, shared by its engines.
             cache = dataclasses.replace(
-                self.config.cache, kv_host_tier=host_arena.node_arena_path(secrets.token_hex(8)))
+                self.config.cache, kv_host_tier=shm_files.node_arena_path(secrets.token_hex(8)))
             self.config = dataclasses.replace(self.config, cache=cache)
         self.spec = self.config.parallel.strategy
         self.processes = self.spec.processes()  # what to launch: the strategy's answer
@@ -494,7 +494,7 @@ class Launcher:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
         self.engines.stop(grace or 10.0)
-        host_arena.remove(self.config.cache.kv_host_tier)
+        shm_files.remove(self.config.cache.kv_host_tier)
         if self.listener is not None:
             self.listener.close()
         self.ctx.destroy(linger=500 if self.handshake.nodes else 0)

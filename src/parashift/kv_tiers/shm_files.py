@@ -1,0 +1,81 @@
+"""The host tiers' files in /dev/shm: their names, the lock by which every process that maps
+one says it is alive, and the sweep of the files that killed launches left (kv_tiers/host_arena.py
+maps them)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import stat
+import struct
+import time
+
+logger = logging.getLogger(__name__)
+
+SHM_FOLDER = "/dev/shm"  # nosec B108: shared memory; files O_EXCL or O_NOFOLLOW, and 0600
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_FOLDER, name)
+
+
+def node_arena_path(token: str) -> str:
+    """The name a launch gives its node's arena (its engines make it; it removes it)."""
+    return shm_path(f"parashift-kv-{os.getpid()}-{token}")
+
+
+# struct flock (Linux, 64-bit): type, whence, start, length, pid (0 for a file-description lock)
+FLOCK = struct.Struct("hhxxxxqqi4x")
+# the names node_arena_path and the engines give arenas, and their temporary names while made
+_ARENA_NAME = re.compile(r"parashift-kv-\d+-[0-9a-f]+(\.\d+\.\d+)?")
+
+
+def hold(fd: int) -> None:
+    """A read lock on the file's first byte for as long as this open file lives: an open file
+    description lock, which the kernel drops when the last process holding it dies, in any PID
+    namespace (independent of the index's flock). `sweep` takes only files nobody holds."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
+
+
+def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0) -> list[tuple[str, int]]:
+    """Remove the arenas that launches killed before their exit handlers ran (SIGKILL, the
+    OOM killer) left in `folder`: this user's regular files named as arenas, older than
+    `min_age_s` (a file being made takes its lock just after it is created), that no process
+    holds (`hold`). Returns what went, with its bytes."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        if not _ARENA_NAME.fullmatch(name):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, a link, not ours
+            continue
+        try:
+            st = os.fstat(fd)
+            if (st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode)
+                    or time.time() - st.st_ctime < min_age_s):
+                continue
+            try:  # while it is held for writing here, nobody maps it
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK,
+                            FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+            except OSError:  # a live process holds it
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append((path, st.st_size))
+                logger.warning("removed %s (%.1f MiB): a KV host tier a killed launch left",
+                               path, st.st_size / 2**20)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def remove(path: str | None) -> None:
+    """The arena's name, at the end of the launch that named it (mappings live on)."""
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
