@@ -8,6 +8,9 @@ import re
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # KV budget of a CPU worker without --kv-cache-memory
 DEFAULT_BLOCK_SIZE = 16
+# The node's host KV tier under prefill/decode pools without --kv-offloading-size: the prompts
+# handed from the prefill to the decode pool go through it (LRU: only those in flight matter).
+DEFAULT_HANDOFF_TIER = 512 << 20
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # A served engine's waiting queue holds at most this many batches' worth of requests

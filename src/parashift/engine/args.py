@@ -30,6 +30,7 @@ from parashift.defaults import (
     ATTENTION_BACKENDS,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_HANDOFF_TIER,
     DEFAULT_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
@@ -187,11 +188,25 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     if args.kv_offloading_size and args.distributed_executor_backend == "ray":
         # An engine's Ray workers may sit on other nodes than its arena and job board.
         raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
+    kv_offloading_size = args.kv_offloading_size
+    if processes.prefill_engines:
+        kv_offloading_size = _check_pools(args, spec)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
-                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size,
+                        kv_offloading_size, args.kv_disk_dir, args.kv_disk_size,
                         kv_offloading_decode=args.kv_offloading_decode)
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
+
+
+def _check_pools(args: EngineArgs, spec: StrategySpec) -> int:
+    """Prefill/decode pools hand a prompt's KV over through the node's host tier: its size."""
+    if args.distributed_executor_backend == "ray":
+        raise ValueError(f"--strategy {spec}: prefill/decode pools run with --backend mp "
+                         "for now")
+    if not args.enable_prefix_caching:
+        raise ValueError(f"--strategy {spec}: prefill/decode pools hand prompts over by their "
+                         "block hashes: drop --no-enable-prefix-caching")
+    return args.kv_offloading_size or DEFAULT_HANDOFF_TIER
 
 
 def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str | None,

@@ -22,7 +22,7 @@ from parashift.config import EngineConfig
 from parashift.engine.kv_cache import KVCacheManager
 from parashift.engine.kv_tier_connector import MAX_JOBS, TierConnector
 from parashift.engine.placement import engine_placement, ray_engine_placement
-from parashift.engine.request import Request, check_prompt_tokens
+from parashift.engine.request import Request, check_handed_over, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
 from parashift.engine.structured_output import Grammars, GrammarState
 from parashift.strategies.mesh import EnginePlacement
@@ -153,7 +153,12 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Raises ValueError for a request the model cannot run: it fails alone, the engine
         stays up."""
-        check_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size)
+        model = self.config.model
+        check_prompt_tokens(request.prompt_token_ids, model.vocab_size)
+        check_handed_over(request, model.vocab_size, model.max_model_len)
+        if request.hands_off and self.connector is None:
+            raise ValueError("this engine has no KV tier to hand a prompt's KV over through "
+                             "(--kv-offloading-size)")
         constraint = request.params.structured_outputs
         if constraint is not None:  # compiled off the loop; the request waits for it
             request.grammar = GrammarState(self.structured_grammars().compile(constraint),

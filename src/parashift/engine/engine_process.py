@@ -228,8 +228,9 @@ class EngineProcess:
                 self.core.scheduler.check_room(len(self.sleep.held))
                 self.sleep.held[msg.request_id] = msg
             else:
-                self.core.add_request(Request(msg.request_id, msg.prompt_token_ids,
-                                              msg.params, msg.eos_token_id, msg.arrival_time))
+                self.core.add_request(Request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, msg.eos_token_id,
+                    msg.arrival_time, msg.generated_token_ids, msg.hand_off))
         except ValueError as e:  # a bad request fails alone
             self._refuse(msg, str(e), 429 if isinstance(e, QueueFullError) else 400)
             return

@@ -12,6 +12,8 @@ state (WAITING_FOR_KV) and the connector says when they are in.
 - `take_jobs`: the copies the workers start with the step being made.
 - `settle`: the requests whose loads ended (their blocks, if they arrived, are cached in the
   pool now, so their admission finds them as prefix hits).
+- `storing`: stores of a request's blocks are still copying (a prefill pool's request
+  finishes once its blocks are out).
 - `release`: a request was admitted: what the connector held for it (its loaded blocks, so
   that nothing evicts them before) is its own now.
 - `forget`: a request that finished or was aborted (a waiting load goes on, without it)."""
@@ -40,6 +42,8 @@ class KVConnector(Protocol):
     def take_jobs(self) -> list[KVTransferJob]: ...
 
     def settle(self) -> list[Request]: ...
+
+    def storing(self, request_id: str) -> bool: ...
 
     def release(self, request: Request) -> None: ...
 

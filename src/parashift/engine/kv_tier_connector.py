@@ -52,6 +52,7 @@ class _Job:
     slots: list[int]
     num_host: int = 0  # of a load: slots found in the arena; the rest are read from disk
     num_read: int = 0  # of those, read intact
+    owner: str = ""  # of a store: its request's id
     waiters: list[Request] = field(default_factory=list)
     reading: Future | None = None
     started: float = field(default_factory=time.monotonic)
@@ -176,7 +177,7 @@ class TierConnector:
         held = [b for b, _, _ in kept]
         self.pool.touch(held)  # not reused before the copy is out
         job = _Job(self._free_ids.pop(), False, held, [h for _, h, _ in kept],
-                   [s for _, _, s in kept])
+                   [s for _, _, s in kept], owner=req_id)
         self.jobs[job.id] = job
         self._emit(job)
 
@@ -269,6 +270,10 @@ class TierConnector:
             if not held[1]:
                 self._held.remove(held)
                 self.pool.free(held[0])
+
+    def storing(self, request_id: str) -> bool:
+        """Stores of the request's blocks are still copying."""
+        return any(job.owner == request_id for job in self.jobs.values())
 
     def forget(self, request: Request) -> None:
         self._stored.pop(request.request_id, None)

@@ -23,6 +23,23 @@ def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
                          f"(0..{vocab_size - 1})")
 
 
+def check_handed_over(request: Request, vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError for a request continued from another engine that could not go on
+    here: its earlier tokens out of the vocabulary, or no room left for one more."""
+    generated = request.output_token_ids
+    if request.hands_off and generated:
+        raise ValueError("a request cannot both hand its KV off and continue another's")
+    if not generated:
+        return
+    if min(generated) < 0 or max(generated) >= vocab_size:
+        raise ValueError(f"a generated token id is outside the vocabulary (0..{vocab_size - 1})")
+    max_tokens = request.params.max_tokens
+    if request.num_tokens >= max_model_len or (max_tokens is not None
+                                               and len(generated) >= max_tokens):
+        raise ValueError(f"the request has no token left to generate ({len(generated)} "
+                         f"generated, max_tokens {max_tokens}, max_model_len {max_model_len})")
+
+
 class RequestStatus(enum.Enum):
     """A request's state in the engine core (vLLM's RequestStatus names; docs/architecture.md
     draws the machine). Each transition is one method of Request; the scheduler keeps a
@@ -39,9 +56,13 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its KV freed; recomputed on resume
+    # A prefill pool's request after its first token: its prompt's KV blocks are stored for a
+    # decode rank (through the KV connector); it finishes once they are published.
+    SENDING_KV = "sending_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_HANDED_OFF = "handoff"  # its decode goes on elsewhere (the API server's to route)
 
     @property
     def is_finished(self) -> bool:
@@ -49,7 +70,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_HANDED_OFF}
 # Every transition the machine has: from -> the states it may go to.
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING,
@@ -60,14 +81,21 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
                                          RequestStatus.FINISHED_ABORTED}),
     RequestStatus.WAITING_FOR_KV: frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED,
                                               RequestStatus.FINISHED_ABORTED}),
-    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, *_FINISHED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, RequestStatus.SENDING_KV,
+                                      *(_FINISHED - {RequestStatus.FINISHED_HANDED_OFF})}),
+    RequestStatus.SENDING_KV: frozenset({RequestStatus.FINISHED_HANDED_OFF,
+                                          RequestStatus.FINISHED_ABORTED}),
     **{status: frozenset() for status in _FINISHED},
 }
 
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_id: int | None, arrival_time: float | None = None):
+                 eos_token_id: int | None, arrival_time: float | None = None,
+                 generated_token_ids: list[int] | None = None, hands_off: bool = False):
+        """`generated_token_ids`: its output so far, sampled by another engine (a prefill
+        rank's first token), continued here as if sampled here; `hands_off`: a prefill
+        rank's request, which stops after its first token and sends its prompt's KV on."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -75,8 +103,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = (RequestStatus.WAITING if params.structured_outputs is None
                        else RequestStatus.WAITING_FOR_GRAMMAR)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(generated_token_ids or ())
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.hands_off = hands_off
         self.num_computed_tokens = 0
         self.num_synced_tokens = 0  # of all_token_ids, how many the model runner holds
         self.num_in_flight = 0  # batches submitted with it and not yet returned
@@ -145,6 +174,11 @@ class Request:
         self.num_synced_tokens = 0
         self.num_preemptions += 1
         self.kv_load_tried = False
+
+    def send_kv(self) -> None:
+        """Its first token is out: its prompt's blocks go to the decode rank."""
+        self._move(RequestStatus.SENDING_KV)
+        self.num_output_placeholders = 0
 
     def finish(self, status: RequestStatus) -> None:
         self._move(status)

@@ -51,6 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: list[Request] = []
         self.waiting_for_kv: list[Request] = []
+        self.sending_kv: list[Request] = []  # prefill pool: their KV stores still copying
         self.waiting: deque[Request] = deque()  # WAITING, and PREEMPTED at its head
         self.running: list[Request] = []
         # Requests whose runner-side state must be dropped at the next step.
@@ -69,7 +70,7 @@ class Scheduler:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_grammar
-                    or self.waiting_for_kv)
+                    or self.waiting_for_kv or self.sending_kv)
 
     def check_room(self, num_held: int = 0) -> None:
         """The one admission cap (--max-waiting-requests), over the requests waiting here and
@@ -119,13 +120,22 @@ class Scheduler:
                 still.append(req)
             elif req.grammar.error is not None:
                 self._finish_unscheduled(req, req.grammar.error)
+            elif not all(req.grammar.accept(t) for t in req.output_token_ids):
+                self._finish_unscheduled(req, "the tokens generated before it came here do "
+                                              "not fit its constraint")
             else:
                 req.grammar_compiled()
                 self._enqueue_by_arrival(req)
         self.waiting_for_grammar = still
 
     def _settle_kv(self) -> None:
-        """Requests whose blocks arrived (or failed to) wait for admission again, in order."""
+        """Requests whose blocks arrived (or failed to) wait for admission again, in order;
+        those whose blocks were sent on finish."""
+        for req in [r for r in self.sending_kv if not self.connector.storing(r.request_id)]:
+            self.sending_kv.remove(req)
+            self._finish(req, RequestStatus.FINISHED_HANDED_OFF)
+            self._finished_unscheduled.append(EngineCoreOutput(
+                req.request_id, [], None, req.status.value, None, req.num_cached_tokens))
         for req in self.connector.settle():
             if req.status == RequestStatus.WAITING_FOR_KV:
                 self.waiting_for_kv.remove(req)
@@ -298,6 +308,9 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            elif req.hands_off:
+                self.running.remove(req)
+                self._send_kv(req)
             outputs.append(EngineCoreOutput(
                 req_id, [token_id], logprobs.get(req_id) if logprobs else None,
                 status.value if status else None, req.stop_reason, req.num_cached_tokens))
@@ -314,9 +327,22 @@ class Scheduler:
                 self.waiting_for_grammar.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_KV:
                 self.waiting_for_kv.remove(req)
+            elif req.status == RequestStatus.SENDING_KV:
+                self.sending_kv.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def _send_kv(self, req: Request) -> None:
+        """Its first token is out and its decode goes on in another engine: its prompt's
+        blocks are stored (those a step could not store yet, now), and it finishes once the
+        stores are published (`_settle_kv`). The stores hold their own blocks."""
+        if self.connector is not None:
+            self.connector.store(req)
+        req.send_kv()
+        self.kv_cache.free(req)
+        self._freed_req_ids.add(req.request_id)
+        self.sending_kv.append(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Out of its queue already: its blocks and its runner state go."""

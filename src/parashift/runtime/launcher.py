@@ -80,6 +80,11 @@ class Launcher:
                 raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
                                  "on one node with --backend mp for now")
             self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
+        if self.processes.prefill_engines and (args.backend == "ray"
+                                               or args.multi_node(self.num_engines)):
+            # The KV moves through the node's host tier: both pools on one node.
+            raise ValueError(f"--strategy {self.spec}: prefill/decode pools run on one node "
+                             "with --backend mp for now")
         args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
         self._set_up_engines(args)
         self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None
@@ -225,7 +230,7 @@ class Launcher:
                 max_body_bytes=self.args.max_body_bytes,
                 tool_call_parser=self.args.tool_call_parser, head_keys=self.head_keys,
                 launcher_identity=self.api_servers.identity, limits=self.args.limits,
-                size=self.num_engines)
+                size=self.num_engines, prefill_engines=self.processes.prefill_engines)
             self.api_servers.start(mp, server_args, self.listener,
                                    self.mesh.api_server_cpus if self.mesh is not None else ())
         self.engines.start()
@@ -327,6 +332,9 @@ class Launcher:
         if self.processes.lockstep:
             return (f"--strategy {self.spec}: expert-parallel lockstep groups do not scale "
                     "(elastic expert parallel, with expert re-sharding, is later work)")
+        if self.processes.prefill_engines:
+            return (f"--strategy {self.spec}: prefill/decode pools do not scale yet (a pool's "
+                    "size is fixed at launch)")
         return ""
 
     def _node_refusal(self, ranks: range) -> str:

@@ -22,6 +22,7 @@ from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_ranks import RankStatus
 from parashift.serve.engine_routes import ADMIN_ROUTES, EngineRoutes
 from parashift.serve.generation import Generation
+from parashift.serve.handoff import EnginePools
 from parashift.serve.http_guards import (
     REQUEST_ID,
     allowed_hosts,
@@ -80,6 +81,7 @@ class ApiServerArgs:
     launcher_identity: bytes = b"launcher"  # the launcher's on our request socket
     limits: ServeLimits = field(default_factory=ServeLimits)
     size: int | None = None  # the ranks launched first (elastic: fewer than num_engines)
+    prefill_engines: int = 0  # prefill/decode pools: the first this many ranks prefill
 
 
 
@@ -104,7 +106,8 @@ class ApiServer:
         self.engines = EngineClient(args.index, args.request_address, args.output_address,
                                     args.num_engines, args.coordinator_address, args.bound,
                                     args.routing, args.head_keys, args.launcher_identity,
-                                    args.size)
+                                    args.size, EnginePools(args.prefill_engines)
+                                    if args.prefill_engines else None)
         # Structured outputs: each constraint is compiled here once first, so that a bad one
         # is a 400 (in a compile process of this server's, started on first use; only the
         # outcome comes back: the engine compiles its own).

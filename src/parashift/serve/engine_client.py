@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -26,6 +27,7 @@ from parashift.serve.engine_errors import (
 )
 from parashift.serve.engine_loads import EngineLoads
 from parashift.serve.engine_ranks import EngineRanks, RankStatus
+from parashift.serve.handoff import EnginePools, Handoff
 from parashift.serve.in_flight import InFlight, Sink
 from parashift.serve.prefix_router import Router, RoutingConfig, prompt_hashes
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
@@ -45,14 +47,17 @@ class EngineClient:
                  num_engines: int, coordinator_address: str | None = None,
                  bound: dict[str, socket.socket] | None = None,
                  routing: RoutingConfig | None = None, head_keys: HeadKeys | None = None,
-                 launcher: bytes = b"launcher", size: int | None = None):
+                 launcher: bytes = b"launcher", size: int | None = None,
+                 pools: EnginePools | None = None):
         """`num_engines`: the ranks there may be (up to --data-parallel-size-max), of which
         the first `size` are launched (all by default); `bound`: listening sockets the
         launcher bound at our tcp addresses; `head_keys`: over CURVE, the only keys our
         sockets accept (the head's and the ranks'), and what speaks for a rank counts only
-        from its key; `launcher`: the launcher's identity."""
+        from its key; `launcher`: the launcher's identity; `pools`: prefill/decode pools,
+        each request routed in two phases (serve/handoff.py)."""
         self.client_index = client_index
         self.num_engines = num_engines
+        self.pools = pools
         self.launcher = launcher
         self.ctx = zmq_context(asyncio=True, role=head_keys.role() if head_keys else None)
         self.requests = self.ctx.socket(zmq.ROUTER)
@@ -145,6 +150,8 @@ class EngineClient:
         queues refused it); the blocks of all its prompts are then recorded as living there."""
         excluded = {exclude} if isinstance(exclude, int) else set(exclude)
         alive = [r for r in self.alive_engines() if r not in excluded]
+        if self.pools is not None and pinned is None:
+            alive = self.pools.choose("prefill", alive)
         if pinned is not None:
             if pinned not in alive:
                 raise EngineUnavailableError(f"engine dp{pinned} is not available")
@@ -184,10 +191,31 @@ class EngineClient:
                     sink: Sink) -> None:
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
+        if self.pools is not None and self.pools.of(rank) == "prefill":
+            msg.hand_off = True
+            sink = Handoff(sink, functools.partial(self._decode_phase, msg))
+        self._send_request(rank, msg, sink)
+
+    def _send_request(self, rank: int, msg: p.AddRequest, sink: Sink) -> None:
         self._send_to(rank, msg)
-        tokens = request_tokens(prompt_token_ids, params)
-        self.in_flight.add(request_id, rank, sink, tokens)
+        tokens = request_tokens(msg.prompt_token_ids, msg.params)
+        self.in_flight.add(msg.request_id, rank, sink, tokens)
         self.loads.sent(rank, tokens)
+
+    def _decode_phase(self, prefill: p.AddRequest, generated: list[int], sink: Sink) -> None:
+        """The request's prefill rank published its KV: it goes on at the least loaded
+        decode rank with the tokens generated so far (serve/handoff.py)."""
+        msg = p.AddRequest(prefill.request_id, prefill.prompt_token_ids, prefill.params,
+                           prefill.eos_token_id, self.client_index, time.monotonic(),
+                           generated_token_ids=list(generated))
+        serving = self.pools.choose("decode", self.alive_engines())
+        try:
+            if not serving:
+                raise EngineUnavailableError(self.health()[1])
+            rank = min(serving, key=self.loads.score)
+            self._send_request(rank, msg, sink)
+        except EngineUnavailableError as e:  # failover starts it over (serve/generation.py)
+            sink(EngineDeadError(f"no decode rank can continue the request ({e})"))
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -341,7 +369,7 @@ class EngineClient:
         the launcher hears that this server let it go (then it stops the engine)."""
         if self.ranks.status(rank) not in (None, RankStatus.ABSENT):
             logger.info("engine dp%d left the deployment: %s", rank, reason)
-            self.in_flight.fail_engine(rank, EngineDeadError(reason))
+            self.in_flight.fail_engine(rank, EngineDeadError(reason, rank))
             self.ranks.on_removed(rank)
             self.routes.pop(rank, None)
             self.router.remove(rank)
@@ -374,7 +402,7 @@ class EngineClient:
         # The reason stays in the log: an engine's is its traceback's last line, which may
         # quote another client's request.
         self.in_flight.fail_engine(rank, EngineDeadError(
-            f"engine dp{rank} died (the server's log says why)"))
+            f"engine dp{rank} died (the server's log says why)", rank))
 
 
 def request_tokens(prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 
 class EngineDeadError(RuntimeError):
-    """The engine serving a request died; the request cannot finish."""
+    """The engine serving a request died (`rank`, where one did); the request cannot finish
+    there."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class RequestFailedError(ValueError):

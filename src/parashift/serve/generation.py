@@ -250,7 +250,7 @@ class Generation:
 
     async def _fail_over(self, error: EngineDeadError) -> None:
         """Send every sample again to a live rank other than the one that died, or raise."""
-        dead = self.engine
+        dead = self.engine if error.rank is None else error.rank  # (a decode rank: its own)
         if self._failed_over or (self.streamed and self._shown) or self.engines.num_engines < 2:
             self._count("failed")
             raise error

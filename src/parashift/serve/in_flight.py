@@ -45,10 +45,10 @@ class InFlight:
         sink = self.sinks.get(out.request_id)
         if sink is None:  # aborted on our side already
             return
-        sink(out)
-        if out.finished:
+        if out.finished:  # before the sink, which may send the request on (serve/handoff.py)
             self.loads.on_finished()
             self.forget(out.request_id)
+        sink(out)
 
     def fail(self, request_id: str, rank: int, error: Exception) -> None:
         """`rank` could not serve one of its requests."""

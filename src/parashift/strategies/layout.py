@@ -63,6 +63,8 @@ class ProcessPlan:
     lockstep: bool = False  # every engine runs every step (expert parallel waves)
     reserved_cpus: int = 0
     max_batches_in_flight: int = 1  # steps an engine submits before the oldest answers
+    # Prefill/decode pools: engines 0..prefill_engines-1 prefill, the rest decode (0: none).
+    prefill_engines: int = 0
 
 
 @dataclass(frozen=True)

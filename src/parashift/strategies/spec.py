@@ -15,9 +15,11 @@ import msgspec
 
 from parashift.strategies.base import Strategy
 from parashift.strategies.composition import AxesComposition
+from parashift.strategies.disaggregated import pools_from_sizes
 from parashift.strategies.registry import check_hooks, known_strategies, load_class
 
 _ORDER = ("dp", "pp", "tp", "ep")
+_POOLS = ("p", "d")
 _TOKEN = re.compile(r"([a-z]+)(\d*)")
 
 
@@ -28,6 +30,20 @@ class StrategyAxis(msgspec.Struct, array_like=True, gc=False):
     class_path: str
     size: int
     options: dict[str, Any] = {}
+
+
+def _pools_axis(text: str, pools: dict[str, int], axes: dict[str, Strategy]) -> Strategy:
+    """`pPxdD`: the dp axis split into a prefill and a decode pool."""
+    if set(pools) != set(_POOLS):
+        raise ValueError(f"--strategy {text!r}: prefill/decode pools need both p and d "
+                         "(like p1xd1)")
+    if "dp" in axes:
+        raise ValueError(f"--strategy {text!r}: p and d split the dp ranks; give pPxdD "
+                         "without dp")
+    if "ep" in axes:
+        raise ValueError(f"--strategy {text!r}: prefill/decode pools with expert parallel "
+                         "are not supported yet")
+    return pools_from_sizes(pools["p"], pools["d"])
 
 
 def _ordered(axes: list[Strategy]) -> tuple[Strategy, ...]:
@@ -50,8 +66,18 @@ class StrategySpec(AxesComposition):
         if not text or not text.strip():
             raise ValueError(f"--strategy is empty; use axes joined by 'x' ({grammar})")
         axes: dict[str, Strategy] = {}
+        pools: dict[str, int] = {}  # p and d: the prefill/decode split of the dp axis
         for token in text.strip().lower().split("x"):
             m = _TOKEN.fullmatch(token)
+            if m and m.group(1) in _POOLS:
+                name, digits = m.groups()
+                if name in pools:
+                    raise ValueError(f"--strategy {text!r}: axis {name!r} is given twice")
+                if not digits or int(digits) < 1:
+                    raise ValueError(f"--strategy {text!r}: {name} needs a size >= 1, "
+                                     f"like {name}1")
+                pools[name] = int(digits)
+                continue
             if not m or m.group(1) not in known:
                 raise ValueError(f"--strategy {text!r}: unknown axis {token!r}; known: {grammar}")
             name, digits = m.groups()
@@ -66,6 +92,8 @@ class StrategySpec(AxesComposition):
             if not digits or int(digits) < 1:
                 raise ValueError(f"--strategy {text!r}: {name} needs a size >= 1, like {name}2")
             axes[name] = strategy_cls(int(digits))
+        if pools:
+            axes["dp"] = _pools_axis(text, pools, axes)
         # The built-in axes are always present (at size 1), so that every layout has them.
         for name in ("dp", "pp", "tp"):
             axes.setdefault(name, known[name](1))

@@ -88,6 +88,11 @@ class AddRequest(_Msg):
     eos_token_id: int | None
     client_index: int  # which API server receives the outputs
     arrival_time: float
+    # Prefill/decode pools (serve/handoff.py): a prefill rank's request stops after its first
+    # token and stores its prompt's KV for a decode rank; a decode rank's continues the
+    # tokens the prefill rank generated.
+    hand_off: bool = False
+    generated_token_ids: list[int] = []
 
 
 class AbortRequests(_Msg):

@@ -1,0 +1,56 @@
+"""Prefill/decode pools as an API server routes them: no proxy, two phases per engine request.
+
+Phase one goes to a prefill rank (by load and prefix, as any request): it computes the prompt
+and samples the first token, which streams to the client at once, then stores the prompt's KV
+blocks in the node's host tier and finishes as handed off once they are published. Phase two
+goes to the least loaded decode rank with the tokens generated so far: its connector loads
+the blocks from the tier (the request waits in WAITING_FOR_KV) and it continues as if it had
+sampled them itself (the seeded draw is a function of the output position, penalties and
+grammars see the earlier tokens). The request keeps its id across the phases, so an abort
+reaches the rank holding it now, and a rank's death fails what that rank holds (failover:
+serve/generation.py). With no serving rank in a pool, the other pool's ranks stand in: a
+deployment that lost one pool serves on the other, slower, rather than failing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parashift.serve.in_flight import Sink
+from parashift.types.outputs import EngineCoreOutput
+
+HANDED_OFF = "handoff"  # a prefill rank's finish: the decode goes on elsewhere
+
+
+@dataclass(frozen=True)
+class EnginePools:
+    """Ranks 0..prefill-1 prefill, the rest decode (strategies/disaggregated.py)."""
+
+    prefill: int
+
+    def of(self, rank: int) -> str:
+        return "prefill" if rank < self.prefill else "decode"
+
+    def choose(self, pool: str, serving: list[int]) -> list[int]:
+        """The serving ranks of `pool`, or all of them when that pool has none."""
+        mine = [r for r in serving if self.of(r) == pool]
+        return mine or serving
+
+
+class Handoff:
+    """The sink of a request's prefill phase: its outputs pass through to the request's own
+    sink, except the handed-off finish, which starts the decode phase (`continue_on`, given
+    the tokens generated so far and the request's sink; it reports its own failures there)."""
+
+    def __init__(self, sink: Sink, continue_on: Callable[[list[int], Sink], None]):
+        self.sink = sink
+        self.continue_on = continue_on
+        self.generated: list[int] = []
+
+    def __call__(self, item: EngineCoreOutput | Exception) -> None:
+        if isinstance(item, EngineCoreOutput):
+            if item.finish_reason == HANDED_OFF:
+                self.continue_on(self.generated, self.sink)
+                return
+            self.generated.extend(item.new_token_ids)
+        self.sink(item)

@@ -1,0 +1,48 @@
+"""Prefill/decode disaggregation (`p1xd1`, `p2xd2`, `p1xd1xtp2`): the data-parallel axis split
+into two engine pools. Ranks 0..P-1 compute prompts and their first tokens; ranks P..P+D-1
+continue them, their prompts' KV blocks handed over through the KV connector. The ranks are
+dp ranks in every other respect (placement, handshake, coordinator, health), so the axis is
+data parallel with a role per rank: the API server routes each request to a prefill rank,
+then to a decode rank (serve/handoff.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from parashift.strategies.data import DataParallel
+from parashift.strategies.layout import ProcessPlan
+
+
+class PrefillDecodePools(DataParallel):
+    """`size` = prefill + decode engines; the spec grammar writes it `pPxdD`."""
+
+    def __init__(self, size: int = 2, prefill: int = 1, decode: int = 1):
+        if prefill < 1 or decode < 1 or prefill + decode != size:
+            raise ValueError(f"prefill/decode pools need p >= 1 and d >= 1 summing to the "
+                             f"engine count (p{prefill}xd{decode}, {size} engines)")
+        super().__init__(size)
+        self.prefill, self.decode = prefill, decode
+
+    def options(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    @property
+    def token(self) -> str:
+        return f"p{self.prefill}xd{self.decode}"
+
+    def check_model(self, hf_config: Any) -> list[str]:
+        from parashift.strategies.expert import num_experts_of
+
+        if num_experts_of(hf_config):
+            return [f"{self.token}: prefill/decode pools with a mixture-of-experts model are "
+                    "not supported yet"]
+        return []
+
+    def processes(self, plan: ProcessPlan) -> ProcessPlan:
+        plan = super().processes(plan)
+        return dataclasses.replace(plan, prefill_engines=self.prefill)
+
+
+def pools_from_sizes(prefill: int, decode: int) -> PrefillDecodePools:
+    return PrefillDecodePools(prefill + decode, prefill=prefill, decode=decode)
