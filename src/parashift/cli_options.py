@@ -86,6 +86,10 @@ _ENGINE_FLAGS: dict[str, Any] = {
         "--max-waiting-requests", help="per engine, requests held while asleep included: "
         f"past it, new requests get HTTP 429 [default for `run`: {SERVED_WAITING_PER_SEQ} x "
         "--max-num-seqs; offline: no limit]")],
+    **{f"{pool}_{limit}": Annotated[int | None, typer.Option(
+        f"--{pool}-{limit.replace('_', '-')}", help=f"prefill/decode pools: the {pool} "
+        f"engines' --{limit.replace('_', '-')}")]
+       for pool in ("prefill", "decode") for limit in ("max_num_batched_tokens", "max_num_seqs")},
     "block_size": Annotated[int, typer.Option("--block-size")],
     "kv_cache_memory": Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],
@@ -134,7 +138,8 @@ _ENGINE_FLAGS: dict[str, Any] = {
     "while_asleep": Annotated[Literal["reject", "wait"], typer.Option(
         "--while-asleep", help="a request to a sleeping server: 503, or wait for /wake_up")],
     "strategy": Annotated[str | None, typer.Option(
-        help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2")],
+        help="parallel layout: axes joined by x, e.g. dp2, tp2, dp4xtp2; p1xd1: a prefill "
+        "and a decode pool")],
     "data_parallel_size": Annotated[int | None, typer.Option("--data-parallel-size", "-dp")],
     "tensor_parallel_size": Annotated[int | None, typer.Option(
         "--tensor-parallel-size", "-tp")],

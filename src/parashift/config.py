@@ -113,6 +113,11 @@ class SchedulerConfig:
     while_asleep: str = "reject"  # a request to a sleeping engine: "reject" (503) or "wait"
     # schedule step N+1 while step N runs (engine/core.py); resolved from --async-scheduling
     async_scheduling: bool = False
+    # Prefill/decode pools: a pool's own limits where given (None: the ones above).
+    prefill_max_num_batched_tokens: int | None = None
+    prefill_max_num_seqs: int | None = None
+    decode_max_num_batched_tokens: int | None = None
+    decode_max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.while_asleep not in ("reject", "wait"):
@@ -122,6 +127,12 @@ class SchedulerConfig:
                 f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        for pool in ("prefill", "decode"):
+            for limit in ("max_num_batched_tokens", "max_num_seqs"):
+                value = getattr(self, f"{pool}_{limit}")
+                if value is not None and value < 1:
+                    raise ValueError(f"--{pool}-{limit.replace('_', '-')} must be >= 1, "
+                                     f"got {value}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -132,6 +143,13 @@ class SchedulerConfig:
                 f" must be >= --max-model-len ({self.max_model_len})"
             )
 
+    def for_pool(self, pool: str | None) -> SchedulerConfig:
+        """The limits of an engine of `pool` ("prefill", "decode"; None: no pools)."""
+        if pool is None:
+            return self
+        tokens = getattr(self, f"{pool}_max_num_batched_tokens") or self.max_num_batched_tokens
+        seqs = getattr(self, f"{pool}_max_num_seqs") or self.max_num_seqs
+        return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 
 @dataclass(frozen=True)
 class ParallelConfig:

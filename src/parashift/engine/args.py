@@ -60,6 +60,11 @@ class EngineArgs:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     max_waiting_requests: int | None = None  # per engine; past it a new request is a 429
+    # prefill/decode pools (--strategy p1xd1): a pool's own limits (None: the ones above)
+    prefill_max_num_batched_tokens: int | None = None
+    prefill_max_num_seqs: int | None = None
+    decode_max_num_batched_tokens: int | None = None
+    decode_max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
@@ -181,16 +186,17 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         and processes.max_batches_in_flight == 1 and not processes.lockstep)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests,
-                                args.while_asleep, async_scheduling)
+                                args.while_asleep, async_scheduling,
+                                *_pool_limits(args, spec))
     if args.kv_offloading_size and processes.lockstep:
         raise ValueError("--kv-offloading-size is not supported with lockstep expert "
                          "parallel yet")
     if args.kv_offloading_size and args.distributed_executor_backend == "ray":
         # An engine's Ray workers may sit on other nodes than its arena and job board.
         raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
-    kv_offloading_size = args.kv_offloading_size
     if processes.prefill_engines:
-        kv_offloading_size = _check_pools(args, spec)
+        _check_pools(args, spec)
+    kv_offloading_size = host_tier_size(args, spec)
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
                         kv_offloading_size, args.kv_disk_dir, args.kv_disk_size,
@@ -198,15 +204,34 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
 
 
-def _check_pools(args: EngineArgs, spec: StrategySpec) -> int:
-    """Prefill/decode pools hand a prompt's KV over through the node's host tier: its size."""
+def host_tier_size(args: EngineArgs, spec: StrategySpec | None = None) -> int | None:
+    """--kv-offloading-size; prefill/decode pools hand a prompt's KV over through the node's
+    host tier, so they have one without it (DEFAULT_HANDOFF_TIER bytes)."""
+    if spec is None and args.strategy not in (None, "auto"):
+        spec = strategy_spec(args)
+    if args.kv_offloading_size or spec is None:
+        return args.kv_offloading_size
+    return DEFAULT_HANDOFF_TIER if spec.processes().prefill_engines else None
+
+
+def _pool_limits(args: EngineArgs, spec: StrategySpec) -> tuple[int | None, ...]:
+    """The per-pool scheduler limits, refused without pools (they would do nothing)."""
+    limits = (args.prefill_max_num_batched_tokens, args.prefill_max_num_seqs,
+              args.decode_max_num_batched_tokens, args.decode_max_num_seqs)
+    if any(v is not None for v in limits) and not spec.processes().prefill_engines:
+        raise ValueError(f"--prefill-*/--decode-* limits apply to prefill/decode pools; "
+                         f"--strategy {spec} has none (use pPxdD, like p1xd1)")
+    return limits
+
+
+def _check_pools(args: EngineArgs, spec: StrategySpec) -> None:
+    """What prefill/decode pools need of the other flags."""
     if args.distributed_executor_backend == "ray":
         raise ValueError(f"--strategy {spec}: prefill/decode pools run with --backend mp "
                          "for now")
     if not args.enable_prefix_caching:
         raise ValueError(f"--strategy {spec}: prefill/decode pools hand prompts over by their "
                          "block hashes: drop --no-enable-prefix-caching")
-    return args.kv_offloading_size or DEFAULT_HANDOFF_TIER
 
 
 def check_deterministic(device: DeviceConfig, hf_config: Any, quantization: str | None,

@@ -25,6 +25,7 @@ from parashift.engine.placement import engine_placement, ray_engine_placement
 from parashift.engine.request import Request, check_handed_over, check_prompt_tokens
 from parashift.engine.scheduler import Scheduler
 from parashift.engine.structured_output import Grammars, GrammarState
+from parashift.strategies.disaggregated import engine_pool
 from parashift.strategies.mesh import EnginePlacement
 from parashift.types.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 
@@ -106,7 +107,9 @@ class EngineCore:
         if self.async_scheduling:
             logger.info("async scheduling: step N+1 is scheduled while step N runs")
         self.connector = self._kv_tiers(kv_cache)
-        self.scheduler = Scheduler(config.scheduler, kv_cache, depth, config.model.vocab_size,
+        par = config.parallel
+        limits = config.scheduler.for_pool(engine_pool(par.strategy, par.data_parallel_rank))
+        self.scheduler = Scheduler(limits, kv_cache, depth, config.model.vocab_size,
                                    placeholders=self.async_scheduling, connector=self.connector)
         self.batch_queue: collections.deque[SchedulerOutput] | None = (
             collections.deque() if depth > 1 else None)

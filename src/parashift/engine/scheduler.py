@@ -366,6 +366,8 @@ class Scheduler:
         prefill = output = 0
         max_len = self.config.max_model_len
         for req in self.requests.values():
+            if req.status == RequestStatus.SENDING_KV:  # its decode goes on elsewhere
+                continue
             prefill += max(0, req.num_prompt_tokens - req.num_computed_tokens)
             allowed = max_len - req.num_prompt_tokens
             if req.params.max_tokens is not None:

@@ -29,12 +29,38 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "kv_capacity": {"blocks": plan.kv_blocks, "tokens": plan.kv_tokens,
                         "max_length_sequences": plan.concurrent_max_len_seqs},
         "kv_tiers": dataclasses.asdict(plan.kv_tiers) if plan.kv_tiers else None,
+        "pools": _pools(plan),
         "ranks_that_fit": plan.ranks_that_fit,
         "experts_per_rank": plan.experts_per_rank,
         "expert_options": plan.expert_options,
         "communication": plan.comm, "estimate": plan.estimate,
         "pipeline_bubble": plan.bubble,
     }
+
+
+def _pools(plan: Plan) -> dict[str, Any] | None:
+    """Prefill/decode pools: each pool's engines, and the KV a handed-off prompt moves."""
+    prefill = plan.spec.processes().prefill_engines
+    if not prefill:
+        return None
+    engines = plan.spec.processes().num_engines
+    host = plan.kv_tiers.host if plan.kv_tiers else None
+    per_token = host.size_bytes and host.slot_bytes * host.blocks // host.tokens if (
+        host and host.tokens) else None
+    return {"prefill": list(range(prefill)), "decode": list(range(prefill, engines)),
+            "kv_link": "the node's host KV tier (shared memory)",
+            "kv_bytes_per_prompt_token": per_token}
+
+
+def _show_pools(pools: dict[str, Any], console: Console) -> None:
+    def ranks(pool: list[int]) -> str:
+        return ", ".join(f"dp{r}" for r in pool)
+
+    per_token = pools["kv_bytes_per_prompt_token"]
+    console.print(f"prefill pool: {ranks(pools['prefill'])}; decode pool: "
+                  f"{ranks(pools['decode'])}; a prompt's KV goes from one to the other "
+                  f"through {pools['kv_link']}"
+                  + (f", {per_token:,} bytes per prompt token" if per_token else ""))
 
 
 def _rank_row(plan: Plan, rank: RankPlacement) -> dict[str, Any]:
@@ -104,6 +130,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
                   "ceiling for --data-parallel-size-max)")
     if plan.kv_tiers:
         _show_kv_tiers(plan.kv_tiers, console)
+    if pools := _pools(plan):
+        _show_pools(pools, console)
     if plan.expert_options:
         _show_expert_options(plan, console)
     if plan.comm:

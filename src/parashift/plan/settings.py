@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from parashift.cli_options import parse_size
 from parashift.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from parashift.defaults import DTYPE_BYTES, default_max_num_batched_tokens, resolve_dtype_name
-from parashift.engine.args import EngineArgs, gemm_paths, strategy_spec
+from parashift.engine.args import EngineArgs, gemm_paths, host_tier_size, strategy_spec
 from parashift.plan.estimate import PlanSettings, keeps_shared_weight_copies
 from parashift.plan.hardware import DEVICES, INTER_NODE, INTRA_NODE, Device, Link
 from parashift.plan.shape import ModelShape
@@ -130,7 +130,7 @@ def _configs(args: EngineArgs, kind: str, max_model_len: int
     defaults for this device kind), validated by their own __post_init__."""
     cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                         args.enable_prefix_caching, args.num_gpu_blocks_override,
-                        args.kv_offloading_size, args.kv_disk_dir, args.kv_disk_size)
+                        host_tier_size(args), args.kv_disk_dir, args.kv_disk_size)
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, kind, None if args.enable_chunked_prefill else max_model_len)
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,

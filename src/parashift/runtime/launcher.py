@@ -58,6 +58,12 @@ class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = create_config(args.engine)  # validates flags, converts a GGUF once
+        pools = self.config.parallel.strategy.processes()
+        if pools.prefill_engines and (args.backend == "ray"
+                                      or args.multi_node(pools.num_engines)):
+            # The KV moves through the node's host tier: both pools on one node.
+            raise ValueError(f"--strategy {self.config.parallel.strategy}: prefill/decode "
+                             "pools run on one node with --backend mp for now")
         if self.config.cache.kv_disk_dir is not None:  # refused before any process starts
             check_private_folder(self.config.cache.kv_disk_dir)
         if self.config.cache.kv_offloading_size:
@@ -80,11 +86,6 @@ class Launcher:
                 raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
                                  "on one node with --backend mp for now")
             self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
-        if self.processes.prefill_engines and (args.backend == "ray"
-                                               or args.multi_node(self.num_engines)):
-            # The KV moves through the node's host tier: both pools on one node.
-            raise ValueError(f"--strategy {self.spec}: prefill/decode pools run on one node "
-                             "with --backend mp for now")
         args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
         self._set_up_engines(args)
         self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None

@@ -188,10 +188,11 @@ class EngineClient:
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_id: int | None, rank: int,
-                    sink: Sink) -> None:
+                    sink: Sink, whole: bool = False) -> None:
+        """`whole`: `rank` serves all of it (a pinned request), in a pool or not."""
         msg = p.AddRequest(request_id, prompt_token_ids, params, eos_token_id,
                            self.client_index, time.monotonic())
-        if self.pools is not None and self.pools.of(rank) == "prefill":
+        if self.pools is not None and self.pools.of(rank) == "prefill" and not whole:
             msg.hand_off = True
             sink = Handoff(sink, functools.partial(self._decode_phase, msg))
         self._send_request(rank, msg, sink)

@@ -135,7 +135,8 @@ class Generation:
         for sample_id, (prompt, params) in self._samples.items():
             self.engines.add_request(self._wire_id(sample_id), prompt, params,
                                      self.eos_token_id, self.engine,
-                                     functools.partial(self._receive, self._attempt, sample_id))
+                                     functools.partial(self._receive, self._attempt, sample_id),
+                                     whole=self.pinned)
 
     def _wire_id(self, sample_id: str) -> str:
         # An attempt's own: an earlier one's outputs still on the way never reach it (the

@@ -9,7 +9,8 @@ sampled them itself (the seeded draw is a function of the output position, penal
 grammars see the earlier tokens). The request keeps its id across the phases, so an abort
 reaches the rank holding it now, and a rank's death fails what that rank holds (failover:
 serve/generation.py). With no serving rank in a pool, the other pool's ranks stand in: a
-deployment that lost one pool serves on the other, slower, rather than failing."""
+deployment that lost one pool serves on the other, slower, rather than failing. A request
+pinned to a rank (X-data-parallel-rank) runs there whole."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from parashift.serve.in_flight import Sink
+from parashift.strategies.disaggregated import pool_of
 from parashift.types.outputs import EngineCoreOutput
 
 HANDED_OFF = "handoff"  # a prefill rank's finish: the decode goes on elsewhere
@@ -29,7 +31,7 @@ class EnginePools:
     prefill: int
 
     def of(self, rank: int) -> str:
-        return "prefill" if rank < self.prefill else "decode"
+        return pool_of(rank, self.prefill)
 
     def choose(self, pool: str, serving: list[int]) -> list[int]:
         """The serving ranks of `pool`, or all of them when that pool has none."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from parashift.strategies.composition import AxesComposition
 from parashift.strategies.data import DataParallel
 from parashift.strategies.layout import ProcessPlan
 
@@ -42,6 +43,16 @@ class PrefillDecodePools(DataParallel):
     def processes(self, plan: ProcessPlan) -> ProcessPlan:
         plan = super().processes(plan)
         return dataclasses.replace(plan, prefill_engines=self.prefill)
+
+
+def engine_pool(spec: AxesComposition, rank: int) -> str | None:
+    """"prefill" or "decode" for a rank of prefill/decode pools; None without pools."""
+    prefill = spec.processes().prefill_engines
+    return pool_of(rank, prefill) if prefill else None
+
+
+def pool_of(rank: int, prefill_engines: int) -> str:
+    return "prefill" if rank < prefill_engines else "decode"
 
 
 def pools_from_sizes(prefill: int, decode: int) -> PrefillDecodePools:

@@ -63,6 +63,7 @@ class StrategySpec(AxesComposition):
             plugin = load_class(path)
             known[plugin.name] = plugin
         grammar = ", ".join(f"{n}" if c.is_flag else f"{n}N" for n, c in known.items())
+        grammar += ", pNxdN (prefill/decode pools)"
         if not text or not text.strip():
             raise ValueError(f"--strategy is empty; use axes joined by 'x' ({grammar})")
         axes: dict[str, Strategy] = {}

@@ -1,0 +1,148 @@
+"""`parashift run --strategy p1xd1` (issue 57) with the real SmolLM2 under --deterministic: a
+request's prompt and first token come from the prefill rank dp0, its KV goes to the decode
+rank dp1 through the node's host tier, and dp1 continues. Every answer equals the one dp1
+gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs,
+streamed and not, seeded n=3, stop strings, a JSON schema and a named tool call. A client
+that leaves mid-stream leaves no KV block held on either rank. What pools cannot run yet
+(across nodes, on Ray, elastic, without prefix caching) is refused at launch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import running_server
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--deterministic", "--dtype", "bfloat16", "--max-model-len", "512",
+        "--kv-cache-memory", "64MiB", "--strategy", "p1xd1", "--no-async-scheduling")
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, without "
+          "lists, and never repeat the question back to the user. ")  # whole blocks to hand off
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+CASES = {
+    "chat": ("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": "Name two colours of the rainbow."}],
+        "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 3}),
+    "seeded": ("/v1/completions", {
+        "prompt": SYSTEM + "The three primary colours are", "max_tokens": 12,
+        "temperature": 1.0, "top_p": 0.9, "seed": 5, "n": 3, "logprobs": 3}),
+    "stop": ("/v1/completions", {
+        "prompt": SYSTEM + "Count from one to ten in words: one, two,", "max_tokens": 40,
+        "temperature": 0, "stop": [" six"]}),
+    "schema": ("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": "Describe a cat as JSON."}],
+        "max_tokens": 60, "temperature": 0, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "cat", "schema": {
+                "type": "object", "properties": {"name": {"type": "string"},
+                                                 "age": {"type": "integer"}},
+                "required": ["name", "age"]}}}}),
+    "tool": ("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 40, "temperature": 0, "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    with running_server(smollm2_path, *ARGS) as s:
+        yield s
+
+
+def post(server, path: str, body: dict, rank: int | None = None) -> dict:
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    status, raw = server.request("POST", path, body, headers=headers, timeout=120)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def answer(reply: dict) -> list:
+    """What must match: each choice's text or message, logprobs and finish reason."""
+    out = []
+    for c in reply["choices"]:
+        message = c.get("message")
+        if message is not None:
+            message = {k: message.get(k) for k in ("content", "tool_calls")}
+            for call in message["tool_calls"] or ():
+                call.pop("id", None)  # fresh per answer
+        out.append((c.get("text"), message, c.get("logprobs"), c["finish_reason"]))
+    return out
+
+
+def decode_loads(server) -> float:
+    return server.metric("parashift_kv_tier_loads", 'engine="dp1",tier="host"') or 0.0
+
+
+def wait_for(check, what: str, server, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}; output:\n{server.output()[-3000:]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_answers_equal_the_decode_rank_alone(server, case):
+    path, body = CASES[case]
+    loads = decode_loads(server)
+    handed = answer(post(server, path, body))  # dp0 prefills, dp1 decodes
+    # dp1 took the prompt's blocks from the host tier (engines report with their outputs)
+    wait_for(lambda: decode_loads(server) > loads, "dp1 loaded nothing from the tier", server)
+    alone = answer(post(server, path, body, rank=1))
+    assert handed == alone
+    if case == "stop":
+        assert handed[0][0] and " six" not in handed[0][0] and handed[0][3] == "stop"
+    if case == "tool":
+        (_, message, _, finish), = handed
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"]
+
+
+def test_a_stream_gives_the_text_of_the_answer(server):
+    path, body = CASES["chat"]
+    whole = post(server, path, body)["choices"][0]["message"]["content"]
+    status, raw = server.request("POST", path, {**body, "stream": True}, timeout=120)
+    assert status == 200, raw
+    text = ""
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert text == whole
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
+    client = server.client()
+    stream = client.completions.create(model=server.model_name, prompt=SYSTEM + "Once upon",
+                                       max_tokens=300, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # the first token, from the prefill rank
+    stream.close()
+    for rank in (0, 1):
+        engine = f'engine="dp{rank}"'
+        wait_for(lambda e=engine: server.metric("parashift_kv_cache_usage_ratio", e) == 0.0
+                 and server.metric("parashift_num_requests_running", e) == 0.0,
+                 f"dp{rank} kept blocks of a request its client left", server)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data-parallel-size-local", "1"],
+     "prefill/decode pools run on one node"),
+    (["--backend", "ray"], "prefill/decode pools run on one node with --backend mp"),
+    (["--data-parallel-size-max", "4"], "prefill/decode pools do not scale yet"),
+    (["--no-enable-prefix-caching"], "drop --no-enable-prefix-caching"),
+])
+def test_what_pools_cannot_run_yet_is_refused(tiny_llama, args, message):
+    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", tiny_llama,
+                           "--strategy", "p1xd1", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
