@@ -8,8 +8,10 @@ tokens in progress (16-token prompts, back to back), while prompts of --prompt-l
 
 Per server: the streams' inter-token latency p50 / p99 (every gap between chunks of the
 stream requests after their first token), their TPOT, the long prompts' TTFT p50 / p99,
-total output tok/s, and for p1xd1 the KV handed over: bytes and load milliseconds per
-handed-off request (the decode rank's tier counters). The servers alternate --rounds times,
+total output tok/s, the gap between a long prompt's first and second tokens (with p1xd1 the
+hand-off sits there: the first token streams from the prefill rank), and for p1xd1 the KV
+handed over: bytes per block and load milliseconds per hand-off (the decode rank's tier
+counters). The servers alternate --rounds times,
 one at a time; random token ids, greedy, ignore_eos.
 
     python scripts/bench_pd.py [--streams 8] [--prompt-rate 0.5] [--prompts 24] [--rounds 3]
@@ -58,10 +60,15 @@ def summary(streams: list[RequestRecord], prompts: list[RequestRecord], seconds:
     itl = distribution(gaps)
     tpot = distribution([t for r in streams if (t := r.tpot) is not None])
     ttft = distribution([r.ttft for r in prompts if r.ok and r.ttft is not None])
+    # p1xd1: the hand-off (the KV stored, loaded, the request moved) sits between a prompt's
+    # first token (from the prefill rank) and its second (from the decode rank)
+    second = distribution([r.itl[0] for r in prompts if r.ok and r.itl])
     tokens = sum(r.generated for r in streams + prompts if r.ok)
     return {"itl_p50_ms": itl.get("median"), "itl_p99_ms": itl.get("p99"),
             "stream_tpot_ms": tpot.get("median"), "prompt_ttft_p50_ms": ttft.get("median"),
-            "prompt_ttft_p99_ms": ttft.get("p99"), "output_tok_s": tokens / seconds,
+            "prompt_ttft_p99_ms": ttft.get("p99"), "prompt_second_token_p50_ms":
+            second.get("median"), "prompt_second_token_p99_ms": second.get("p99"),
+            "output_tok_s": tokens / seconds,
             "failed": failed}
 
 
@@ -70,8 +77,10 @@ def handed_over(url: str) -> dict:
     if not loads:
         return {}
     moved = metric(url, "parashift_kv_tier_bytes", 'direction="load",engine="dp1"')
+    blocks = metric(url, "parashift_kv_tier_hit_blocks", 'engine="dp1",tier="host"')
     seconds = metric(url, "parashift_kv_tier_load_seconds", 'engine="dp1",tier="host"')
-    return {"kv_loads": loads, "kv_bytes_per_load": moved / loads,
+    # (the load time runs from the lookup to the blocks cached: a copy and the step it rides)
+    return {"kv_loads": loads, "kv_bytes_per_block": moved / blocks,
             "kv_load_ms": 1e3 * seconds / loads}
 
 

@@ -2,18 +2,27 @@
 prefill request stops after its first token and finishes as handed off once its prompt's
 blocks are in the host tier; a request continued from those tokens loads the blocks and
 generates what the request would have generated alone, bit for bit under --deterministic
-(greedy, seeded with top-p, penalties); what cannot continue is refused, and an abort while
-the blocks are sent leaves nothing held."""
+(greedy, seeded with top-p, penalties); what cannot continue is refused. The scheduler with
+the real connector: a hand-off waits for its stores (the first token streams meanwhile), and
+an abort while they copy leaves nothing held once they end."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 
 from parashift import LLM, SamplingParams
+from parashift.config import SchedulerConfig
 from parashift.engine.block_hash import block_hashes
+from parashift.engine.kv_cache import KVCacheManager
+from parashift.engine.kv_tier_connector import TierConnector
 from parashift.engine.request import Request, RequestStatus
+from parashift.engine.scheduler import Scheduler
+from parashift.kv_tiers.host_arena import HostArena
 from parashift.kv_tiers.identity import tier_key
-from parashift.types.outputs import EngineCoreOutput
+from parashift.kv_tiers.shm_files import shm_path
+from parashift.types.outputs import EngineCoreOutput, KVTransferJob, ModelRunnerOutput
 
 from .test_engine import assert_no_leaks
 
@@ -90,19 +99,52 @@ def test_a_first_token_that_ends_it_finishes_there(llm):
     assert_no_leaks(llm)
 
 
-def test_an_abort_while_the_blocks_are_sent(llm):
-    core = llm.engine
-    assert core.reset_prefix_cache()
-    core.add_request(Request("ab", PROMPT, PARAMS["greedy"], None, hands_off=True))
-    while "ab" in core.scheduler.requests and (
-            core.scheduler.requests["ab"].status != RequestStatus.SENDING_KV):
-        core.step()
-    assert core.scheduler.sending_kv  # its stores are still copying
-    core.abort_requests(["ab"])
-    assert not core.scheduler.sending_kv and "ab" not in core.scheduler.requests
-    while core.has_work():
-        core.step()
-    assert_no_leaks(llm)
+@pytest.fixture
+def tier_scheduler():
+    """A scheduler with the real tier connector, its host arena and job board; the test is
+    the worker that reports the copies (or does not yet)."""
+    kv_cache = KVCacheManager(32, 16, True)
+    arena = HostArena.open(shm_path(f"parashift-test-handoff-{uuid.uuid4().hex}"), 1 << 20,
+                           1024, owner=True)
+    connector = TierConnector(kv_cache, arena, b"test", 1024, num_workers=1)
+    yield Scheduler(SchedulerConfig(256, 8, 128), kv_cache, connector=connector), connector
+    connector.close()
+
+
+def first_token(sched: Scheduler, request_id: str) -> tuple[KVTransferJob, list]:
+    """Schedules the prompt whole, samples token 5: the store job and the step's outputs."""
+    out = sched.schedule()
+    (store,) = out.kv_jobs
+    assert not store.load and store.urgent and len(store.slots) == 4
+    return store, sched.update_from_output(out, ModelRunnerOutput({request_id: 5}))
+
+
+def test_a_hand_off_waits_for_its_stores_and_an_abort_meanwhile_frees_all(tier_scheduler):
+    sched, connector = tier_scheduler
+    pool = sched.kv_cache.pool
+    sched.add_request(Request("h", PROMPT, PARAMS["greedy"], None, hands_off=True))
+    store, outputs = first_token(sched, "h")
+    # the copy has not reported: the token streams, the request waits with its blocks stored
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([5], None)]
+    assert sched.requests["h"].status == RequestStatus.SENDING_KV
+    assert sched.kv_cache.req_blocks == {} and connector.storing("h")
+    connector.board.report(store.job, 0, True)
+    sched.schedule()
+    (done,) = sched.take_unscheduled_outputs()
+    assert (done.request_id, done.finish_reason) == ("h", "handoff")
+    keys = [tier_key(b"test", h) for h in block_hashes(PROMPT, 16)]
+    assert len(connector.arena.lookup(keys)) == 4  # published for the decode rank
+
+    sched.add_request(Request("a", [t + 1 for t in PROMPT], PARAMS["greedy"], None,
+                              hands_off=True))
+    store, _ = first_token(sched, "a")
+    sched.abort_requests(["a"])
+    assert "a" not in sched.requests and not sched.sending_kv
+    assert pool.num_free_blocks < pool.num_blocks  # the store still holds what it reads
+    connector.board.report(store.job, 0, True)
+    sched.schedule()
+    assert not sched.take_unscheduled_outputs() and not connector.busy
+    assert pool.num_free_blocks == pool.num_blocks
 
 
 @pytest.mark.parametrize("generated, error", [

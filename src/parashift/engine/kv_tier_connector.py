@@ -53,6 +53,7 @@ class _Job:
     num_host: int = 0  # of a load: slots found in the arena; the rest are read from disk
     num_read: int = 0  # of those, read intact
     owner: str = ""  # of a store: its request's id
+    urgent: bool = False  # of a store: copied within its step (a hand-off's last blocks)
     waiters: list[Request] = field(default_factory=list)
     reading: Future | None = None
     started: float = field(default_factory=time.monotonic)
@@ -176,8 +177,11 @@ class TierConnector:
             return
         held = [b for b, _, _ in kept]
         self.pool.touch(held)  # not reused before the copy is out
+        # A prefill pool's request that samples its first token in this step: its decode
+        # rank waits for these blocks.
+        urgent = request.hands_off and request.num_computed_tokens >= request.num_tokens
         job = _Job(self._free_ids.pop(), False, held, [h for _, h, _ in kept],
-                   [s for _, _, s in kept], owner=req_id)
+                   [s for _, _, s in kept], owner=req_id, urgent=urgent)
         self.jobs[job.id] = job
         self._emit(job)
 
@@ -185,7 +189,7 @@ class TierConnector:
     def _emit(self, job: _Job) -> None:
         self.board.start(job.id)
         self._emitted.append(KVTransferJob(job.id, job.load, [b.block_id for b in job.blocks],
-                                           list(job.slots)))
+                                           list(job.slots), job.urgent))
 
     def take_jobs(self) -> list[KVTransferJob]:
         jobs, self._emitted = self._emitted, []
@@ -272,7 +276,12 @@ class TierConnector:
                 self.pool.free(held[0])
 
     def storing(self, request_id: str) -> bool:
-        """Stores of the request's blocks are still copying."""
+        """Stores of the request's blocks are still copying (those that ended are settled
+        here: a hand-off need not wait for the next step's `settle`)."""
+        for job in [j for j in self.jobs.values() if j.owner == request_id]:
+            outcome = self.board.outcome(job.id)
+            if outcome != PENDING:
+                self._end(job, outcome == DONE, [])
         return any(job.owner == request_id for job in self.jobs.values())
 
     def forget(self, request: Request) -> None:

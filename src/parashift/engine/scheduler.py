@@ -131,11 +131,8 @@ class Scheduler:
     def _settle_kv(self) -> None:
         """Requests whose blocks arrived (or failed to) wait for admission again, in order;
         those whose blocks were sent on finish."""
-        for req in [r for r in self.sending_kv if not self.connector.storing(r.request_id)]:
-            self.sending_kv.remove(req)
-            self._finish(req, RequestStatus.FINISHED_HANDED_OFF)
-            self._finished_unscheduled.append(EngineCoreOutput(
-                req.request_id, [], None, req.status.value, None, req.num_cached_tokens))
+        for req in list(self.sending_kv):
+            self._hand_off_if_sent(req, self._finished_unscheduled)
         for req in self.connector.settle():
             if req.status == RequestStatus.WAITING_FOR_KV:
                 self.waiting_for_kv.remove(req)
@@ -314,6 +311,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, [token_id], logprobs.get(req_id) if logprobs else None,
                 status.value if status else None, req.stop_reason, req.num_cached_tokens))
+            if req.status == RequestStatus.SENDING_KV:  # its last blocks copied in the step
+                self._hand_off_if_sent(req, outputs)
         return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -343,6 +342,15 @@ class Scheduler:
         self.kv_cache.free(req)
         self._freed_req_ids.add(req.request_id)
         self.sending_kv.append(req)
+
+    def _hand_off_if_sent(self, req: Request, outputs: list[EngineCoreOutput]) -> None:
+        """Its stores are published: it finishes as handed off, told in `outputs`."""
+        if self.connector.storing(req.request_id):
+            return
+        self.sending_kv.remove(req)
+        self._finish(req, RequestStatus.FINISHED_HANDED_OFF)
+        outputs.append(EngineCoreOutput(req.request_id, [], None, req.status.value, None,
+                                        req.num_cached_tokens))
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Out of its queue already: its blocks and its runner state go."""

@@ -87,7 +87,8 @@ class KVTransfers:
                 self.board.report(job.job, self.worker, True)
 
     def after_forward(self, jobs: list[KVTransferJob]) -> None:
-        """Stores: queued after this step's forward wrote their blocks."""
+        """Stores: queued after this step's forward wrote their blocks (urgent ones copied
+        here, before the step's result returns)."""
         stores = [job for job in jobs if not job.load]
         if not stores:
             return
@@ -96,22 +97,26 @@ class KVTransfers:
             event = torch.cuda.Event()
             event.record()
         for job in stores:
-            self._jobs.put((job, event))
+            if job.urgent:
+                self._store(job, event)
+            else:
+                self._jobs.put((job, event))
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, event = item
-            try:
-                if self.cache is not None:
-                    self._copy_cpu(job)
-                else:
-                    self._copy_cuda(job, event)
-                ok = True
-            except Exception:  # the job fails alone; the engine recomputes its blocks
-                logger.exception("KV %s of %d blocks failed", "load" if job.load else "store",
-                                 len(job.block_ids))
-                ok = False
-            self.board.report(job.job, self.worker, ok)
+            self._store(*item)
+
+    def _store(self, job: KVTransferJob, event: torch.cuda.Event | None) -> None:
+        try:
+            if self.cache is not None:
+                self._copy_cpu(job)
+            else:
+                self._copy_cuda(job, event)
+            ok = True
+        except Exception:  # the job fails alone; the engine recomputes its blocks
+            logger.exception("KV store of %d blocks failed", len(job.block_ids))
+            ok = False
+        self.board.report(job.job, self.worker, ok)
 
     def _copy_cpu(self, job: KVTransferJob) -> None:
         blocks, slots = np.asarray(job.block_ids), np.asarray(job.slots)

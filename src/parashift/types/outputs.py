@@ -40,6 +40,9 @@ class KVTransferJob:
     load: bool
     block_ids: list[int]
     slots: list[int]
+    # A store the worker copies before it returns the step's result (a hand-off's last
+    # blocks: the decode rank takes them at once), not on its copy thread.
+    urgent: bool = False
 
 
 @dataclass
