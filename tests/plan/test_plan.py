@@ -210,3 +210,20 @@ def test_the_ranks_that_fit_the_machine():
     tp2 = make_plan(PRESETS["Llama-3.1-8B"], StrategySpec.parse("tp2"),
                     PlanSettings(cpu, 2, device_memory=64 * GiB, kv_cache_memory=4 * GiB))
     assert tp2.ranks_that_fit == (64 * GiB) // (2 * tp2.stages[0].budget)
+
+
+def test_prefill_decode_pools_in_json_and_text():
+    """`plan` names each pool's engines and the KV a handed-off prompt moves, through the host
+    tier the pools turn on (512 MiB by default; Qwen3-8B bf16: 36 layers x K/V x 8 kv heads x
+    128 x 2 bytes = 147,456 bytes a token)."""
+    code, out, _ = (lambda r: (r.exit_code, r.stdout, r.stderr))(cli_in_process(
+        "plan", "Qwen3-8B", "--strategy", "p1xd2xtp2", "--device", "h100-80g", "--json"))
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["strategy"] == "p1xd2xtp2" and len(doc["mesh"]) == 6
+    assert doc["pools"] == {"prefill": [0], "decode": [1, 2],
+                            "kv_link": "the node's host KV tier (shared memory)",
+                            "kv_bytes_per_prompt_token": 147456}
+    assert doc["kv_tiers"]["host"]["size_bytes"] == 512 << 20
+    text = cli_in_process("plan", "Qwen3-8B", "--strategy", "p1xd1", "--device", "h100-80g")
+    assert "prefill pool: dp0; decode pool: dp1" in " ".join(text.stdout.split())

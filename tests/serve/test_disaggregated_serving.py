@@ -3,24 +3,28 @@ request's prompt and first token come from the prefill rank dp0, its KV goes to 
 rank dp1 through the node's host tier, and dp1 continues. Every answer equals the one dp1
 gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs,
 streamed and not, seeded n=3, stop strings, a JSON schema and a named tool call. A client
-that leaves mid-stream leaves no KV block held on either rank. What pools cannot run yet
+that leaves before its first token or mid-stream leaves no KV block held on either rank;
+/sleep and /wake_up reach both pools. What pools cannot run yet
 (across nodes, on Ray, elastic, without prefix caching) is refused at launch."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
+
+from parashift.engine.args import EngineArgs
+from parashift.runtime.launcher import Launcher
+from parashift.runtime.node import ServeArgs
 
 from .conftest import running_server
 
 pytestmark = pytest.mark.slow
 
 ARGS = ("--deterministic", "--dtype", "bfloat16", "--max-model-len", "512",
-        "--kv-cache-memory", "64MiB", "--strategy", "p1xd1", "--no-async-scheduling")
+        "--kv-cache-memory", "64MiB", "--strategy", "p1xd1", "--no-async-scheduling",
+        "--enable-admin-routes")
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, without "
           "lists, and never repeat the question back to the user. ")  # whole blocks to hand off
 WEATHER = {"type": "function", "function": {
@@ -120,6 +124,37 @@ def test_a_stream_gives_the_text_of_the_answer(server):
     assert text == whole
 
 
+def nothing_held(server) -> None:
+    for rank in (0, 1):
+        engine = f'engine="dp{rank}"'
+        wait_for(lambda e=engine: server.metric("parashift_kv_cache_usage_ratio", e) == 0.0
+                 and server.metric("parashift_num_requests_running", e) == 0.0
+                 and server.metric("parashift_num_requests_waiting", e) == 0.0,
+                 f"dp{rank} kept blocks of a request its client left", server)
+
+
+def test_a_client_that_leaves_before_its_first_token_leaves_no_blocks(server):
+    prompt = SYSTEM * 12  # ~450 tokens: the prefill rank is still computing when it leaves
+    with pytest.raises(OSError):  # (urllib's timeout)
+        server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 40},
+                       timeout=0.05)
+    nothing_held(server)
+
+
+def test_sleep_and_wake_reach_both_pools(server):
+    path, body = CASES["chat"]
+    before = answer(post(server, path, body))
+    status, raw = server.request("POST", "/sleep?level=1", timeout=60)
+    assert status == 200 and set(json.loads(raw)["engines"]) == {"dp0", "dp1"}, raw
+    status, raw = server.request("POST", path, body)
+    assert status == 503 and "asleep" in json.loads(raw)["error"]["message"], raw
+    status, raw = server.request("POST", "/wake_up", timeout=60)
+    assert status == 200, raw
+    loads = decode_loads(server)  # the caches were emptied: dp1 loads the prompt again
+    assert answer(post(server, path, body)) == before
+    wait_for(lambda: decode_loads(server) > loads, "dp1 loaded nothing after the wake", server)
+
+
 def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
     client = server.client()
     stream = client.completions.create(model=server.model_name, prompt=SYSTEM + "Once upon",
@@ -127,22 +162,15 @@ def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
                                        extra_body={"ignore_eos": True})
     next(iter(stream))  # the first token, from the prefill rank
     stream.close()
-    for rank in (0, 1):
-        engine = f'engine="dp{rank}"'
-        wait_for(lambda e=engine: server.metric("parashift_kv_cache_usage_ratio", e) == 0.0
-                 and server.metric("parashift_num_requests_running", e) == 0.0,
-                 f"dp{rank} kept blocks of a request its client left", server)
+    nothing_held(server)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--data-parallel-size-local", "1"],
-     "prefill/decode pools run on one node"),
-    (["--backend", "ray"], "prefill/decode pools run on one node with --backend mp"),
-    (["--data-parallel-size-max", "4"], "prefill/decode pools do not scale yet"),
-    (["--no-enable-prefix-caching"], "drop --no-enable-prefix-caching"),
+@pytest.mark.parametrize("flags,message", [
+    ({"data_parallel_size_local": 1}, "prefill/decode pools run on one node"),
+    ({"backend": "ray"}, "prefill/decode pools run on one node with --backend mp"),
+    ({"data_parallel_size_max": 4}, "prefill/decode pools do not scale yet"),
 ])
-def test_what_pools_cannot_run_yet_is_refused(tiny_llama, args, message):
-    done = subprocess.run([sys.executable, "-m", "parashift.cli", "run", tiny_llama,
-                           "--strategy", "p1xd1", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+def test_what_pools_cannot_run_yet_is_refused(tiny_llama, flags, message):
+    """Before anything starts: the launch checks its layout first."""
+    with pytest.raises(ValueError, match=message):
+        Launcher(ServeArgs(EngineArgs(model=tiny_llama, strategy="p1xd1"), **flags))

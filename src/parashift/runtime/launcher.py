@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 
 import msgspec
@@ -528,7 +529,10 @@ def run(args: ServeArgs) -> int:
     code = 0
     try:
         launcher.start()
-        print(launcher.banner(), flush=True)
+        # One write, newline included: unbuffered (PYTHONUNBUFFERED), print's two writes let a
+        # child's log line land inside the banner's line on a shared pipe.
+        sys.stdout.write(launcher.banner() + "\n")
+        sys.stdout.flush()
         code = launcher.serve_forever()
     except StartupError as e:
         logger.error("%s", e)

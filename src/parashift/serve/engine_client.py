@@ -203,20 +203,27 @@ class EngineClient:
         self.in_flight.add(msg.request_id, rank, sink, tokens)
         self.loads.sent(rank, tokens)
 
-    def _decode_phase(self, prefill: p.AddRequest, generated: list[int], sink: Sink) -> None:
-        """The request's prefill rank published its KV: it goes on at the least loaded
-        decode rank with the tokens generated so far (serve/handoff.py)."""
+    def _decode_phase(self, prefill: p.AddRequest, handoff: Handoff) -> None:
+        """The request's prefill rank published its KV (or a decode rank refused it): it goes
+        on at the least loaded decode rank with the tokens generated so far
+        (serve/handoff.py)."""
         msg = p.AddRequest(prefill.request_id, prefill.prompt_token_ids, prefill.params,
                            prefill.eos_token_id, self.client_index, time.monotonic(),
-                           generated_token_ids=list(generated))
-        serving = self.pools.choose("decode", self.alive_engines())
+                           generated_token_ids=list(handoff.generated))
+        serving = [r for r in self.alive_engines() if r not in handoff.refused]
+        candidates = self.pools.choose("decode", serving)
+        if not candidates:
+            error = (RequestFailedError("every rank's waiting queue is full", 429)
+                     if handoff.refused else EngineDeadError(
+                         f"no rank can continue the request ({self.health()[1]})"))
+            handoff.sink(error)  # (serve/generation.py moves it, or fails it over)
+            return
+        handoff.rank = min(candidates, key=self.loads.score)
         try:
-            if not serving:
-                raise EngineUnavailableError(self.health()[1])
-            rank = min(serving, key=self.loads.score)
-            self._send_request(rank, msg, sink)
-        except EngineUnavailableError as e:  # failover starts it over (serve/generation.py)
-            sink(EngineDeadError(f"no decode rank can continue the request ({e})"))
+            self._send_request(handoff.rank, msg, handoff)
+        except EngineUnavailableError as e:
+            handoff.sink(EngineDeadError(f"no decode rank can continue the request ({e})",
+                                         handoff.rank))
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from parashift.serve.engine_errors import RequestFailedError
 from parashift.serve.in_flight import Sink
 from parashift.strategies.disaggregated import pool_of
 from parashift.types.outputs import EngineCoreOutput
@@ -40,19 +41,28 @@ class EnginePools:
 
 
 class Handoff:
-    """The sink of a request's prefill phase: its outputs pass through to the request's own
-    sink, except the handed-off finish, which starts the decode phase (`continue_on`, given
-    the tokens generated so far and the request's sink; it reports its own failures there)."""
+    """The sink of a request in both phases: outputs pass through to the request's own sink,
+    except the handed-off finish, which starts the decode phase (`continue_on(self)`: it picks
+    a rank outside `refused`, records it in `rank`, and reports its own failures to `sink`).
+    A decode rank whose queue is full (429) is refused and the decode goes on elsewhere, the
+    prefill pool's ranks included (they can decode too), before the request hears of it."""
 
-    def __init__(self, sink: Sink, continue_on: Callable[[list[int], Sink], None]):
+    def __init__(self, sink: Sink, continue_on: Callable[[Handoff], None]):
         self.sink = sink
         self.continue_on = continue_on
         self.generated: list[int] = []
+        self.rank: int | None = None  # the decode phase's
+        self.refused: set[int] = set()
 
     def __call__(self, item: EngineCoreOutput | Exception) -> None:
         if isinstance(item, EngineCoreOutput):
             if item.finish_reason == HANDED_OFF:
-                self.continue_on(self.generated, self.sink)
+                self.continue_on(self)
                 return
             self.generated.extend(item.new_token_ids)
+        elif (self.rank is not None and isinstance(item, RequestFailedError)
+              and item.status == 429):
+            self.refused.add(self.rank)
+            self.continue_on(self)
+            return
         self.sink(item)
