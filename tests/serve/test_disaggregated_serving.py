@@ -19,6 +19,7 @@ from parashift.runtime.launcher import Launcher
 from parashift.runtime.node import ServeArgs
 
 from .conftest import running_server
+from .test_deterministic_serving import post
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +63,6 @@ CASES = {
 def server(smollm2_path):
     with running_server(smollm2_path, *ARGS) as s:
         yield s
-
-
-def post(server, path: str, body: dict, rank: int | None = None) -> dict:
-    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
-    status, raw = server.request("POST", path, body, headers=headers, timeout=120)
-    assert status == 200, raw
-    return json.loads(raw)
 
 
 def answer(reply: dict) -> list:
