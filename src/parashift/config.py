@@ -151,6 +151,7 @@ class SchedulerConfig:
         seqs = getattr(self, f"{pool}_max_num_seqs") or self.max_num_seqs
         return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The parsed strategy (its axis objects, plugins included: the layout is theirs to

@@ -335,9 +335,9 @@ class Scheduler:
     def _send_kv(self, req: Request) -> None:
         """Its first token is out and its decode goes on in another engine: its prompt's
         blocks are stored (those a step could not store yet, now), and it finishes once the
-        stores are published (`_settle_kv`). The stores hold their own blocks."""
-        if self.connector is not None:
-            self.connector.store(req)
+        stores are published: in this step when they were urgent, else at a later one
+        (`_settle_kv`). The stores hold their own blocks."""
+        self.connector.store(req)  # (a request that hands off has one: EngineCore)
         req.send_kv()
         self.kv_cache.free(req)
         self._freed_req_ids.add(req.request_id)
