@@ -42,6 +42,9 @@ def desk(tmp_path):
 TOKEN = b"dp0's token, from the launcher"
 
 
+RANK_KEY = p.EngineInit.__struct_fields__.index("rank_key")  # its place in init_fields
+
+
 def init_fields(sock: zmq.Socket) -> list:
     """An EngineInit's fields (the test's config is a placeholder no decoder would take)."""
     tag, *fields = msgspec.msgpack.decode(sock.recv())
@@ -62,7 +65,7 @@ def test_a_rank_is_its_first_engines_until_that_engine_dies(desk):
     assert said(handshake, engine, p.Hello(1, 100)) is None
     init = init_fields(engine)
     assert init[1] == ["requests-of-dp1"]
-    assert init[-1] == [keys.ranks[1].public, keys.ranks[1].secret]
+    assert init[RANK_KEY] == [keys.ranks[1].public, keys.ranks[1].secret]
     assert said(handshake, other, p.Hello(1, 200)) is None
     assert not other.poll(0) and handshake.claims[1][1] == 100  # not answered
     ready = p.Ready(1, 10, 16, 256, [0])
@@ -74,7 +77,7 @@ def test_a_rank_is_its_first_engines_until_that_engine_dies(desk):
 
     handshake.release(1)  # the launcher saw it die: the next engine may claim the rank
     assert said(handshake, other, p.Hello(1, 200)) is None
-    assert init_fields(other)[-1][0] == keys.ranks[1].public
+    assert init_fields(other)[RANK_KEY][0] == keys.ranks[1].public
 
 
 def refusal(node) -> str:
@@ -138,7 +141,7 @@ def test_a_rank_the_launcher_starts_is_claimed_only_with_its_token(desk):
     assert said(handshake, rogue, p.Hello(0, 100, b"a guess")) is None
     assert not rogue.poll(0) and 0 not in handshake.claims
     assert said(handshake, engine, p.Hello(0, 200, TOKEN)) is None
-    assert init_fields(engine)[-1][0] == keys.ranks[0].public
+    assert init_fields(engine)[RANK_KEY][0] == keys.ranks[0].public
     assert handshake.claims[0][1] == 200
 
 

@@ -4,8 +4,8 @@ rank dp1 through the node's host tier, and dp1 continues. Every answer equals th
 gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs,
 streamed and not, seeded n=3, stop strings, a JSON schema and a named tool call. A client
 that leaves before its first token or mid-stream leaves no KV block held on either rank;
-/sleep and /wake_up reach both pools. What pools cannot run yet
-(across nodes, on Ray, elastic, without prefix caching) is refused at launch."""
+/sleep and /wake_up reach both pools. What pools cannot run yet (the prefill pool off
+the head node, on Ray, elastic) is refused at launch."""
 
 from __future__ import annotations
 
@@ -159,12 +159,13 @@ def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
     nothing_held(server)
 
 
-@pytest.mark.parametrize("flags,message", [
-    ({"data_parallel_size_local": 1}, "prefill/decode pools run on one node"),
-    ({"backend": "ray"}, "prefill/decode pools run on one node with --backend mp"),
-    ({"data_parallel_size_max": 4}, "prefill/decode pools do not scale yet"),
+@pytest.mark.parametrize("strategy,flags,message", [
+    ("p2xd1", {"data_parallel_size_local": 1},
+     r"over nodes, the prefill pool \(ranks 0-1\) runs on the head"),
+    ("p1xd1", {"backend": "ray"}, "prefill/decode pools run with --backend mp"),
+    ("p1xd1", {"data_parallel_size_max": 4}, "prefill/decode pools do not scale yet"),
 ])
-def test_what_pools_cannot_run_yet_is_refused(tiny_llama, flags, message):
+def test_what_pools_cannot_run_yet_is_refused(tiny_llama, strategy, flags, message):
     """Before anything starts: the launch checks its layout first."""
     with pytest.raises(ValueError, match=message):
-        Launcher(ServeArgs(EngineArgs(model=tiny_llama, strategy="p1xd1"), **flags))
+        Launcher(ServeArgs(EngineArgs(model=tiny_llama, strategy=strategy), **flags))

@@ -96,6 +96,10 @@ class EngineProcess:
         lockstep = config.parallel.strategy.processes().lockstep
         self.core = (LockstepEngineCore if lockstep else EngineCore)(config,
                                                                       placement=self.placement)
+        if init.kv_server and self.core.connector is not None:  # pools over nodes
+            from parashift.kv_tiers.remote_tier import RemoteTier
+
+            self.core.connector.attach_remote(RemoteTier(self.links, init.kv_server))
         self.hold_while_asleep = config.scheduler.while_asleep == "wait"
         self.sleep = SleepState(self.rank, self.core, self._answer)
         sleep = self.sleep

@@ -36,6 +36,7 @@ from parashift.types.outputs import KVTierStats, KVTransferJob
 if TYPE_CHECKING:
     from parashift.kv_tiers.disk_tier import DiskTier
     from parashift.kv_tiers.disk_writer import DiskWriter
+    from parashift.kv_tiers.remote_tier import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class _Job:
     slots: list[int]
     num_host: int = 0  # of a load: slots found in the arena; the rest are read from disk
     num_read: int = 0  # of those, read intact
+    remote: bool = False  # of a load: the rest fetched from the head node (not read from disk)
     owner: str = ""  # of a store: its request's id
     urgent: bool = False  # of a store: copied within its step (a hand-off's last blocks)
     waiters: list[Request] = field(default_factory=list)
@@ -74,6 +76,7 @@ class TierConnector:
         self._writer_lock: int | None = None
         self._writer_tried = 0.0
         self._reader = ThreadPoolExecutor(1, "parashift-kv-read") if disk is not None else None
+        self.remote: RemoteTier | None = None  # pools over nodes: the head node's KV server
         self.jobs: dict[int, _Job] = {}
         self._free_ids = list(range(MAX_JOBS - 1, -1, -1))
         self._loading: dict[int, int] = {}  # block hash -> the job loading it
@@ -101,6 +104,12 @@ class TierConnector:
         keys = [tier_key(self.identity, h) for h in hashes]
         slots = self.arena.lookup(keys)
         read_slots = self._reserve_reads(keys[len(slots):]) if self.disk is not None else []
+        # A request continued from a prefill rank on the head node: the blocks this node lacks
+        # are on the head's.
+        remote = (not read_slots and self.remote is not None and bool(request.output_token_ids)
+                  and len(slots) < len(keys))
+        if remote:
+            read_slots = self._reserve_run(keys[len(slots):])
         num = len(slots) + len(read_slots)
         if not num:
             return LoadStart.NONE
@@ -111,7 +120,7 @@ class TierConnector:
             return LoadStart.NONE
         request.kv_load_tried = True
         job = _Job(self._free_ids.pop(), True, blocks, hashes[:num], slots + read_slots,
-                   num_host=len(slots), started=started)
+                   num_host=len(slots), remote=remote, started=started)
         self.jobs[job.id] = job
         if not read_slots:  # loaded before this step's forward: a prefix hit already
             for block, block_hash in zip(blocks, job.hashes, strict=True):
@@ -121,8 +130,12 @@ class TierConnector:
         job.waiters.append(request)
         for block_hash in job.hashes:
             self._loading[block_hash] = job.id
-        reads = list(zip(keys[len(slots):num], read_slots, strict=True))
-        job.reading = self._reader.submit(self._read, reads)
+        if remote:
+            job.reading = self._reader.submit(self.remote.fetch, keys[len(slots):num],
+                                              self.arena, read_slots)
+        else:
+            reads = list(zip(keys[len(slots):num], read_slots, strict=True))
+            job.reading = self._reader.submit(self._read, reads)
         return LoadStart.WAIT
 
     def _reserve_reads(self, keys: list[int]) -> list[int]:
@@ -132,7 +145,11 @@ class TierConnector:
             if not self.disk.contains(key):
                 break
             on_disk.append(key)
-        reserved = self.arena.reserve(on_disk) if on_disk else []
+        return self._reserve_run(on_disk)
+
+    def _reserve_run(self, keys: list[int]) -> list[int]:
+        """Arena slots for `keys`, up to the first that cannot have one."""
+        reserved = self.arena.reserve(keys) if keys else []
         cut = next((i for i, slot in enumerate(reserved) if slot is None), len(reserved))
         self.arena.abandon([slot for slot in reserved[cut:] if slot is not None])
         return reserved[:cut]
@@ -215,7 +232,7 @@ class TierConnector:
         rest and their blocks dropped."""
         job.reading, num_read = None, job.reading.result()
         reads = job.slots[job.num_host:]
-        self.arena.publish(reads[:num_read], persisted=True, pin=True)
+        self.arena.publish(reads[:num_read], persisted=not job.remote, pin=True)
         self.arena.abandon(reads[num_read:])
         keep = job.num_host + num_read
         job.num_read = num_read
@@ -257,8 +274,13 @@ class TierConnector:
     def _count_load(self, job: _Job) -> None:
         stats, seconds = self.stats, time.monotonic() - job.started
         stats.host_hit_blocks += job.num_host
-        stats.disk_hit_blocks += job.num_read
         stats.loaded_bytes += len(job.blocks) * self.block_bytes
+        if job.remote:
+            stats.remote_hit_blocks += job.num_read
+            stats.remote_loads += 1
+            stats.remote_load_seconds += seconds
+            return
+        stats.disk_hit_blocks += job.num_read
         if job.num_read:
             stats.disk_loads += 1
             stats.disk_load_seconds += seconds
@@ -327,6 +349,12 @@ class TierConnector:
         logger.info("KV disk tier: this engine writes %s (%d blocks held)", folder,
                     tier.num_blocks())
 
+    def attach_remote(self, remote: RemoteTier) -> None:
+        """Pools over nodes: fetch from the head node's KV server what this node lacks."""
+        self.remote = remote
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, "parashift-kv-read")
+
     def stop_disk_writer(self) -> None:
         """The background writer stops after its batch (whose pins go with it); `close`
         still persists what the arena holds."""
@@ -342,6 +370,8 @@ class TierConnector:
             os.close(self._writer_lock)
         if self._reader is not None:
             self._reader.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.close()
         for job in self.jobs.values():  # (after a bounded drain: what did not end)
             if job.load:  # its pins and unread slots go; a store's copy may still write
                 self.arena.unpin(job.slots[:job.num_host])

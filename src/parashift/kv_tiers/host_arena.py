@@ -141,11 +141,12 @@ class HostArena:
         return arena
 
     @classmethod
-    def attach(cls, path: str, slot_bytes: int) -> HostArena:
+    def attach(cls, path: str, slot_bytes: int | None) -> HostArena:
+        """`slot_bytes`: what the caller's blocks take (None: whatever the arena's take)."""
         return cls._attach(path, slot_bytes, owner=False)
 
     @classmethod
-    def _attach(cls, path: str, slot_bytes: int, owner: bool) -> HostArena:
+    def _attach(cls, path: str, slot_bytes: int | None, owner: bool) -> HostArena:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
@@ -155,7 +156,7 @@ class HostArena:
         except BaseException:
             os.close(fd)
             raise
-        if arena.slot_bytes != slot_bytes:
+        if slot_bytes is not None and arena.slot_bytes != slot_bytes:
             arena.close(unlink=False)
             raise ValueError(f"KV host tier {path}: slots of {arena.slot_bytes} bytes, this "
                              f"engine's blocks take {slot_bytes}")

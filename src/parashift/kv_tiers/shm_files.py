@@ -27,6 +27,12 @@ def node_arena_path(token: str) -> str:
     return shm_path(f"parashift-kv-{os.getpid()}-{token}")
 
 
+def headless_arena_path(head_arena: str) -> str:
+    """The arena of a headless node's engines: named after the head's, told apart from it
+    (two process trees on one machine are two nodes)."""
+    return f"{head_arena}-node"
+
+
 # struct flock (Linux, 64-bit): type, whence, start, length, pid (0 for a file-description lock)
 FLOCK = struct.Struct("hhxxxxqqi4x")
 # the names node_arena_path and the engines give arenas, and their temporary names while made

@@ -69,7 +69,8 @@ class HeadlessLauncher:
         init = self._wait_for_head(monitor)
         try:
             mesh = check_node(self.args, init.config, self.local_ranks)
-            self.kv_host_tier = init.config.cache.kv_host_tier
+            head_tier = init.config.cache.kv_host_tier
+            self.kv_host_tier = head_tier and shm_files.headless_arena_path(head_tier)
         except ValueError as e:
             self._refuse(str(e))
         logger.info("the head's config checked; this node runs:\n%s", mesh.table())

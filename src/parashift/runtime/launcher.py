@@ -33,6 +33,7 @@ from parashift.runtime.autoscaler import Autoscaler
 from parashift.runtime.coordinator import run_coordinator
 from parashift.runtime.endpoints import Endpoints, bind_listener
 from parashift.runtime.handshake import Handshake
+from parashift.runtime.kv_server import KVServer
 from parashift.runtime.local_engines import LocalEngines, join_all
 from parashift.runtime.lockstep_group import LockstepGroup
 from parashift.runtime.node import ServeArgs, StartupError
@@ -59,12 +60,7 @@ class Launcher:
     def __init__(self, args: ServeArgs):
         self.args = args
         self.config = create_config(args.engine)  # validates flags, converts a GGUF once
-        pools = self.config.parallel.strategy.processes()
-        if pools.prefill_engines and (args.backend == "ray"
-                                      or args.multi_node(pools.num_engines)):
-            # The KV moves through the node's host tier: both pools on one node.
-            raise ValueError(f"--strategy {self.config.parallel.strategy}: prefill/decode "
-                             "pools run on one node with --backend mp for now")
+        self._check_pools(args)
         if self.config.cache.kv_disk_dir is not None:  # refused before any process starts
             check_private_folder(self.config.cache.kv_disk_dir)
         if self.config.cache.kv_offloading_size:
@@ -104,6 +100,23 @@ class Launcher:
         self.stopping = False
         self.serving = False  # start() completed
         self.listener: socket.socket | None = None
+        self.kv_server: KVServer | None = None  # prefill/decode pools over nodes
+
+    def _check_pools(self, args: ServeArgs) -> None:
+        """Prefill/decode pools run with --backend mp; over nodes, with the prefill pool on
+        the head (the KV server serves the head node's tier to the decode ranks elsewhere)."""
+        pools = self.config.parallel.strategy.processes()
+        if not pools.prefill_engines:
+            return
+        spec = self.config.parallel.strategy
+        if args.backend == "ray":
+            raise ValueError(f"--strategy {spec}: prefill/decode pools run with --backend mp "
+                             "for now")
+        if args.multi_node(pools.num_engines) and not set(range(pools.prefill_engines)) <= set(
+                args.local_ranks(pools.num_engines)):
+            raise ValueError(f"--strategy {spec}: over nodes, the prefill pool (ranks 0-"
+                             f"{pools.prefill_engines - 1}) runs on the head for now: give "
+                             f"--data-parallel-size-local >= {pools.prefill_engines}")
 
     def _set_up_engines(self, args: ServeArgs) -> None:
         """The engines' runner (Ray actors, or this node's processes on its mesh) and the
@@ -203,6 +216,12 @@ class Launcher:
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind the handshake at {self.endpoints.handshake} "
                                f"(--data-parallel-address/--data-parallel-rpc-port): {e}") from e
+        if self.processes.prefill_engines and self.endpoints.handshake.startswith("tcp://"):
+            # pools over nodes: the decode ranks elsewhere fetch the prompts' blocks here
+            self.kv_server = KVServer(self.ctx, self.args.data_parallel_address or "127.0.0.1",
+                                      self.config.cache.kv_host_tier)
+            self.kv_server.start()
+            logger.info("the KV server listens at %s", self.kv_server.address)
         mc = self.config.model
         eos = choose_eos_token_id(mc.hf_config)
         coordinator_pub = None
@@ -286,10 +305,17 @@ class Launcher:
         group = self.lockstep
         config = self.config.for_engine(rank, self.args.backend,
                                         group.address if group else None)
+        remote = rank not in self.local_ranks  # (another node's: its own host tier)
+        if remote and config.cache.kv_host_tier is not None:
+            config = dataclasses.replace(config, cache=dataclasses.replace(
+                config.cache, kv_host_tier=shm_files.headless_arena_path(
+                    config.cache.kv_host_tier)))
         return p.EngineInit(config_to_wire(config), self.endpoints.requests,
                             self.endpoints.outputs,
                             self.endpoints.coordinator_load if self.coordinator else None,
-                            self.endpoints.coordinator_publish if group else None)
+                            self.endpoints.coordinator_publish if group else None,
+                            kv_server=self.kv_server.address if self.kv_server and remote
+                            else None)
 
     def _announce_dead(self, death: p.EngineDead) -> None:
         logger.error("engine dp%d died: %s", death.rank, death.reason)
@@ -504,6 +530,8 @@ class Launcher:
             self.coordinator.terminate()
             join_all([self.coordinator], 10)
         self.engines.stop(grace or 10.0)
+        if self.kv_server is not None:
+            self.kv_server.stop()
         shm_files.remove(self.config.cache.kv_host_tier)
         if self.listener is not None:
             self.listener.close()

@@ -130,7 +130,8 @@ class Metrics:
     def _on_tier_stats(self, engine: str, t: KVTierStats) -> None:
         for tier, hits, loads, seconds in (
                 ("host", t.host_hit_blocks, t.host_loads, t.host_load_seconds),
-                ("disk", t.disk_hit_blocks, t.disk_loads, t.disk_load_seconds)):
+                ("disk", t.disk_hit_blocks, t.disk_loads, t.disk_load_seconds),
+                ("remote", t.remote_hit_blocks, t.remote_loads, t.remote_load_seconds)):
             self.tier_hits.labels(engine, tier).set(hits)
             self.tier_loads.labels(engine, tier).set(loads)
             self.tier_load_seconds.labels(engine, tier).set(seconds)

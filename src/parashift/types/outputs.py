@@ -120,6 +120,10 @@ class KVTierStats:
     disk_loads: int = 0  # loads that read from disk
     disk_load_seconds: float = 0.0
     failed_loads: int = 0  # recomputed instead (a corrupt or missing block, a failed copy)
+    # prefill/decode pools over nodes: blocks fetched from the head node's tier
+    remote_hit_blocks: int = 0
+    remote_loads: int = 0
+    remote_load_seconds: float = 0.0
 
 
 @dataclass

@@ -65,6 +65,9 @@ class EngineInit(_Msg):
     # Over CURVE links: this rank's key pair (z85 public, secret) for every link but the
     # handshake; the head's processes take what speaks for the rank only from that key.
     rank_key: tuple[bytes, bytes] | None = None
+    # Prefill/decode pools over nodes: the head's KV server, where a decode rank on another
+    # node fetches a prompt's blocks from the head node's host tier (runtime/kv_server.py).
+    kv_server: str | None = None
 
 
 class Ready(_Msg):
@@ -269,6 +272,22 @@ class RetireRanks(_Msg):
     stop their engines, report no death; with none left, the node exits."""
 
     ranks: list[int]
+
+
+# --- KV blocks between nodes (prefill/decode pools) -------------------------------------------
+class KVFetch(_Msg):
+    """Decode rank -> the head's KV server: the blocks of these tier keys, from the first."""
+
+    fetch_id: int
+    keys: list[int]
+
+
+class KVBlocks(_Msg):
+    """The KV server's answer: the run of the keys it holds from the first, `num_blocks` of
+    them, each a frame of slot bytes after this one."""
+
+    fetch_id: int
+    num_blocks: int
 
 
 # on an engine's request sockets

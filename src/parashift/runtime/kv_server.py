@@ -1,0 +1,81 @@
+"""The head node's KV server: prefill/decode pools over nodes. The prefill ranks run on the
+head, and their prompts' blocks are in the head node's host tier. A decode rank on another
+node misses them in its own node's tier; its connector then fetches them here
+(kv_tiers/remote_tier.py) before it loads them.
+
+A ROUTER the head launcher binds on tcp, in its CURVE context: only engines holding a rank's
+key are answered. A peer that holds only the cluster secret is answered nothing; a peer
+without the secret cannot complete the handshake. Each fetch is bounded (MAX_FETCH_BLOCKS).
+The blocks are pinned while they are copied into the reply, so no eviction can change them
+halfway."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from parashift.kv_tiers.host_arena import HostArena
+from parashift.wire import protocol as p
+from parashift.wire.cluster_auth import principal
+
+logger = logging.getLogger(__name__)
+
+MAX_FETCH_BLOCKS = 4096  # a fetch's keys: 64k tokens of 16
+_POLL_MS = 200
+
+
+class KVServer(threading.Thread):
+    def __init__(self, ctx: zmq.Context, host: str, arena_path: str):
+        super().__init__(name="parashift-kv-server", daemon=True)
+        self.arena_path = arena_path
+        self.arena: HostArena | None = None  # mapped at the first fetch (an engine makes it)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.bind(f"tcp://{host}:0")
+        self.address: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.sock.poll(_POLL_MS):
+                    self._serve(self.sock.recv_multipart(copy=False))
+        finally:
+            self.sock.close()
+            if self.arena is not None:
+                self.arena.close(unlink=False)
+
+    def _serve(self, frames: list[zmq.Frame]) -> None:
+        who = principal(frames[-1])
+        if len(frames) != 2 or (who is not None and not who.startswith("dp")):
+            p.log_dropped("kv-server", f"a frame from {who or 'an unknown peer'}")
+            return  # only a rank's engine reads prompts' KV
+        fetch = p.decode_or_drop(frames[1].buffer, p.KVFetch, "kv-server")
+        if fetch is None:
+            return
+        keys = fetch.keys[:MAX_FETCH_BLOCKS]
+        blocks = self._read(keys)
+        self.sock.send_multipart([frames[0], p.encode(p.KVBlocks(fetch.fetch_id, len(blocks))),
+                                  *blocks])
+
+    def _read(self, keys: list[int]) -> list[bytes]:
+        """The run of `keys` from the first that the node's tier holds, copied out."""
+        if self.arena is None:
+            try:
+                self.arena = HostArena.attach(self.arena_path, None)
+            except (OSError, ValueError) as e:  # no engine made it yet, or it went
+                logger.warning("KV server: the host tier %s is not there (%s)",
+                               self.arena_path, e)
+                return []
+        slots = self.arena.lookup(keys)
+        try:
+            return [bytes(self.arena.slot(slot)) for slot in slots]
+        finally:
+            self.arena.unpin(slots)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(timeout=5)
