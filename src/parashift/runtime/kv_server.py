@@ -5,9 +5,9 @@ node misses them in its own node's tier; its connector then fetches them here
 
 A ROUTER the head launcher binds on tcp, in its CURVE context: only engines holding a rank's
 key are answered. A peer that holds only the cluster secret is answered nothing; a peer
-without the secret cannot complete the handshake. Each fetch is bounded (MAX_FETCH_BLOCKS).
-The blocks are pinned while they are copied into the reply, so no eviction can change them
-halfway."""
+without the secret cannot complete the handshake. The blocks are pinned while they are
+copied into the answer, so no eviction can change them halfway; each answer is bounded
+(MAX_FETCH_BLOCKS, MAX_FETCH_BYTES)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from parashift.wire.cluster_auth import principal
 logger = logging.getLogger(__name__)
 
 MAX_FETCH_BLOCKS = 4096  # a fetch's keys: 64k tokens of 16
+MAX_FETCH_BYTES = 256 << 20  # an answer's blocks (the rest: fetched again, or computed)
 _POLL_MS = 200
 
 
@@ -70,6 +71,7 @@ class KVServer(threading.Thread):
                 logger.warning("KV server: the host tier %s is not there (%s)",
                                self.arena_path, e)
                 return []
+        keys = keys[:max(1, MAX_FETCH_BYTES // self.arena.slot_bytes)]
         slots = self.arena.lookup(keys)
         try:
             return [bytes(self.arena.slot(slot)) for slot in slots]
