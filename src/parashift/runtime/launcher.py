@@ -197,6 +197,22 @@ class Launcher:
         return f"parashift is serving {self.model_name!r} at {self.url()}/v1"
 
     def start(self) -> None:
+        self._log_layout()
+        mp = child_processes.context()
+        self.listener = bind_listener(self.args.host, self.args.port)
+        logger.info("HTTP listens at %s; it answers once every engine is ready", self.url())
+        self._bind_handshake()
+        if self.processes.prefill_engines and self.endpoints.handshake.startswith("tcp://"):
+            self._start_kv_server()
+        coordinator_pub = self._start_coordinator(mp)
+        self._start_api_servers(mp, coordinator_pub)
+        self.engines.start()
+        self._wait_engines_ready()
+        # Engines are up; the URL is printed only once every API server has seen them.
+        self.api_servers.wait_ready(self.args.startup_timeout, self._check_starting)
+        self.serving = True
+
+    def _log_layout(self) -> None:
         if self.mesh is not None:
             later = [r for r in self.mesh.engines or () if r >= self.num_engines]
             grows = f" (dp{', dp'.join(map(str, later))} once scaled up)" if later else ""
@@ -205,9 +221,8 @@ class Launcher:
         else:
             logger.info("strategy %s on Ray: one placement group per rank, bundles %s",
                         self.spec, self.engines.bundles)
-        mp = child_processes.context()
-        self.listener = bind_listener(self.args.host, self.args.port)
-        logger.info("HTTP listens at %s; it answers once every engine is ready", self.url())
+
+    def _bind_handshake(self) -> None:
         try:
             self.endpoints.handshake = self.handshake.bind(self.endpoints.handshake)
             self.engines.handshake_address = self.endpoints.handshake  # port 0: the bound one
@@ -216,30 +231,37 @@ class Launcher:
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind the handshake at {self.endpoints.handshake} "
                                f"(--data-parallel-address/--data-parallel-rpc-port): {e}") from e
-        if self.processes.prefill_engines and self.endpoints.handshake.startswith("tcp://"):
-            # pools over nodes: the decode ranks elsewhere fetch the prompts' blocks here
-            self.kv_server = KVServer(self.ctx, self.args.data_parallel_address or "127.0.0.1",
-                                      self.config.cache.kv_host_tier)
-            self.kv_server.start()
-            logger.info("the KV server listens at %s", self.kv_server.address)
+
+    def _start_kv_server(self) -> None:
+        """Pools over nodes: the decode ranks elsewhere fetch the prompts' blocks here."""
+        self.kv_server = KVServer(self.ctx, self.args.data_parallel_address or "127.0.0.1",
+                                  self.config.cache.kv_host_tier)
+        self.kv_server.start()
+        logger.info("the KV server listens at %s", self.kv_server.address)
+
+    def _start_coordinator(self, mp) -> str | None:
+        """The DP coordinator (dp > 1, or room to grow); its PUB address."""
+        if not (self.processes.coordinator or self.capacity > 1):
+            return None
+        self.coordinator = mp.Process(
+            target=run_coordinator, name="parashift-dp-coordinator",
+            args=(self.capacity, self.endpoints.coordinator_load,
+                  self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
+                  self.args.log_level, self.endpoints.handed(
+                      self.endpoints.coordinator_load, self.endpoints.coordinator_publish),
+                  self.head_keys))
+        self.coordinator.start()
+        coordinator_pub = self.endpoints.coordinator_publish
+        self.handshake.watch(coordinator_pub)
+        if self.elastic:
+            self.load_in = subscriber(self.ctx, coordinator_pub)
+        if self.lockstep is not None:
+            self.lockstep.watch(self.ctx, coordinator_pub)
+        return coordinator_pub
+
+    def _start_api_servers(self, mp, coordinator_pub: str | None) -> None:
         mc = self.config.model
         eos = choose_eos_token_id(mc.hf_config)
-        coordinator_pub = None
-        if self.processes.coordinator or self.capacity > 1:
-            self.coordinator = mp.Process(
-                target=run_coordinator, name="parashift-dp-coordinator",
-                args=(self.capacity, self.endpoints.coordinator_load,
-                      self.endpoints.coordinator_publish, self.args.heartbeat_timeout,
-                      self.args.log_level, self.endpoints.handed(
-                          self.endpoints.coordinator_load, self.endpoints.coordinator_publish),
-                      self.head_keys))
-            self.coordinator.start()
-            coordinator_pub = self.endpoints.coordinator_publish
-            self.handshake.watch(coordinator_pub)
-            if self.elastic:
-                self.load_in = subscriber(self.ctx, coordinator_pub)
-            if self.lockstep is not None:
-                self.lockstep.watch(self.ctx, coordinator_pub)
         for i in range(self.args.api_server_count):
             server_args = ApiServerArgs(
                 i, self.endpoints.requests[i], self.endpoints.outputs[i], self.capacity,
@@ -254,11 +276,6 @@ class Launcher:
                 size=self.num_engines, prefill_engines=self.processes.prefill_engines)
             self.api_servers.start(mp, server_args, self.listener,
                                    self.mesh.api_server_cpus if self.mesh is not None else ())
-        self.engines.start()
-        self._wait_engines_ready()
-        # Engines are up; the URL is printed only once every API server has seen them.
-        self.api_servers.wait_ready(self.args.startup_timeout, self._check_starting)
-        self.serving = True
 
     def _wait_engines_ready(self) -> None:
         deadline = time.monotonic() + self.args.startup_timeout

@@ -59,7 +59,8 @@ class Handoff:
             if item.finish_reason == HANDED_OFF:
                 self.continue_on(self)
                 return
-            self.generated.extend(item.new_token_ids)
+            if self.rank is None:  # the prefill phase's: what the decode phase continues
+                self.generated.extend(item.new_token_ids)
         elif (self.rank is not None and isinstance(item, RequestFailedError)
               and item.status == 429):
             self.refused.add(self.rank)
