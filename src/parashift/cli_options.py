@@ -90,6 +90,10 @@ _ENGINE_FLAGS: dict[str, Any] = {
         f"--{pool}-{limit.replace('_', '-')}", help=f"prefill/decode pools: the {pool} "
         f"engines' --{limit.replace('_', '-')}")]
        for pool in ("prefill", "decode") for limit in ("max_num_batched_tokens", "max_num_seqs")},
+    "prefill_schedule_interval": Annotated[int, typer.Option(
+        "--prefill-schedule-interval", help="expert-parallel lockstep groups: the ranks take "
+        "new prefill work only on every Nth step of a wave, all on the same steps (off while "
+        "a rank cannot admit its waiting requests); 1: every step")],
     "block_size": Annotated[int, typer.Option("--block-size")],
     "kv_cache_memory": Annotated[str | None, typer.Option(
         "--kv-cache-memory", help="KV cache budget on CPU, e.g. 2GiB")],

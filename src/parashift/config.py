@@ -118,6 +118,9 @@ class SchedulerConfig:
     prefill_max_num_seqs: int | None = None
     decode_max_num_batched_tokens: int | None = None
     decode_max_num_seqs: int | None = None
+    # Lockstep groups: new prefill work only on steps of a wave that are multiples of this
+    # (engine/prefill_cadence.py); 1: every step.
+    prefill_schedule_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.while_asleep not in ("reject", "wait"):
@@ -160,10 +163,14 @@ class ParallelConfig:
     strategy: StrategySpec
     data_parallel_rank: int = 0
     distributed_executor_backend: str = "mp"  # "ray": workers are Ray actors
-    # Expert parallel over several engines: where this incarnation of the group meets
-    # (tcp://host:port, from the launcher's handshake).
+    # Expert parallel over several engines: where this incarnation of the group's store is
+    # (ipc:// on one node, tcp:// over nodes; from the launcher's handshake).
     expert_group_address: str | None = None
     shm_all_reduce: bool = True  # CPU tp workers of one node sum through shared memory
+    # This rank's key on the cluster's links (set by the engine from its handshake, never
+    # sent in a config): the group's store over CURVE answers only ranks' keys.
+    expert_group_key: tuple[bytes, bytes] | None = field(default=None, repr=False,
+                                                         compare=False)
 
     def __post_init__(self) -> None:
         num_engines = self.strategy.processes().num_engines

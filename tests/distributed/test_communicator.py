@@ -13,10 +13,12 @@ import multiprocessing
 import pytest
 import torch
 import torch.distributed as dist
+import zmq
 
 from parashift.distributed.communicator import GroupCommunicator
 from parashift.distributed.expert_dispatch import ExpertDispatcher
-from parashift.distributed.expert_group import GroupStore, cross_engine_groups, join_expert_group
+from parashift.distributed.expert_group import cross_engine_groups, join_expert_group
+from parashift.distributed.group_store import GroupStoreServer
 from parashift.distributed.parallel_context import ParallelContext
 from parashift.strategies.layout import ShardPlan
 from parashift.strategies.spec import StrategySpec
@@ -43,15 +45,21 @@ def test_a_group_a_rank_is_not_split_over_answers_at_size_1():
 def two_ranks(work):
     """`work(comm, rank)` on both ranks of a real gloo group (the expert-parallel group,
     joined at a store like the launcher's), one thread each; their results in rank order."""
-    store = GroupStore("127.0.0.1")
+    ctx = zmq.Context()
+    store = GroupStoreServer(ctx, "tcp://127.0.0.1:0")
+    store.start()
 
     def rank(r: int):
-        comm = join_expert_group(store.address, {"dp": r}, {"dp": 2}, on_gpu=False)
+        comm = join_expert_group(store.address, None, {"dp": r}, {"dp": 2}, on_gpu=False)
         assert (comm.rank, comm.world_size) == (r, 2)
         return work(comm, r)
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return [f.result(timeout=120) for f in [pool.submit(rank, r) for r in (0, 1)]]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return [f.result(timeout=120) for f in [pool.submit(rank, r) for r in (0, 1)]]
+    finally:
+        store.stop()
+        ctx.destroy(linger=0)
 
 
 def test_collectives_over_two_ranks_move_the_right_blocks_and_are_counted():
@@ -109,10 +117,10 @@ def test_the_expert_dispatch_over_two_ranks_pads_gathers_and_sums_back():
 
 
 def test_only_expert_parallel_over_engines_makes_a_cross_engine_group():
-    assert cross_engine_groups(StrategySpec.parse("dp2"), None, {"dp": 0}, False) == {}
-    assert cross_engine_groups(StrategySpec.parse("tp2xep"), None, {"tp": 0}, False) == {}
+    assert cross_engine_groups(StrategySpec.parse("dp2"), None, None, {"dp": 0}, False) == {}
+    assert cross_engine_groups(StrategySpec.parse("tp2xep"), None, None, {"tp": 0}, False) == {}
     with pytest.raises(ValueError, match="runs only under 'parashift run'"):
-        cross_engine_groups(StrategySpec.parse("dp2xep"), None, {"dp": 0}, False)
+        cross_engine_groups(StrategySpec.parse("dp2xep"), None, None, {"dp": 0}, False)
 
 
 def gather_and_pipeline(rank: int, folder: str) -> None:

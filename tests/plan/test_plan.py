@@ -66,6 +66,75 @@ def test_qwen3_moe_dp8xep_puts_e_over_8_experts_per_rank():
     assert with_ep.fits and with_ep.runnable
 
 
+def test_qwen3_moe_dp4xep_over_2_nodes_places_experts_per_node_in_json():
+    """Each node holds the union of its ranks' expert ranges (the mesh rows' [first, end)),
+    and the nodes partition the 128 experts."""
+    done = run_cli("Qwen3-30B-A3B", "--strategy", "dp4xep", "--nodes", "2", "--device",
+                   "h100-80g", "--json")
+    doc = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    held: dict[int, tuple[list[int], set[int]]] = {}
+    for row in doc["mesh"]:
+        ranks, experts = held.setdefault(row["node"], ([], set()))
+        ranks.append(row["rank"])
+        experts.update(range(*row["experts"]))
+    assert doc["expert_placement"] == [
+        {"node": node, "ranks": ranks, "experts": sorted(experts)}
+        for node, (ranks, experts) in sorted(held.items())]
+    assert [(n["ranks"], n["experts"][0], n["experts"][-1]) for n in doc["expert_placement"]
+            ] == [([0, 1], 0, 63), ([2, 3], 64, 127)]
+    every = [e for n in doc["expert_placement"] for e in n["experts"]]
+    assert sorted(every) == list(range(128))  # each expert on exactly one node
+    without_ep = run_cli("Qwen3-30B-A3B", "--strategy", "dp4", "--nodes", "2", "--device",
+                         "h100-80g", "--json")
+    assert "expert_placement" not in json.loads(without_ep.stdout)
+    assert "dispatch" not in json.loads(without_ep.stdout)
+
+
+def test_qwen3_moe_dp4xep_dispatch_bytes_across_nodes_by_hand():
+    """Per token and MoE layer a rank sends its hidden state (2048 x 2 bytes, bf16) to each
+    peer and each peer's partial back; rank 0 of 2 nodes x 2 ranks has 2 peers off its node;
+    48 MoE layers. One node: nothing crosses."""
+    two = plan("Qwen3-30B-A3B", "dp4xep", devices=4, nodes=2).dispatch
+    vector = 2048 * 2
+    assert two["bytes_per_token_per_layer"] == vector
+    assert two["cross_node_bytes_per_token"] == 2 * 2 * vector * 48 == 786_432
+    assert two["total_cross_node_bytes_per_token"] == 4 * 786_432  # every rank, each byte once
+    # All peers, on or off the node: the communication table's ep row.
+    with_ep = plan("Qwen3-30B-A3B", "dp4xep", devices=4, nodes=2)
+    assert two["bytes_per_token"] == 2 * 3 * vector * 48 == (
+        with_ep.comm["ep all-gather+reduce-scatter"]["bytes_per_token"])
+    one = plan("Qwen3-30B-A3B", "dp4xep", devices=4).dispatch
+    assert one["cross_node_bytes_per_token"] == one["total_cross_node_bytes_per_token"] == 0
+    assert one["bytes_per_token"] == two["bytes_per_token"]
+    # tp: every tp worker exchanges the whole hidden state in its own ep group.
+    tp2 = plan("Qwen3-30B-A3B", "dp4xtp2xep", devices=8, nodes=2).dispatch
+    assert tp2["num_groups"] == 2 and tp2["cross_node_bytes_per_token"] == 786_432
+    assert tp2["total_cross_node_bytes_per_token"] == 2 * 4 * 786_432
+    assert plan("Qwen3-30B-A3B", "tp2xep", devices=2).dispatch is None  # one engine
+
+
+def test_dispatch_bytes_count_each_ranks_off_node_peers():
+    from parashift.plan.experts import dispatch_bytes
+
+    # 3 ranks on node 0, 1 on node 1: that one has 3 peers off its node, the others 1 each.
+    d = dispatch_bytes(hidden_size=8, moe_layers=2, dtype_bytes=4, group_nodes=[[0, 0, 0, 1]])
+    per_peer = 2 * 8 * 4 * 2
+    assert d["bytes_per_token"] == 3 * per_peer
+    assert d["cross_node_bytes_per_token"] == 3 * per_peer
+    assert d["total_cross_node_bytes_per_token"] == (1 + 1 + 1 + 3) * per_peer
+
+
+def test_text_names_each_nodes_experts():
+    done = cli_in_process("plan", "Qwen3-30B-A3B", "--strategy", "dp4xep", "--nodes", "2",
+                          "--device", "h100-80g")
+    assert done.exit_code == 0, done.stdout
+    text = " ".join(done.stdout.split())
+    assert "experts per node" in text
+    assert "│ 0 │ 0, 1 │ 0-63 │" in text and "│ 1 │ 2, 3 │ 64-127 │" in text
+    assert "a rank sends 1,179,648 bytes, 786,432 of them to other nodes" in text
+
+
 def test_mesh_rows_and_process_names_in_json():
     done = run_cli("Qwen3-8B", "--strategy", "dp2xtp2", "--device", "h100-80g", "--json")
     doc = json.loads(done.stdout)

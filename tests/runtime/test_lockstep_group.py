@@ -11,8 +11,9 @@ import socket
 
 import psutil
 import pytest
-import torch.distributed as dist
+import zmq
 
+from parashift.distributed.group_store import GroupStoreClient
 from parashift.runtime.lockstep_group import LockstepGroup
 
 
@@ -21,9 +22,8 @@ def host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def store_client(address: str) -> dist.TCPStore:
-    host, port = host_port(address)
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+def store_client(address: str) -> GroupStoreClient:
+    return GroupStoreClient(address, None, datetime.timedelta(seconds=30))
 
 
 def listening_ips(port: int) -> set[str]:
@@ -31,51 +31,86 @@ def listening_ips(port: int) -> set[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
 
-def test_a_group_hosts_its_store_on_its_host_alone():
-    group = LockstepGroup(2, [0, 1])
-    assert (group.incarnation, group.broken) == (0, False)
-    assert group.address.startswith("tcp://127.0.0.1:")
-    # By itself torch's store listens on every interface; the group's on 127.0.0.1 only.
-    assert listening_ips(host_port(group.address)[1]) == {"127.0.0.1"}
-    client = store_client(group.address)  # what an engine does to join
-    client.set("joined", "dp1")
-    assert group.store.store.get("joined") == b"dp1"
+@pytest.fixture
+def ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
 
 
-def test_one_death_breaks_the_group_once_and_moves_it_to_a_new_store(caplog):
-    group = LockstepGroup(2, [0, 1])
-    first = group.address
-    store_client(first).set("incarnation", "0")
-    with caplog.at_level(logging.ERROR, logger="parashift.runtime.lockstep_group"):
-        assert group.on_death(1) is True  # the launcher must stop the others
-        assert group.on_death(0) is False  # one it stopped: the group is broken already
-    assert [r.getMessage() for r in caplog.records] == [
-        "engine dp1 of the expert-parallel group died: stopping the group"]
-    assert (group.incarnation, group.broken) == (1, True)
-    assert group.address != first
-    # An engine of the old incarnation finds nobody at the old address...
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(host_port(first), timeout=10).close()
-    # ...and the new store starts empty.
-    client = store_client(group.address)
-    assert client.check(["incarnation"]) is False
-    client.set("incarnation", "1")
-    assert group.store.store.get("incarnation") == b"1"
+def open_group(ctx, num_engines: int) -> LockstepGroup:
+    group = LockstepGroup(num_engines, list(range(num_engines)))
+    group.open(ctx, lambda incarnation: "tcp://127.0.0.1:0")
+    return group
 
 
-def test_the_group_serves_again_once_every_engine_of_the_new_incarnation_is_ready():
-    group = LockstepGroup(3, [0, 1, 2])
-    for rank in range(3):  # the first start: nothing was broken
-        group.on_ready(rank)
-    assert not group.broken
-    assert group.on_death(2)
-    group.on_ready(2)  # the restarted rank; the others' READYs were of the old incarnation
-    assert group.broken
-    for rank in (0, 0):  # twice the same rank is still one engine
-        group.on_ready(rank)
+def test_a_group_hosts_its_store_on_its_host_alone(ctx, tmp_path):
+    group = open_group(ctx, 2)
+    try:
+        assert (group.incarnation, group.broken) == (0, False)
+        assert group.address.startswith("tcp://127.0.0.1:")
+        assert listening_ips(host_port(group.address)[1]) == {"127.0.0.1"}
+        client = store_client(group.address)  # what an engine does to join
+        client.set("joined", "dp1")
+        assert group.store.data["joined"] == b"dp1" and client.get("joined") == b"dp1"
+        client.close()
+    finally:
+        group.close()
+    # One node: in the launch's folder.
+    local = LockstepGroup(2, [0, 1])
+    local.open(ctx, lambda incarnation: f"ipc://{tmp_path}/expert-store-{incarnation}")
+    try:
+        assert local.address == f"ipc://{tmp_path}/expert-store-0"
+        client = store_client(local.address)
+        assert client.add("count", 2) == 2 and client.add("count", 3) == 5
+        client.close()
+    finally:
+        local.close()
+
+
+def test_one_death_breaks_the_group_once_and_moves_it_to_a_new_store(ctx, caplog):
+    group = open_group(ctx, 2)
+    try:
+        first = group.address
+        client = store_client(first)
+        client.set("incarnation", "0")
+        client.close()
+        with caplog.at_level(logging.ERROR, logger="parashift.runtime.lockstep_group"):
+            assert group.on_death(1) is True  # the launcher must stop the others
+            assert group.on_death(0) is False  # one it stopped: the group is broken already
+        assert [r.getMessage() for r in caplog.records] == [
+            "engine dp1 of the expert-parallel group died: stopping the group"]
+        assert (group.incarnation, group.broken) == (1, True)
+        assert group.address != first
+        # An engine of the old incarnation finds nobody at the old address...
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(host_port(first), timeout=10).close()
+        # ...and the new store starts empty.
+        client = store_client(group.address)
+        assert client.check(["incarnation"]) is False
+        client.set("incarnation", "1")
+        assert group.store.data["incarnation"] == b"1"
+        client.close()
+    finally:
+        group.close()
+
+
+def test_the_group_serves_again_once_every_engine_of_the_new_incarnation_is_ready(ctx):
+    group = open_group(ctx, 3)
+    try:
+        for rank in range(3):  # the first start: nothing was broken
+            group.on_ready(rank, 100 + rank)
+        assert not group.broken and group.pids == {0: 100, 1: 101, 2: 102}
+        assert group.on_death(2)
+        group.on_ready(2, 202)  # the restarted rank; the others' READYs were of the old one
         assert group.broken
-    group.on_ready(1)
-    assert (group.broken, group.incarnation) == (False, 1)
-    address = group.address
-    assert group.on_death(0)  # the next death breaks it again, for a new store
-    assert (group.broken, group.incarnation) == (True, 2) and group.address != address
+        for rank in (0, 0):  # twice the same rank is still one engine
+            group.on_ready(rank, 200)
+            assert group.broken
+        group.on_ready(1, 201)
+        assert (group.broken, group.incarnation) == (False, 1)
+        address = group.address
+        assert group.on_death(0)  # the next death breaks it again, for a new store
+        assert (group.broken, group.incarnation) == (True, 2) and group.address != address
+    finally:
+        group.close()

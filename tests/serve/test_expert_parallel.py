@@ -171,8 +171,6 @@ def test_a_dead_or_hung_engine_fails_the_groups_requests_and_the_group_comes_bac
     ("mixtral", ["--strategy", "dp4xtp2xep"],
      "ep: 8 dp x tp ranks need at least 8 experts, the model has 5"),
     ("mixtral", ["--strategy", "dp2xpp2xep"], "ep does not combine with pp yet"),
-    ("mixtral", ["--strategy", "dp2xep", "--backend", "ray"],
-     "expert parallel over engines runs on one node with --backend mp"),
 ])
 def test_layouts_expert_parallel_cannot_run_are_refused(request, model, args, message):
     folder = request.getfixturevalue(model)

@@ -18,6 +18,8 @@ import time
 import psutil
 import pytest
 
+from parashift import LLM, SamplingParams
+
 from .conftest import running_server
 from .test_expert_parallel import ARGS, MAX_TOKENS, PROMPTS, assert_matches, complete, reference
 
@@ -58,7 +60,8 @@ def lockstep_state(server, num_engines: int) -> dict[str, list[float]]:
             "requests": [a + b for a, b in zip(series("parashift_num_requests_running"),
                                                series("parashift_num_requests_waiting"),
                                                strict=True)],
-            "kv_usage": series("parashift_kv_cache_usage_ratio")}
+            "kv_usage": series("parashift_kv_cache_usage_ratio"),
+            "prefill_held": series("parashift_lockstep_prefill_held_steps")}
 
 
 def poll(server, num_engines: int, done, what: str, timeout: float = 60.0
@@ -117,9 +120,12 @@ def assert_stays_idle(server, num_engines: int, state: dict[str, list[float]],
 @pytest.fixture(scope="module")
 def dp2xep(mixtral):
     """A small KV cache (48 blocks of 16 tokens per engine): many requests at once preempt.
-    Asked for async scheduling: lockstep waves step one at a time, and match the reference."""
+    Asked for async scheduling: lockstep waves step one at a time, and match the reference.
+    With the prefill cadence at 2 and 32-token steps, a long prompt's chunks are held to the
+    wave's even steps."""
     args = [a if a != "32MiB" else "384KiB" for a in ARGS]
     with running_server(mixtral, *args, "--strategy", "dp2xep", "--async-scheduling",
+                        "--prefill-schedule-interval", "2", "--max-num-batched-tokens", "32",
                         "--enable-admin-routes") as s:  # sleeps a lockstep group
         yield s
 
@@ -143,6 +149,27 @@ def test_dp2xep_matches_one_engine_with_every_expert(dp2xep, mixtral):
     assert_matches(dp2xep, reference(mixtral), [1])  # dp0 runs only dummy steps
     # The group's store (hosted by the launcher) and gloo listen on 127.0.0.1 alone.
     assert dp2xep.wildcard_listeners() == []
+
+
+def test_the_prefill_cadence_holds_a_long_prompts_chunks_and_changes_no_answer(dp2xep, mixtral):
+    """--prefill-schedule-interval 2: a 100-token prompt in 32-token steps runs its chunks on
+    the wave's even steps only (the held-steps counter moves), while the other rank decodes;
+    every answer is the reference's."""
+    long_prompt = [(13 * j) % 250 + 1 for j in range(100)]
+    llm = LLM(mixtral, dtype="float32", max_model_len=256, kv_cache_memory=32 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        expected = llm.generate([long_prompt], params, use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    before = fence(dp2xep)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(complete, dp2xep, PROMPTS[1], 1, 40)
+        assert complete(dp2xep, long_prompt, rank=0)["text"] == expected
+        other.result()
+    after = wave_ended(dp2xep, before, [0, 0])
+    assert after["prefill_held"][0] > before["prefill_held"][0], (before, after)
+    assert_matches(dp2xep, reference(mixtral), [0, 1])
 
 
 def test_constrained_requests_in_a_wave(dp2xep):

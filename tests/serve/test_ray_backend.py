@@ -187,3 +187,18 @@ def ray_state(env: dict) -> dict:
                            timeout=120, env=env)
     assert check.returncode == 0, check.stderr[-2000:]
     return json.loads(check.stdout.strip().splitlines()[-1])
+
+
+def test_ray_backend_runs_expert_parallel_over_engine_actors(mixtral):
+    """--backend ray --strategy dp2xep: the engine actors meet at the launcher's expert
+    store (tcp on the node's address, CURVE under the launch's own secret) and give what one
+    engine holding every expert gives; a stranger on the store's port gets nothing."""
+    from .test_expert_parallel import ARGS as EP_ARGS
+    from .test_expert_parallel import assert_matches, reference
+
+    expected = reference(mixtral)
+    with running_server(mixtral, *EP_ARGS, "--backend", "ray", "--strategy", "dp2xep") as s:
+        store = re.search(r"expert group's store listens at (tcp://\S+)", s.output()).group(1)
+        assert_matches(s, expected, [0, 1])
+        assert stranger_gets_nothing(store)
+        assert_matches(s, expected, [1])  # dp0 runs only dummy steps

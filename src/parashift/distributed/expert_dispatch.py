@@ -3,7 +3,8 @@ of the experts, and each token's expert outputs come back summed.
 
 The exchange is a gather and a scatter-sum of fixed shape: every engine's tokens, padded to the
 largest engine's count, known from one small exchange per step (the token counts, which also
-carry the waves' "does any engine still have work"). A rank with no tokens joins with zero
+carry the waves' "does any engine still have work" and the prefill cadence's "is any engine
+saturated"). A rank with no tokens joins with zero
 rows, and nothing else is exchanged per layer.
 
 How the bytes move depends on the backend (scripts/bench_moe.py; docs/BENCHMARKS.md): on gloo,
@@ -30,20 +31,23 @@ class ExpertDispatcher:
     def __init__(self, ep: GroupCommunicator):
         self.ep = ep
         self.counts: list[int] = []  # tokens of each rank this step
+        self.any_saturated = False  # whether any rank said it was saturated this step
         self.over_all_to_all = isinstance(ep.group, dist.ProcessGroupGloo)
 
     @property
     def is_active(self) -> bool:
         return self.ep.world_size > 1
 
-    def begin_step(self, num_tokens: int, has_work: bool) -> bool:
-        """Exchange every rank's token count and work flag; True if any rank has work."""
+    def begin_step(self, num_tokens: int, has_work: bool, saturated: bool = False) -> bool:
+        """Exchange every rank's token count, work flag and saturation (engine/
+        prefill_cadence.py); True if any rank has work."""
         if not self.is_active:
-            self.counts = [num_tokens]
+            self.counts, self.any_saturated = [num_tokens], saturated
             return has_work
-        mine = torch.tensor([[num_tokens, int(has_work)]], dtype=torch.int64)
-        every = self._gather(mine)  # [ranks, 2]
+        mine = torch.tensor([[num_tokens, int(has_work), int(saturated)]], dtype=torch.int64)
+        every = self._gather(mine)  # [ranks, 3]
         self.counts = every[:, 0].tolist()
+        self.any_saturated = bool(every[:, 2].any())
         return bool(every[:, 1].any())
 
     @property

@@ -22,6 +22,18 @@ def interface_of(address: str) -> str:
     raise ValueError(f"no network interface of this machine holds {address}")
 
 
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (a literal or a name): the one its peers
+    there reach it at. Loopback for a loopback host. (A UDP socket's connect sends nothing.)"""
+    ip = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+    if ip.is_loopback:
+        return str(ip)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((str(ip), 9))
+        return sock.getsockname()[0]
+
+
 def _addresses(name: str, version: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     if version == 6:
         try:

@@ -66,6 +66,8 @@ class EngineArgs:
     decode_max_num_batched_tokens: int | None = None
     decode_max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
+    # Lockstep groups: new prefill work only on every Nth step of a wave (vLLM's name); 1: off
+    prefill_schedule_interval: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     kv_offloading_size: int | None = None  # bytes of the node's host KV tier (vLLM's flag)
@@ -187,7 +189,8 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
                                 args.enable_chunked_prefill, args.max_waiting_requests,
                                 args.while_asleep, async_scheduling,
-                                *_pool_limits(args, spec))
+                                *_pool_limits(args, spec),
+                                prefill_schedule_interval=_prefill_interval(args, spec))
     if args.kv_offloading_size and processes.lockstep:
         raise ValueError("--kv-offloading-size is not supported with lockstep expert "
                          "parallel yet")
@@ -222,6 +225,19 @@ def _pool_limits(args: EngineArgs, spec: StrategySpec) -> tuple[int | None, ...]
         raise ValueError(f"--prefill-*/--decode-* limits apply to prefill/decode pools; "
                          f"--strategy {spec} has none (use pPxdD, like p1xd1)")
     return limits
+
+
+def _prefill_interval(args: EngineArgs, spec: StrategySpec) -> int:
+    """--prefill-schedule-interval aligns the prefills of a lockstep group's ranks; elsewhere
+    it would only delay them, so it is refused."""
+    interval = args.prefill_schedule_interval
+    if interval < 1:
+        raise ValueError(f"--prefill-schedule-interval must be >= 1, got {interval}")
+    if interval > 1 and not spec.processes().lockstep:
+        raise ValueError(f"--prefill-schedule-interval {interval} aligns the prefills of an "
+                         f"expert-parallel lockstep group (like dp2xep); --strategy {spec} "
+                         "has none")
+    return interval
 
 
 def _check_pools(args: EngineArgs, spec: StrategySpec) -> None:

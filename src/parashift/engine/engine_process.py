@@ -3,6 +3,7 @@ input sockets -> scheduler step -> outputs, blocking on its sockets when there i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -94,6 +95,9 @@ class EngineProcess:
             os.sched_setaffinity(0, self.placement.cpu_ids)
         config = config_for_this_node(init.config)  # the launcher's, checked against here
         lockstep = config.parallel.strategy.processes().lockstep
+        if lockstep and init.rank_key is not None:  # the group's store answers rank keys
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, expert_group_key=init.rank_key))
         self.core = (LockstepEngineCore if lockstep else EngineCore)(config,
                                                                       placement=self.placement)
         if init.kv_server and self.core.connector is not None:  # pools over nodes

@@ -13,6 +13,7 @@ import zmq
 
 from parashift.config import EngineConfig
 from parashift.engine.core import EngineCore, make_executor
+from parashift.engine.prefill_cadence import PrefillCadence
 from parashift.engine.steps import Steps
 from parashift.engine.wave import WaveState
 from parashift.strategies.mesh import EnginePlacement
@@ -25,20 +26,27 @@ class LockstepEngineCore(EngineCore):
     def __init__(self, config: EngineConfig, executor=None,
                  placement: EnginePlacement | None = None):
         self.wave_stats = WaveStats()
+        self.cadence = PrefillCadence(config.scheduler.prefill_schedule_interval)
         super().__init__(config, executor or make_executor(config, placement, lockstep=True))
 
     def step_in_wave(self) -> tuple[list[EngineCoreOutput], bool]:
         """One step of the wave, and whether any engine of the group had work."""
-        scheduler_output = self.scheduler.schedule()
-        stats = self.wave_stats
+        scheduler, cadence, stats = self.scheduler, self.cadence, self.wave_stats
+        scheduler.admits_prefill = admitted = cadence.admits()
+        scheduler_output = scheduler.schedule()
+        cadence.scheduled(admitted, len(scheduler.waiting),
+                          not admitted and scheduler.has_prefill_work())
         if scheduler_output.is_empty:
             stats.num_dummy_steps += 1
         start = time.perf_counter()
         step = self.executor.execute_wave_step(scheduler_output,
-                                               self.scheduler.has_unfinished_requests)
+                                               scheduler.has_unfinished_requests,
+                                               cadence.saturated)
         stats.step_seconds += time.perf_counter() - start
         stats.dispatch_seconds += step.dispatch_seconds
         stats.num_waves += 0 if step.group_has_work else 1
+        stats.num_prefill_held_steps = cadence.num_held_steps
+        cadence.stepped(step.group_saturated, step.group_has_work)
         outputs = self.scheduler.update_from_output(scheduler_output, step.output)
         return outputs, step.group_has_work
 

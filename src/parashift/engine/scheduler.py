@@ -48,6 +48,8 @@ class Scheduler:
         self.run_ahead: OneStep = run_ahead_policy(max_batches_in_flight, placeholders,
                                                    config.max_model_len)
         self.num_preemptions = 0
+        # Whether this step may take prefill work (a lockstep group's cadence says; else always)
+        self.admits_prefill = True
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: list[Request] = []
         self.waiting_for_kv: list[Request] = []
@@ -101,7 +103,7 @@ class Scheduler:
         num_preemptions = self.num_preemptions
         self._schedule_running(batch)
         # No admissions in a step that had to preempt: the pool is already too tight.
-        if self.num_preemptions == num_preemptions:
+        if self.num_preemptions == num_preemptions and self.admits_prefill:
             self._admit_waiting(batch)
         return self._output(batch)
 
@@ -156,7 +158,8 @@ class Scheduler:
         i = 0
         while i < len(running) and batch.has_room:
             req = running[i]
-            if not run_ahead.may_schedule(req):
+            if not run_ahead.may_schedule(req) or not (self.admits_prefill
+                                                        or _decodes(req)):
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens,
@@ -175,6 +178,10 @@ class Scheduler:
             req.num_synced_tokens = req.num_tokens
             batch.add(req, num_new)
             i += 1
+
+    def has_prefill_work(self) -> bool:
+        """Whether a request waits for admission or a running one has a prompt left."""
+        return bool(self.waiting) or not all(map(_decodes, self.running))
 
     def _preempt_for(self, req: Request, i: int, num_new: int) -> list[int] | None:
         """Preempts the latest admitted requests until running[i] fits (its new blocks), or
@@ -382,3 +389,8 @@ class Scheduler:
                 allowed = min(allowed, req.params.max_tokens)
             output += max(0, allowed - req.num_output_tokens)
         return prefill, output
+
+
+def _decodes(req: Request) -> bool:
+    """Whether its next step is one token (a decode), not a prompt's chunk."""
+    return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens <= 1

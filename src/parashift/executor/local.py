@@ -37,7 +37,8 @@ class LocalExecutor:
             torch.cuda.set_device(rank.cuda_index)
         spec = config.parallel.strategy
         shard = spec.shard(MeshPoint(rank.coords, spec.sizes()), config.model.hf_config)
-        groups = cross_engine_groups(spec, config.parallel.expert_group_address, rank.coords,
+        groups = cross_engine_groups(spec, config.parallel.expert_group_address,
+                                     config.parallel.expert_group_key, rank.coords,
                                      rank.cuda_index is not None)
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="parashift-runner")
                         if config.scheduler.async_scheduling else None)

@@ -13,17 +13,17 @@ from parashift.wire.lockstep_protocol import ExecuteWaveStep, WaveStepOutput, Wa
 class LockstepLocalExecutor(LocalExecutor):
     worker_base = LockstepWorker
 
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
-        return self._call(self.worker.execute_wave_step, scheduler_output, has_work)
+    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool,
+                          saturated: bool = False) -> WaveStepOutput:
+        return self._call(self.worker.execute_wave_step, scheduler_output, has_work, saturated)
 
 
 class LockstepMultiprocExecutor(MultiprocExecutor):
     """Its workers are LockstepWorkers (executor/worker_process.py picks them by the
     strategy)."""
 
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
+    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool,
+                          saturated: bool = False) -> WaveStepOutput:
         """One step of the wave on every worker (never in flight with others)."""
-        self._broadcast(ExecuteWaveStep(scheduler_output, has_work))
+        self._broadcast(ExecuteWaveStep(scheduler_output, has_work, saturated))
         return self._collect(WaveStepResult, 1)[0].result

@@ -14,16 +14,18 @@ from parashift.wire.lockstep_protocol import WaveStepOutput
 
 class LockstepWorker(Worker):
     @torch.inference_mode()
-    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool
-                          ) -> WaveStepOutput:
-        """One step of the wave; `has_work`: whether this engine still has requests. The
-        step's first collective tells every rank whether any engine had work."""
+    def execute_wave_step(self, scheduler_output: SchedulerOutput, has_work: bool,
+                          saturated: bool = False) -> WaveStepOutput:
+        """One step of the wave; `has_work`: whether this engine still has requests;
+        `saturated`: whether its prefill cadence is (engine/prefill_cadence.py). The step's
+        first collective tells every rank whether any engine had work, or was saturated."""
         runner, out = self.runner, scheduler_output
         dispatcher = runner.dispatcher
         runner.batch.apply(out)
         comm = dispatcher.ep.stats
         waited = comm.seconds
-        group_has_work = dispatcher.begin_step(out.total_num_scheduled_tokens, has_work)
+        group_has_work = dispatcher.begin_step(out.total_num_scheduled_tokens, has_work,
+                                               saturated)
         output = ModelRunnerOutput({})
         if not out.is_empty:
             result = runner.run_applied(out)  # (one step at a time: never deferred)
@@ -31,4 +33,5 @@ class LockstepWorker(Worker):
                 output = result.host_output()
         elif dispatcher.max_tokens:  # a dummy step: our experts still serve the others' tokens
             runner.forward_no_tokens()
-        return WaveStepOutput(output, group_has_work, comm.seconds - waited)
+        return WaveStepOutput(output, group_has_work, comm.seconds - waited,
+                              dispatcher.any_saturated)

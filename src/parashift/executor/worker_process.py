@@ -126,6 +126,7 @@ def _init(args: WorkerArgs):
     groups = _join_groups(spec.local_groups(), args.rank, args.shm_path,
                           config.device.deterministic)
     groups.update(cross_engine_groups(spec, config.parallel.expert_group_address,
+                                      config.parallel.expert_group_key,
                                       placement.coords, backend == "nccl"))
     shard = spec.shard(MeshPoint(placement.coords, spec.sizes()), config.model.hf_config)
     base = LockstepWorker if spec.processes().lockstep else Worker

@@ -17,7 +17,7 @@ from parashift.defaults import (
     default_max_num_batched_tokens,
 )
 from parashift.plan.bubble import pipeline_bubbles
-from parashift.plan.experts import expert_options
+from parashift.plan.experts import expert_dispatch, expert_options
 from parashift.plan.hardware import INTER_NODE, INTRA_NODE, Device, Link
 from parashift.plan.kv_tiers import KVTiers, node_kv_tiers
 from parashift.plan.shape import ModelShape
@@ -106,6 +106,9 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     bubble: dict[str, dict[str, float]] = field(default_factory=dict)  # plan/bubble.py
     expert_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # MoE: ep or not
+    # ep over engines (plan/experts.py): each node's experts, the dispatch's bytes
+    expert_placement: list[dict[str, Any]] = field(default_factory=list)
+    dispatch: dict[str, int] | None = None
     kv_tiers: KVTiers | None = None  # plan/kv_tiers.py: the node's host and disk tiers
     ranks_that_fit: int = 0  # dp ranks of this layout the machine holds (elastic dp's ceiling)
 
@@ -160,9 +163,6 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
         errors.append(f"{spec} needs {spec.world_size} devices; --devices is {s.devices}")
     elif spec.world_size < s.devices:
         warnings.append(f"{spec} uses {spec.world_size} of the {s.devices} devices")
-    if spec.processes().lockstep and s.nodes > 1:
-        warnings.append(f"{spec}: expert parallel over engines runs on one node for now "
-                        "(`parashift run` refuses more)")
     mesh = None
     if spec.world_size <= s.devices:
         try:
@@ -225,6 +225,7 @@ def make_plan(shape: ModelShape, spec: StrategySpec, s: PlanSettings) -> Plan:
     plan.ranks_that_fit = ranks_that_fit(stages, spec, s)
     plan.estimate = roofline(plan, s)
     plan.expert_options = expert_options(shape, spec, s.dtype_bytes, s.quantization)
+    plan.expert_placement, plan.dispatch = expert_dispatch(shape, spec, mesh, s.dtype_bytes)
     plan.bubble = (pipeline_bubbles(costs, s.prompt_len, s.output_len, s.concurrency,
                                    s.batched_tokens)
                    if len(costs) > 1 else {})

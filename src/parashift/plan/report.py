@@ -18,7 +18,7 @@ GIB = 2**30
 
 def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
     mesh = plan.mesh
-    return {
+    doc = {
         "model": plan.shape.name, "strategy": str(plan.spec), "fits": plan.fits,
         "runnable": plan.runnable, "errors": plan.errors, "warnings": plan.warnings,
         "parameters": plan.shape.total_params(), "active_parameters": plan.shape.active_params(),
@@ -36,6 +36,10 @@ def to_json(plan: Plan, s: PlanSettings) -> dict[str, Any]:
         "communication": plan.comm, "estimate": plan.estimate,
         "pipeline_bubble": plan.bubble,
     }
+    if plan.dispatch:  # ep over several engines only
+        doc["expert_placement"] = plan.expert_placement
+        doc["dispatch"] = plan.dispatch
+    return doc
 
 
 def _pools(plan: Plan) -> dict[str, Any] | None:
@@ -134,6 +138,8 @@ def show(plan: Plan, s: PlanSettings, console: Console) -> None:
         _show_pools(pools, console)
     if plan.expert_options:
         _show_expert_options(plan, console)
+    if plan.dispatch:
+        _show_expert_dispatch(plan, console)
     if plan.comm:
         table = Table(title="communication per step")
         for col in ("what", "count", "bytes per token", "more"):
@@ -188,6 +194,39 @@ def _show_expert_options(plan: Plan, console: Console) -> None:
         table.add_row(name, o["strategy"], shown, f"{o['expert_bytes_per_rank'] / GIB:.2f}",
                       f"{o['weight_bytes_per_rank'] / GIB:.2f}", "; ".join(o["errors"]))
     console.print(table)
+
+
+def _show_expert_dispatch(plan: Plan, console: Console) -> None:
+    table = Table(title="experts per node")
+    for col in ("node", "ranks", "experts"):
+        table.add_column(col)
+    for n in plan.expert_placement:
+        table.add_row(str(n["node"]), ", ".join(map(str, n["ranks"])), _id_ranges(n["experts"]))
+    console.print(table)
+    d = plan.dispatch
+    groups = f"its {d['num_groups']} ep groups move" if d["num_groups"] > 1 else (
+        "its ep group moves")
+    peers = "the other rank" if d["group_size"] == 2 else (
+        f"each of the {d['group_size'] - 1} other ranks")
+    console.print(
+        f"expert dispatch per token and step (the same expert ids in each of the "
+        f"{d['moe_layers']} MoE layers; in each, a {d['bytes_per_token_per_layer']:,}-byte "
+        f"hidden state to {peers} of the ep group and a partial back): a rank sends "
+        f"{d['bytes_per_token']:,} bytes, "
+        f"{d['cross_node_bytes_per_token']:,} of them to other nodes; {groups} "
+        f"{d['total_cross_node_bytes_per_token']:,} bytes across nodes (for balanced ranks: "
+        "each rank's block is padded to the largest rank's tokens)")
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def show_ranking(plans: list[Plan], why: str, console: Console) -> None:

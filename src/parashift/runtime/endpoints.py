@@ -54,6 +54,13 @@ class Endpoints:
         return cls(tcp_url(host, rpc_port), urls[:api_server_count],
                    urls[api_server_count:-2], urls[-2], urls[-1], bound=bound)
 
+    def expert_store(self, incarnation: int) -> str:
+        """Where incarnation `incarnation` of the expert group's store binds: the launch's
+        folder on one node, a port the kernel picks on the head's address otherwise."""
+        if self.ipc_dir is not None:
+            return f"ipc://{self.ipc_dir}/expert-store-{incarnation}"
+        return f"{self.handshake.rpartition(':')[0]}:0"
+
     def handed(self, *addresses: str) -> dict[str, socket.socket]:
         """The bound sockets of `addresses`, for the process that serves them."""
         return {a: self.bound[a] for a in addresses if a in self.bound}

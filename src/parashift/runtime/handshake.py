@@ -122,6 +122,14 @@ class Handshake:
             else:
                 del self.nodes[node]
 
+    def stop_group(self, kill: list[int]) -> None:
+        """Lockstep over nodes: every headless node stops its engines (kills those in `kill`)."""
+        for node in self.nodes:
+            try:
+                self.socket.send_multipart([node, p.encode(p.StopGroup(kill))], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("could not tell a headless node to stop its engines: %s", e)
+
     def shut_down_nodes(self, timeout: float) -> None:
         for node in self.nodes:  # headless launchers stop their engines
             try:

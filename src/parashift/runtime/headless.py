@@ -130,6 +130,8 @@ class HeadlessLauncher:
                 if isinstance(msg, p.Shutdown):
                     logger.info("the head node is shutting down; stopping this node")
                     return 0
+                if isinstance(msg, p.StopGroup):
+                    self._stop_group(msg.kill)
                 if isinstance(msg, p.RetireRanks) and self._retire(msg.ranks):
                     logger.info("a scale-down removed this node's last rank; stopping")
                     return 0
@@ -142,6 +144,15 @@ class HeadlessLauncher:
                 self.to_head.send(p.encode(p.EngineDead(death.rank, death.reason, death.pid)))
             self.engines.restart_due()
         return 0
+
+    def _stop_group(self, kill: list[int]) -> None:
+        """A rank of the lockstep group died elsewhere: ours stop now, the hung ones killed."""
+        logger.error("the head stops the expert-parallel group: stopping this node's engines")
+        for rank in kill:
+            pid = self.engines.pid(rank)
+            if pid is not None:
+                self.engines.kill(rank, pid)
+        self.engines.stop_all()
 
     def _retire(self, ranks: list[int]) -> bool:
         """A scale-down removed `ranks` (of this node's); True when none is left."""
@@ -204,6 +215,8 @@ _RESOLVED: dict[str, tuple[str, Callable[[EngineConfigWire], Any]]] = {
                              attrgetter("scheduler.max_waiting_requests")),
     "while_asleep": ("--while-asleep", attrgetter("scheduler.while_asleep")),
     "async_scheduling": ("--async-scheduling", attrgetter("scheduler.async_scheduling")),
+    "prefill_schedule_interval": ("--prefill-schedule-interval",
+                                  attrgetter("scheduler.prefill_schedule_interval")),
     "block_size": ("--block-size", attrgetter("cache.block_size")),
     "kv_cache_memory": ("--kv-cache-memory", attrgetter("cache.kv_cache_memory")),
     "gpu_memory_utilization": ("--gpu-memory-utilization",

@@ -37,11 +37,11 @@ class KVServer(threading.Thread):
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.bind(f"tcp://{host}:0")
         self.address: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 if self.sock.poll(_POLL_MS):
                     self._serve(self.sock.recv_multipart(copy=False))
         finally:
@@ -79,5 +79,5 @@ class KVServer(threading.Thread):
             self.arena.unpin(slots)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.join(timeout=5)

@@ -79,9 +79,6 @@ class Launcher:
         self._set_up_elastic(args)
         self.lockstep: LockstepGroup | None = None
         if self.processes.lockstep:
-            if args.backend == "ray" or args.multi_node(self.num_engines):
-                raise ValueError(f"--strategy {self.spec}: expert parallel over engines runs "
-                                 "on one node with --backend mp for now")
             self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
         args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
         self._set_up_engines(args)
@@ -202,6 +199,10 @@ class Launcher:
         self.listener = bind_listener(self.args.host, self.args.port)
         logger.info("HTTP listens at %s; it answers once every engine is ready", self.url())
         self._bind_handshake()
+        if self.lockstep is not None:  # its store, before any engine asks where it is
+            self.lockstep.open(self.ctx, self.endpoints.expert_store)
+            if self.lockstep.address.startswith("tcp://"):
+                logger.info("the expert group's store listens at %s", self.lockstep.address)
         if self.processes.prefill_engines and self.endpoints.handshake.startswith("tcp://"):
             self._start_kv_server()
         coordinator_pub = self._start_coordinator(mp)
@@ -303,7 +304,7 @@ class Launcher:
             again = msg.rank in self.ready
             self.ready[msg.rank] = msg
             if self.lockstep is not None:
-                self.lockstep.on_ready(msg.rank)
+                self.lockstep.on_ready(msg.rank, self.handshake.claims.get(msg.rank, (b"", 0))[1])
             logger.info("engine dp%d %s: %d KV blocks of %d tokens, max_model_len %d, weight "
                         "bytes per worker %s", msg.rank, "ready again" if again else "ready",
                         msg.num_blocks, msg.block_size, msg.max_model_len, msg.weight_bytes)
@@ -317,6 +318,7 @@ class Launcher:
             if starting:
                 raise StartupError(f"engine dp{msg.rank} died during start-up: {msg.reason}")
             self._announce_dead(msg)
+            self._group_died(msg.rank)
 
     def _engine_init(self, rank: int) -> p.EngineInit:
         group = self.lockstep
@@ -354,15 +356,12 @@ class Launcher:
             except StartupError as e:
                 logger.error("%s; shutting down", e)
                 return 1
-            if self.lockstep is not None:
-                for rank, incarnation in self.lockstep.hung_ranks():
-                    self.engines.kill(rank, incarnation)
+            self._hear_hung_group_ranks()
             for death in self.engines.reap():
                 if self._scale_up_failed(death):
                     continue
                 self._announce_dead(p.EngineDead(death.rank, death.reason, death.pid))
-                if self.lockstep is not None and self.lockstep.on_death(death.rank):
-                    self.engines.stop_all()  # reaped (and restarted) on the next turns
+                self._group_died(death.rank)
             self.engines.restart_due()
             self._serve_handshake(200)
             self._serve_api_servers()
@@ -370,6 +369,31 @@ class Launcher:
             self._advance_scale()
             self._autoscale()
         return 0
+
+    # --- the expert-parallel lockstep group (runtime/lockstep_group.py) -----------------------
+    def _hear_hung_group_ranks(self) -> None:
+        """The coordinator's verdicts on the group's silent ranks: this node's processes and
+        Ray actors are killed (the death then stops the group); another node's stop the
+        group now, and their node kills them. A verdict names the engine's pid: one about an
+        earlier process of the rank kills nothing (the new one may be loading)."""
+        if self.lockstep is None:
+            return
+        for rank, pid in self.lockstep.hung_ranks():
+            if self.mesh is not None and rank in self.local_ranks:
+                self.engines.kill(rank, pid)  # it checks the pid against its process
+            elif pid != self.lockstep.pids.get(rank):
+                continue
+            elif self.mesh is None:  # Ray
+                self.engines.kill(rank, pid)
+            else:
+                self._group_died(rank, kill=[rank])
+
+    def _group_died(self, rank: int, kill: list[int] | None = None) -> None:
+        """A rank of the group died (or hung elsewhere): every other rank stops at once, on
+        this node and on the others, and they meet again at a new store as they restart."""
+        if self.lockstep is not None and self.lockstep.on_death(rank):
+            self.engines.stop_all()  # reaped (and restarted) on the next turns
+            self.handshake.stop_group(kill or [])
 
     # --- elastic data parallel (runtime/scale.py) ---------------------------------------------
     def _scale_refusal(self) -> str:
@@ -549,6 +573,8 @@ class Launcher:
         self.engines.stop(grace or 10.0)
         if self.kv_server is not None:
             self.kv_server.stop()
+        if self.lockstep is not None:
+            self.lockstep.close()
         shm_files.remove(self.config.cache.kv_host_tier)
         if self.listener is not None:
             self.listener.close()

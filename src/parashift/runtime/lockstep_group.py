@@ -1,19 +1,20 @@
 """The launcher's view of a lockstep group (expert parallel over engines): every engine runs
 every step, so one dead engine stops them all. On a death the launcher stops the others at
-once (their requests then fail fast, none waits on a collective that cannot finish), and a
-restarted group meets at a fresh store (the launcher hosts it), so that no engine of the old
+once, on its node and, through their launchers (StopGroup), on the others: their requests then
+fail fast, none waits on a collective that cannot finish. A restarted group meets at a fresh
+store (the launcher hosts it: distributed/group_store.py), so that no engine of the old
 incarnation can join the new one. An engine the coordinator hears no heartbeat from is hung (a
-dead one is reaped sooner): its peers would wait on it in a collective, so the launcher kills
-it, and its death then stops the group like any other."""
+dead one is reaped sooner): its peers would wait on it in a collective, so it is killed (by
+its node's launcher), and its death then stops the group like any other."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
-from parashift.distributed.expert_group import GroupStore
+from parashift.distributed.group_store import GroupStoreServer
 from parashift.wire import protocol as p
 from parashift.wire.sockets import subscriber
 
@@ -21,35 +22,51 @@ logger = logging.getLogger(__name__)
 
 
 class LockstepGroup:
-    def __init__(self, num_engines: int, local_ranks: list[int], host: str = "127.0.0.1"):
+    def __init__(self, num_engines: int, local_ranks: list[int]):
         self.num_engines = num_engines
         self.local_ranks = set(local_ranks)
-        self.host = host
         self.verdicts: zmq.Socket | None = None  # the coordinator's EngineDead for silent ranks
         self.incarnation = 0
-        self.store = GroupStore(host)
+        self.store: GroupStoreServer | None = None
+        self._new_store: Callable[[int], GroupStoreServer] | None = None
         self.broken = False
         self.ready: set[int] = set()  # ranks of this incarnation that answered READY
+        self.pids: dict[int, int] = {}  # each rank's engine process, as its Hello said
+
+    def open(self, ctx: zmq.Context, where: Callable[[int], str]) -> None:
+        """Host the store, at `where(incarnation)` for each incarnation."""
+        def new_store(incarnation: int) -> GroupStoreServer:
+            store = GroupStoreServer(ctx, where(incarnation))
+            store.start()
+            return store
+
+        self._new_store = new_store
+        self.store = new_store(self.incarnation)
 
     @property
-    def address(self) -> str:
-        return self.store.address
+    def address(self) -> str | None:
+        return self.store.address if self.store is not None else None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
 
     def watch(self, ctx: zmq.Context, coordinator_publish: str) -> None:
         self.verdicts = subscriber(ctx, coordinator_publish)
 
     def hung_ranks(self) -> Iterator[tuple[int, int]]:
-        """(rank, incarnation) of this node's engines the coordinator declared silent since the
-        last call. The verdict names the process that went silent: after a group restart the
-        coordinator still times out the stopped incarnation, and that must never kill the new
-        one while it loads."""
+        """(rank, incarnation) of the group's engines the coordinator declared silent since the
+        last call (this node's and other nodes'). The verdict names the process that went
+        silent: after a group restart the coordinator still times out the stopped
+        incarnation, and that must never kill the new one while it loads."""
         while self.verdicts is not None:
             try:
                 msg = p.decode_or_drop(self.verdicts.recv(zmq.NOBLOCK), p.FromCoordinator,
                                        "verdicts")
             except zmq.Again:
                 return
-            if isinstance(msg, p.EngineDead) and msg.rank in self.local_ranks:
+            if isinstance(msg, p.EngineDead) and 0 <= msg.rank < self.num_engines:
                 yield msg.rank, msg.incarnation
 
     def on_death(self, rank: int) -> bool:
@@ -60,12 +77,16 @@ class LockstepGroup:
         logger.error("engine dp%d of the expert-parallel group died: stopping the group", rank)
         self.broken = True
         self.incarnation += 1
-        self.store = GroupStore(self.host)  # a new port: the old incarnation cannot meet here
+        self.close()  # the old incarnation cannot meet again
+        if self._new_store is not None:
+            self.store = self._new_store(self.incarnation)
         self.ready.clear()
+        self.pids.clear()
         return True
 
-    def on_ready(self, rank: int) -> None:
+    def on_ready(self, rank: int, pid: int) -> None:
         self.ready.add(rank)
+        self.pids[rank] = pid
         if self.broken and len(self.ready) == self.num_engines:
             logger.info("the expert-parallel group serves again (incarnation %d)",
                         self.incarnation)

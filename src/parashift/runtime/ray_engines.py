@@ -202,6 +202,23 @@ class RayEngines:
             self.restarts.died(rank)
         return deaths
 
+    def kill(self, rank: int, incarnation: int) -> None:
+        """Kill rank's actor, hung (the launcher checked that the verdict names its engine)."""
+        import ray
+
+        actor = self.actors.get(rank)
+        if actor is not None and rank in self.refs:
+            logger.error("engine dp%d is hung (pid %d): killing its actor", rank, incarnation)
+            ray.kill(actor, no_restart=True)
+
+    def stop_all(self) -> None:
+        """Kill every live engine actor without waiting (a lockstep group stops at once):
+        `reap` sees them go, and they restart as any death."""
+        import ray
+
+        for rank in list(self.refs):
+            ray.kill(self.actors[rank], no_restart=True)
+
     def _reap_unplaced(self) -> list[EngineDeath]:
         """A scale-up's rank whose group Ray has not placed in time: dead, with the reason."""
         deaths = []

@@ -20,6 +20,9 @@ _LOCKSTEP = {
     "dispatch_seconds": ("parashift_expert_dispatch_seconds",
                          "Seconds of those steps in the expert dispatch and combine (waiting "
                          "for slower engines included)"),
+    "num_prefill_held_steps": ("parashift_lockstep_prefill_held_steps",
+                               "Lockstep steps in which an engine held prefill work back "
+                               "(--prefill-schedule-interval)"),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

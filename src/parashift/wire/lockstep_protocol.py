@@ -25,6 +25,7 @@ class WaveStats:
     step_seconds: float = 0.0
     dispatch_seconds: float = 0.0
     in_wave: bool = False
+    num_prefill_held_steps: int = 0  # steps whose prefill work the cadence held back
 
 
 @dataclass
@@ -36,6 +37,7 @@ class WaveStepOutput:
     output: ModelRunnerOutput
     group_has_work: bool
     dispatch_seconds: float
+    group_saturated: bool = False  # any engine's last admitting step left requests waiting
 
 
 class StartWave(_Msg):
@@ -48,10 +50,12 @@ class StartWave(_Msg):
 
 
 class ExecuteWaveStep(_Msg):
-    """One lockstep step: the step, and whether this engine still has requests."""
+    """One lockstep step: the step, whether this engine still has requests, and whether it is
+    saturated (engine/prefill_cadence.py)."""
 
     scheduler_output: SchedulerOutput
     has_work: bool
+    saturated: bool = False
 
 
 class WaveStepResult(_Msg):

@@ -274,6 +274,14 @@ class RetireRanks(_Msg):
     ranks: list[int]
 
 
+class StopGroup(_Msg):
+    """Head -> headless launcher: a rank of the expert-parallel lockstep group died or hung:
+    stop this node's engines now (SIGKILL those in `kill`, hung), so that none waits in a
+    collective on the dead one; their deaths are reported, and they restart as any death."""
+
+    kill: list[int] = msgspec.field(default_factory=list)
+
+
 # --- KV blocks between nodes (prefill/decode pools) -------------------------------------------
 class KVFetch(_Msg):
     """Decode rank -> the head's KV server: the blocks of these tier keys, from the first."""
@@ -293,7 +301,7 @@ class KVBlocks(_Msg):
 # on an engine's request sockets
 ToEngine = AddRequest | AbortRequests | Sleep | WakeUp | IsSleeping | ResetPrefixCache | GetStats
 Handshake = Hello | Ready | StartupFailed | NodeHello | EngineDead  # to the head launcher
-ToNode = NodeInit | NodeRefused | Shutdown | RetireRanks  # head -> headless launcher
+ToNode = NodeInit | NodeRefused | Shutdown | RetireRanks | StopGroup  # head -> headless
 ToEngineLoad = EngineLoad | Heartbeat | StartWave  # on the coordinator's PULL socket
 FromCoordinator = LoadVector | EngineDead | StartWave  # on API servers' and engines' SUB
 # on an API server's PULL socket

@@ -1,0 +1,132 @@
+"""dp2xep over two nodes (issue 58): the head runs the API server and dp0, a `--headless`
+launcher in another process tree runs dp1; they meet only over TCP on 127.0.0.1 under the
+cluster secret, as two machines would. The expert group's store is the head launcher's (CURVE,
+rank keys only) and its address travels in the handshake; the dispatch runs over gloo as on one
+node. MoE requests give what one engine holding every expert gives (which one-node dp2xep gives
+too: test_expert_parallel.py). A stranger on the store's port is answered nothing; an engine
+killed on the second tree fails the group's requests in flight with an error, the head stops
+its own rank, and the restarted group meets at a new store and serves again."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from parashift.wire import protocol as p
+from parashift.wire.store_protocol import StoreCall
+
+from .conftest import launch, stop, wait_serving
+from .test_expert_parallel import PROMPTS, assert_matches, complete, reference, stream_in_thread
+
+pytestmark = pytest.mark.slow
+
+SECRET = "experts-over-nodes-secret-0123456789"
+ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory", "32MiB",
+        "--strategy", "dp2xep", "--data-parallel-size-local", "1",
+        "--data-parallel-address", "127.0.0.1", "--restart-dead-engines",
+        "--heartbeat-timeout", "5"]
+
+
+@contextlib.contextmanager
+def two_trees(model: str):
+    env = {"PARASHIFT_CLUSTER_SECRET": SECRET}
+    head = launch(model, [*ARGS, "--data-parallel-rpc-port", "0"], env=env)
+    node = None
+    try:
+        port = head.wait_line(r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1)
+        store = head.wait_line(r"expert group's store listens at (tcp://\S+)").group(1)
+        node = launch(model, [*ARGS, "--headless", "--data-parallel-start-rank", "1",
+                              "--data-parallel-rpc-port", port], env=env)
+        head.node = node  # type: ignore[attr-defined]
+        yield wait_serving(head), store
+    finally:
+        if node is not None:
+            stop(node)
+        stop(head)
+
+
+@pytest.fixture(scope="module")
+def mixtral_nodes(tiny_model_factory):
+    model = tiny_model_factory("mixtral", max_position_embeddings=8192)
+    with two_trees(model) as (server, store):
+        yield model, server, store
+
+
+def test_mixtral_over_two_nodes_matches_one_engine_with_every_expert(mixtral_nodes):
+    model, server, _ = mixtral_nodes
+    assert_matches(server, reference(model), [0, 1])
+
+
+def test_qwen2_moe_over_two_nodes_matches_one_engine_with_every_expert(tiny_model_factory):
+    model = tiny_model_factory("qwen2_moe", max_position_embeddings=8192)
+    with two_trees(model) as (server, _):
+        assert_matches(server, reference(model), [0, 1])
+
+
+def test_a_stranger_on_the_store_port_gets_nothing(mixtral_nodes, monkeypatch):
+    _, server, store = mixtral_nodes
+    call = p.encode(StoreCall(0, "set", ["ep-tp0/0"], value=b"a stranger's address"))
+    plain = zmq.Context()
+    try:
+        sock = plain.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(store)  # no CURVE: the handshake cannot complete
+        with contextlib.suppress(zmq.Again):
+            sock.send(call, zmq.NOBLOCK)
+        assert not sock.poll(1500)
+    finally:
+        plain.destroy(linger=0)
+    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", SECRET)
+    from parashift.wire.sockets import zmq_context
+
+    member = zmq_context()  # the secret, no rank's key
+    try:
+        sock = member.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(store)
+        sock.send(call)
+        sock.send(b"junk")
+        assert not sock.poll(1500)  # dropped: only the ranks meet there
+    finally:
+        member.destroy(linger=0)
+    deadline = time.monotonic() + 30
+    while "dropped a frame from cluster on the expert-store link" not in server.output():
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.05)
+    for rank in (0, 1):  # still serving, both ranks
+        assert complete(server, PROMPTS[1], rank=rank, max_tokens=2)
+
+
+def test_an_engine_killed_on_the_second_node_fails_the_groups_requests_and_it_comes_back(
+        mixtral_nodes):
+    _, server, first_store = mixtral_nodes
+    node = server.node  # type: ignore[attr-defined]
+    body = {"prompt": [(7 * j) % 250 + 1 for j in range(16)], "max_tokens": 4000,
+            "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [stream_in_thread(pool, server, body, rank) for rank in (0, 1)]
+        for f in streams:
+            assert f.first_event.wait(60) and not f.done(), f.result()
+        victim = node.engine_process(1)
+        os.kill(victim.pid, signal.SIGKILL)
+        results = [f.result() for f in streams]
+    for status, raw in results:
+        events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+        assert status == 200 and events[-1] == "data: [DONE]", raw[-500:]
+        assert "engine dp" in json.loads(events[-2][6:])["error"]["message"], raw[-500:]
+    server.wait_line(r"engine dp\d of the expert-parallel group died: stopping the group")
+    node.wait_line(r"the head stops the expert-parallel group")
+    deadline = time.monotonic() + 120
+    while server.get_json("/health")[0] != 200:
+        assert time.monotonic() < deadline, server.output()[-4000:] + node.output()[-3000:]
+        time.sleep(0.2)
+    assert "the expert-parallel group serves again (incarnation 1)" in server.output()
+    for rank in (0, 1):
+        assert complete(server, PROMPTS[0], rank=rank, max_tokens=2)
