@@ -175,3 +175,21 @@ def test_a_node_gets_its_first_ranks_config_and_may_refuse_its_unclaimed_ranks(t
         engine.close()
         handshake.socket.close()
         ctx.term()
+
+
+def test_a_broken_lockstep_group_is_stopped_on_each_node_by_pid(desk):
+    """StopGroup tells each node only its own ranks' engines of the broken incarnation (rank,
+    pid), and which to kill: an engine that restarted since (another pid) is not named."""
+    handshake, _, peer = desk
+    first, second = peer("node-1"), peer("node-2")
+    said(handshake, first, p.NodeHello(1, 1))
+    said(handshake, second, p.NodeHello(2, 1))
+    for node in (first, second):
+        assert isinstance(p.decode(node.recv(), p.ToNode), p.NodeInit)
+    handshake.stop_group({0: 10, 1: 11, 2: 12}, kill=[2])
+    assert p.decode(first.recv(), p.ToNode) == p.StopGroup([(1, 11)], [2])
+    assert p.decode(second.recv(), p.ToNode) == p.StopGroup([(2, 12)], [2])
+    handshake.stop_group({0: 10}, kill=[])  # the head's own rank only: no node is told...
+    handshake.stop_group({1: 21, 2: 22}, kill=[])  # ...so each node's next word is this one
+    assert p.decode(first.recv(), p.ToNode) == p.StopGroup([(1, 21)], [])
+    assert p.decode(second.recv(), p.ToNode) == p.StopGroup([(2, 22)], [])

@@ -4,8 +4,9 @@ cluster secret, as two machines would. The expert group's store is the head laun
 rank keys only) and its address travels in the handshake; the dispatch runs over gloo as on one
 node. MoE requests give what one engine holding every expert gives (which one-node dp2xep gives
 too: test_expert_parallel.py). A stranger on the store's port is answered nothing; an engine
-killed on the second tree fails the group's requests in flight with an error, the head stops
-its own rank, and the restarted group meets at a new store and serves again."""
+killed on either tree fails the group's requests in flight with an error, and the restarted
+group meets at a new store and serves again; a node lost whole takes its rank, the head goes
+on answering, and a node started again brings the group back."""
 
 from __future__ import annotations
 
@@ -104,29 +105,62 @@ def test_a_stranger_on_the_store_port_gets_nothing(mixtral_nodes, monkeypatch):
         assert complete(server, PROMPTS[1], rank=rank, max_tokens=2)
 
 
-def test_an_engine_killed_on_the_second_node_fails_the_groups_requests_and_it_comes_back(
-        mixtral_nodes):
-    _, server, first_store = mixtral_nodes
+@pytest.mark.parametrize("where", ["second node", "head"])
+def test_an_engine_killed_fails_the_groups_requests_and_the_group_comes_back(mixtral_nodes,
+                                                                              where):
+    """dp1 killed on the second tree, or dp0 on the head's: both ranks' streams end with an
+    error, the head stops the group (on the other tree too, where a live rank of it is
+    left) and the restarted group meets at a new store and serves."""
+    _, server, _ = mixtral_nodes
     node = server.node  # type: ignore[attr-defined]
+    stops = server.output().count("of the expert-parallel group died: stopping the group")
     body = {"prompt": [(7 * j) % 250 + 1 for j in range(16)], "max_tokens": 4000,
             "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streams = [stream_in_thread(pool, server, body, rank) for rank in (0, 1)]
         for f in streams:
             assert f.first_event.wait(60) and not f.done(), f.result()
-        victim = node.engine_process(1)
+        victim = node.engine_process(1) if where == "second node" else server.engine_process(0)
         os.kill(victim.pid, signal.SIGKILL)
         results = [f.result() for f in streams]
     for status, raw in results:
         events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
         assert status == 200 and events[-1] == "data: [DONE]", raw[-500:]
         assert "engine dp" in json.loads(events[-2][6:])["error"]["message"], raw[-500:]
-    server.wait_line(r"engine dp\d of the expert-parallel group died: stopping the group")
-    node.wait_line(r"the head stops the expert-parallel group")
     deadline = time.monotonic() + 120
-    while server.get_json("/health")[0] != 200:
+    while (server.output().count("of the expert-parallel group died: stopping the group")
+           == stops or server.get_json("/health")[0] != 200):
         assert time.monotonic() < deadline, server.output()[-4000:] + node.output()[-3000:]
         time.sleep(0.2)
-    assert "the expert-parallel group serves again (incarnation 1)" in server.output()
     for rank in (0, 1):
         assert complete(server, PROMPTS[0], rank=rank, max_tokens=2)
+
+
+def test_a_node_that_leaves_takes_its_rank_and_the_head_goes_on(mixtral_nodes):
+    """The second tree is killed whole (a machine lost): the head hears no heartbeat from dp1,
+    stops the group and answers all along, /health naming the rank down; a node started again
+    takes dp1 back and the group serves."""
+    model, server, _ = mixtral_nodes
+    node = server.node  # type: ignore[attr-defined]
+    for proc in node.current_tree():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    node.proc.wait(30)
+    deadline = time.monotonic() + 60  # the heartbeat timeout (5 s), then the verdict
+    while (health := server.get_json("/health"))[0] == 200:
+        assert time.monotonic() < deadline, server.output()[-4000:]
+        time.sleep(0.2)
+    assert health[0] == 503 and "dp1" in health[1]["detail"], health
+    port = server.wait_line(r"handshake listens at tcp://127\.0\.0\.1:(\d+)").group(1)
+    again = launch(model, [*ARGS, "--headless", "--data-parallel-start-rank", "1",
+                           "--data-parallel-rpc-port", port],
+                   env={"PARASHIFT_CLUSTER_SECRET": SECRET})
+    try:
+        deadline = time.monotonic() + 120
+        while server.get_json("/health")[0] != 200:
+            assert time.monotonic() < deadline, server.output()[-4000:] + again.output()[-3000:]
+            time.sleep(0.2)
+        for rank in (0, 1):
+            assert complete(server, PROMPTS[2], rank=rank, max_tokens=2)
+    finally:
+        stop(again)

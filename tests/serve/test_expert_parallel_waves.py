@@ -172,6 +172,38 @@ def test_the_prefill_cadence_holds_a_long_prompts_chunks_and_changes_no_answer(d
     assert_matches(dp2xep, reference(mixtral), [0, 1])
 
 
+def expert_tokens(server) -> dict[str, list[float]]:
+    """Each engine's parashift_expert_routed_tokens, by expert id."""
+    status, raw = server.request("GET", "/metrics")
+    assert status == 200, raw
+    found: dict[str, dict[int, float]] = {}
+    for engine, expert, value in re.findall(
+            r'^parashift_expert_routed_tokens\{engine="(dp\d)",expert="(\d+)"\} (\S+)$',
+            raw.decode(), re.MULTILINE):
+        found.setdefault(engine, {})[int(expert)] = float(value)
+    return {e: [c[i] for i in sorted(c)] for e, c in found.items()}
+
+
+def test_the_expert_load_counts_each_engines_own_tokens_per_expert(dp2xep, mixtral):
+    """A fresh prompt of P tokens and T output tokens runs P + T - 1 tokens through each of
+    the L MoE layers, top-k experts each: dp1's counts grow by exactly that, spread over the
+    experts; dp0's (dummy steps only) do not move."""
+    config = json.load(open(os.path.join(mixtral, "config.json")))
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    prompt = [(17 * j) % 250 + 5 for j in range(40)]
+    fence(dp2xep)
+    before = expert_tokens(dp2xep)
+    state = lockstep_state(dp2xep, 2)
+    assert len(complete(dp2xep, prompt, rank=1)["logprobs"]["tokens"]) == MAX_TOKENS
+    wave_ended(dp2xep, state, [0, 0])
+    after = expert_tokens(dp2xep)
+    assert len(after["dp1"]) == config["num_local_experts"]
+    added = [a - b for a, b in zip(after["dp1"], before["dp1"], strict=True)]
+    assert sum(added) == (len(prompt) + MAX_TOKENS - 1) * layers * top_k, added
+    assert sum(1 for a in added if a) >= 2  # routed to several experts
+    assert after.get("dp0") == before.get("dp0")
+
+
 def test_constrained_requests_in_a_wave(dp2xep):
     """Structured outputs under lockstep: each rank's constrained request samples within its
     grammar while the other rank steps beside it."""

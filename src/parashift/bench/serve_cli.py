@@ -81,6 +81,7 @@ def serve(
     from tqdm import tqdm
 
     from parashift.bench import multi_turn, report
+    from parashift.bench.expert_load import expert_load, format_load, scrape
     from parashift.bench.metrics import parse_goodput, summarize
     from parashift.bench.serve_client import run_load
 
@@ -119,6 +120,7 @@ def serve(
             requests, follows = conversations.requests, conversations.follows
             tags = [{"user": u, "round": r + 1}
                     for u, r in zip(conversations.users, conversations.rounds, strict=True)]
+        experts_before = scrape(base_url, api_key)
         bar = tqdm(total=len(requests), desc=f"rate {label}", unit="req")
         try:
             records, duration = asyncio.run(run_load(
@@ -131,6 +133,9 @@ def serve(
         runs[label] = records
         summaries[label] = summarize(records, duration, slos or None)
         text = report.format_serve(summaries[label], f"request rate {label}")
+        if load := expert_load(experts_before, scrape(base_url, api_key)):
+            summaries[label]["expert_load"] = load
+            text += "\n" + format_load(load)
         if sizes is not None:
             summaries[label]["rounds"] = multi_turn.per_round(records, conversations.rounds)
             text += "\n" + multi_turn.format_rounds(summaries[label]["rounds"])

@@ -32,6 +32,9 @@ class ExpertDispatcher:
         self.ep = ep
         self.counts: list[int] = []  # tokens of each rank this step
         self.any_saturated = False  # whether any rank said it was saturated this step
+        # This rank's own tokens routed to each expert, summed over the MoE layers, since the
+        # last take_routed (the expert load: per rank, the basis for balancing)
+        self.routed: torch.Tensor | None = None
         self.over_all_to_all = isinstance(ep.group, dist.ProcessGroupGloo)
 
     @property
@@ -79,6 +82,26 @@ class ExpertDispatcher:
             return self.ep.reduce_scatter(partial)[:num_tokens]
         received = self.ep.all_to_all(partial)  # block j: rank j's partials for our tokens
         return received.view(self.ep.world_size, -1, partial.shape[1]).sum(0)[:num_tokens]
+
+    def count_routed(self, ids: torch.Tensor, num_experts: int) -> None:
+        """`ids` [rows, top_k]: a layer's routing of the dispatched rows; this rank's own
+        rows (its block, without padding) are counted in place on the device: no sync, and
+        a CUDA graph's replay counts too."""
+        if self.is_active:
+            start = self.ep.rank * self.max_tokens
+            ids = ids[start : start + self.counts[self.ep.rank]]
+        if self.routed is None:
+            self.routed = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+        flat = ids.flatten()
+        self.routed.index_add_(0, flat, torch.ones_like(flat))
+
+    def take_routed(self) -> list[int]:
+        """The counts since the last call (none: no MoE layer ran yet)."""
+        if self.routed is None:
+            return []
+        counts = self.routed.tolist()
+        self.routed.zero_()
+        return counts
 
     def _gather(self, block: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [ranks * n, ...], rank order."""

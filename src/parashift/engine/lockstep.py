@@ -46,6 +46,10 @@ class LockstepEngineCore(EngineCore):
         stats.dispatch_seconds += step.dispatch_seconds
         stats.num_waves += 0 if step.group_has_work else 1
         stats.num_prefill_held_steps = cadence.num_held_steps
+        if step.expert_tokens:
+            stats.expert_tokens = ([a + b for a, b in zip(stats.expert_tokens,
+                                                          step.expert_tokens, strict=True)]
+                                   if stats.expert_tokens else step.expert_tokens)
         cadence.stepped(step.group_saturated, step.group_has_work)
         outputs = self.scheduler.update_from_output(scheduler_output, step.output)
         return outputs, step.group_has_work

@@ -34,4 +34,4 @@ class LockstepWorker(Worker):
         elif dispatcher.max_tokens:  # a dummy step: our experts still serve the others' tokens
             runner.forward_no_tokens()
         return WaveStepOutput(output, group_has_work, comm.seconds - waited,
-                              dispatcher.any_saturated)
+                              dispatcher.any_saturated, dispatcher.take_routed())

@@ -88,6 +88,7 @@ class FusedMoE(nn.Module):
         num_tokens = hidden.shape[0]
         tokens = self.dispatcher.dispatch(hidden)  # every engine's tokens under ep
         weights, ids = route(router(tokens), self.top_k, self.renormalize)
+        self.dispatcher.count_routed(ids, self.num_experts)
         if self.dispatcher.is_active:  # padding rows route nowhere
             valid = self.dispatcher.valid_rows(tokens.device)
             ids = ids.masked_fill(~valid[:, None], -1)

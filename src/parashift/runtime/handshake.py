@@ -122,11 +122,16 @@ class Handshake:
             else:
                 del self.nodes[node]
 
-    def stop_group(self, kill: list[int]) -> None:
-        """Lockstep over nodes: every headless node stops its engines (kills those in `kill`)."""
-        for node in self.nodes:
+    def stop_group(self, engines: dict[int, int], kill: list[int]) -> None:
+        """Lockstep over nodes: each headless node stops its ranks' engines among `engines`
+        (rank -> pid), killing the ranks in `kill`."""
+        for node, ranks in self.nodes.items():
+            mine = [(rank, pid) for rank, pid in engines.items() if rank in ranks]
+            if not mine:
+                continue
             try:
-                self.socket.send_multipart([node, p.encode(p.StopGroup(kill))], zmq.NOBLOCK)
+                self.socket.send_multipart([node, p.encode(p.StopGroup(mine, kill))],
+                                           zmq.NOBLOCK)
             except zmq.ZMQError as e:
                 logger.warning("could not tell a headless node to stop its engines: %s", e)
 

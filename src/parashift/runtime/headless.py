@@ -131,7 +131,7 @@ class HeadlessLauncher:
                     logger.info("the head node is shutting down; stopping this node")
                     return 0
                 if isinstance(msg, p.StopGroup):
-                    self._stop_group(msg.kill)
+                    self._stop_group(msg.engines, msg.kill)
                 if isinstance(msg, p.RetireRanks) and self._retire(msg.ranks):
                     logger.info("a scale-down removed this node's last rank; stopping")
                     return 0
@@ -145,14 +145,15 @@ class HeadlessLauncher:
             self.engines.restart_due()
         return 0
 
-    def _stop_group(self, kill: list[int]) -> None:
-        """A rank of the lockstep group died elsewhere: ours stop now, the hung ones killed."""
+    def _stop_group(self, engines: list[tuple[int, int]], kill: list[int]) -> None:
+        """A rank of the lockstep group died: ours of its incarnation stop now (those that
+        restarted since go on), the hung ones killed."""
         logger.error("the head stops the expert-parallel group: stopping this node's engines")
-        for rank in kill:
-            pid = self.engines.pid(rank)
-            if pid is not None:
+        for rank, pid in engines:
+            if rank in kill:
                 self.engines.kill(rank, pid)
-        self.engines.stop_all()
+            else:
+                self.engines.terminate(rank, pid)
 
     def _retire(self, ranks: list[int]) -> bool:
         """A scale-down removed `ranks` (of this node's); True when none is left."""

@@ -386,14 +386,21 @@ class Launcher:
             elif self.mesh is None:  # Ray
                 self.engines.kill(rank, pid)
             else:
-                self._group_died(rank, kill=[rank])
+                self._group_died(rank, hung=pid)
 
-    def _group_died(self, rank: int, kill: list[int] | None = None) -> None:
-        """A rank of the group died (or hung elsewhere): every other rank stops at once, on
-        this node and on the others, and they meet again at a new store as they restart."""
-        if self.lockstep is not None and self.lockstep.on_death(rank):
+    def _group_died(self, rank: int, hung: int | None = None) -> None:
+        """A rank of the group died (or hung elsewhere: `hung`, its pid): every other rank
+        stops at once, on this node and on the others (every engine that said Hello for the
+        broken incarnation, loading or ready), and they meet again at a new store as they
+        restart."""
+        if self.lockstep is None:
+            return
+        engines = {r: pid for r, (_, pid) in self.handshake.claims.items()}
+        if hung is not None:
+            engines[rank] = hung
+        if self.lockstep.on_death(rank):
             self.engines.stop_all()  # reaped (and restarted) on the next turns
-            self.handshake.stop_group(kill or [])
+            self.handshake.stop_group(engines, [rank] if hung is not None else [])
 
     # --- elastic data parallel (runtime/scale.py) ---------------------------------------------
     def _scale_refusal(self) -> str:

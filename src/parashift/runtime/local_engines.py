@@ -118,6 +118,12 @@ class LocalEngines:
         logger.error("engine dp%d is hung (pid %d): killing it", rank, incarnation)
         proc.kill()
 
+    def terminate(self, rank: int, incarnation: int) -> None:
+        """SIGTERM rank's engine if it is still the process `incarnation` (its pid)."""
+        proc = self.procs.get(rank)
+        if proc is not None and proc.is_alive() and proc.pid == incarnation:
+            proc.terminate()
+
     def stop_all(self) -> None:
         """Ask every live engine to stop (SIGTERM) without waiting: `reap` sees them go."""
         for proc in self.procs.values():

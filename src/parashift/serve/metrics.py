@@ -24,6 +24,7 @@ _LOCKSTEP = {
                                "Lockstep steps in which an engine held prefill work back "
                                "(--prefill-schedule-interval)"),
 }
+MAX_EXPERTS = 1024  # series per engine at most (DeepSeek-V3 has 256 experts)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -62,6 +63,10 @@ class Metrics:
                                  registry=r)
         self.lockstep = {field: Gauge(name, doc, ["engine"], registry=r)
                          for field, (name, doc) in _LOCKSTEP.items()}
+        self.expert_tokens = Gauge(
+            "parashift_expert_routed_tokens", "An expert-parallel engine's own tokens routed "
+            "to each expert (global id), summed over the MoE layers (since it started; as of "
+            "its last wave's end)", ["engine", "expert"], registry=r)
         # Which API server answered this scrape (each has its own registry), and every HTTP
         # answer of the generation endpoints by status: a client can count its requests here.
         self.api_server = Gauge("parashift_api_server", "1, labelled with this API server's "
@@ -155,6 +160,8 @@ class Metrics:
             if load.wave is not None:
                 for field, gauge in self.lockstep.items():
                     gauge.labels(engine).set(float(getattr(load.wave, field)))
+                for expert, tokens in enumerate(load.wave.expert_tokens[:MAX_EXPERTS]):
+                    self.expert_tokens.labels(engine, str(expert)).set(tokens)
 
     def observe_request(self, status: str, num_prompt: int, num_output: int,
                         arrival: float, first_token: float | None, finished: float) -> None:

@@ -8,7 +8,7 @@ in their unions, and a load report its optional WaveStats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parashift.types.outputs import ModelRunnerOutput, SchedulerOutput
 from parashift.wire.message import _Msg
@@ -26,6 +26,8 @@ class WaveStats:
     dispatch_seconds: float = 0.0
     in_wave: bool = False
     num_prefill_held_steps: int = 0  # steps whose prefill work the cadence held back
+    # The engine's own tokens routed to each expert (global ids), summed over the MoE layers
+    expert_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class WaveStepOutput:
     group_has_work: bool
     dispatch_seconds: float
     group_saturated: bool = False  # any engine's last admitting step left requests waiting
+    expert_tokens: list[int] = field(default_factory=list)  # this step's (WaveStats')
 
 
 class StartWave(_Msg):

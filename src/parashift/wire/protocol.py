@@ -276,9 +276,12 @@ class RetireRanks(_Msg):
 
 class StopGroup(_Msg):
     """Head -> headless launcher: a rank of the expert-parallel lockstep group died or hung:
-    stop this node's engines now (SIGKILL those in `kill`, hung), so that none waits in a
-    collective on the dead one; their deaths are reported, and they restart as any death."""
+    stop these engines of the group's broken incarnation now, (rank, pid) as their Hellos
+    said (an engine restarted since is not one of them), SIGKILL for the ranks in `kill`
+    (hung), so that none waits in a collective on the dead one; their deaths are reported,
+    and they restart as any death."""
 
+    engines: list[tuple[int, int]]
     kill: list[int] = msgspec.field(default_factory=list)
 
 
