@@ -268,3 +268,35 @@ def tiny_tokenizer(tiny_llama):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def strangers_get_nothing(address: str, frames: list[bytes], secret: str, monkeypatch) -> None:
+    """Peers on a launcher's CURVE socket at `address` send `frames`, one message each: one
+    without the cluster secret (its handshake cannot complete), then one with the secret but
+    no rank's key (its frames are dropped). Neither is answered."""
+    import zmq
+
+    plain = zmq.Context()
+    try:
+        sock = plain.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        for frame in frames:
+            with contextlib.suppress(zmq.Again):  # (no peer ever completes: nothing queues)
+                sock.send(frame, zmq.NOBLOCK)
+        assert not sock.poll(1500)
+    finally:
+        plain.destroy(linger=0)
+    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", secret)
+    from parashift.wire.sockets import zmq_context
+
+    member = zmq_context()
+    try:
+        sock = member.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        for frame in frames:
+            sock.send(frame)
+        assert not sock.poll(1500)
+    finally:
+        member.destroy(linger=0)

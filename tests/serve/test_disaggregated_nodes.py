@@ -8,16 +8,14 @@ server goes on serving."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
 import pytest
-import zmq
 
 from parashift.wire import protocol as p
 
-from .conftest import TINY_ARGS, launch, stop, wait_serving
+from .conftest import TINY_ARGS, launch, stop, strangers_get_nothing, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -77,29 +75,8 @@ def test_the_decode_rank_on_another_node_fetches_the_prompts_blocks(nodes):
 
 def test_a_stranger_on_the_kv_port_gets_nothing(nodes, monkeypatch):
     head, kv_server = nodes
-    fetch = p.encode(p.KVFetch(0, [1, 2, 3]))
-    plain = zmq.Context()
-    try:
-        sock = plain.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(kv_server)  # no CURVE: the handshake cannot complete
-        with contextlib.suppress(zmq.Again):  # (no peer ever completes: nothing queues)
-            sock.send(fetch, zmq.NOBLOCK)
-        assert not sock.poll(1500)
-    finally:
-        plain.destroy(linger=0)
-    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", SECRET)
-    from parashift.wire.sockets import zmq_context
-
-    member = zmq_context()  # the secret, no rank's key
-    try:
-        sock = member.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(kv_server)
-        sock.send(fetch)
-        assert not sock.poll(1500)  # dropped: only a rank's engine reads prompts' KV
-    finally:
-        member.destroy(linger=0)
+    # dropped from a peer with the secret: only a rank's engine reads prompts' KV
+    strangers_get_nothing(kv_server, [p.encode(p.KVFetch(0, [1, 2, 3]))], SECRET, monkeypatch)
     loads = remote_loads(head)
     prompt = [(11 * j) % 250 + 3 for j in range(90)]
     complete(head, prompt)  # still serving

@@ -18,12 +18,11 @@ import signal
 import time
 
 import pytest
-import zmq
 
 from parashift.wire import protocol as p
 from parashift.wire.store_protocol import StoreCall
 
-from .conftest import launch, stop, wait_serving
+from .conftest import launch, stop, strangers_get_nothing, wait_serving
 from .test_expert_parallel import PROMPTS, assert_matches, complete, reference, stream_in_thread
 
 pytestmark = pytest.mark.slow
@@ -74,29 +73,7 @@ def test_qwen2_moe_over_two_nodes_matches_one_engine_with_every_expert(tiny_mode
 def test_a_stranger_on_the_store_port_gets_nothing(mixtral_nodes, monkeypatch):
     _, server, store = mixtral_nodes
     call = p.encode(StoreCall(0, "set", ["ep-tp0/0"], value=b"a stranger's address"))
-    plain = zmq.Context()
-    try:
-        sock = plain.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(store)  # no CURVE: the handshake cannot complete
-        with contextlib.suppress(zmq.Again):
-            sock.send(call, zmq.NOBLOCK)
-        assert not sock.poll(1500)
-    finally:
-        plain.destroy(linger=0)
-    monkeypatch.setenv("PARASHIFT_CLUSTER_SECRET", SECRET)
-    from parashift.wire.sockets import zmq_context
-
-    member = zmq_context()  # the secret, no rank's key
-    try:
-        sock = member.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(store)
-        sock.send(call)
-        sock.send(b"junk")
-        assert not sock.poll(1500)  # dropped: only the ranks meet there
-    finally:
-        member.destroy(linger=0)
+    strangers_get_nothing(store, [call, b"junk"], SECRET, monkeypatch)
     deadline = time.monotonic() + 30
     while "dropped a frame from cluster on the expert-store link" not in server.output():
         assert time.monotonic() < deadline, server.output()[-3000:]

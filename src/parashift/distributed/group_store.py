@@ -22,7 +22,8 @@ import torch.distributed as dist
 import zmq
 
 from parashift.wire import protocol as p
-from parashift.wire.cluster_auth import CurvePair, Role, principal
+from parashift.wire.cluster_auth import CurvePair, Role
+from parashift.wire.rank_server import RankServer
 from parashift.wire.sockets import zmq_context
 from parashift.wire.store_protocol import StoreAnswer, StoreCall
 
@@ -35,7 +36,6 @@ MAX_KEYS = 1 << 16
 MAX_HELD_BYTES = 64 << 20
 MAX_WAITING_CALLS = 4096
 MAX_WAIT_S = 600.0
-_POLL_MS = 100
 _OPS = frozenset({"set", "get", "add", "compare_set", "delete_key", "num_keys", "check",
                   "wait"})
 
@@ -47,46 +47,22 @@ class _Waiting:
     deadline: float
 
 
-class GroupStoreServer(threading.Thread):
+class GroupStoreServer(RankServer):
     """One incarnation's store, in the launcher: bound at `where` (tcp://host:0 picks a port)
     in `ctx`, which runs CURVE on tcp where the cluster secret is held."""
 
+    link = "expert-store"
+
     def __init__(self, ctx: zmq.Context, where: str):
-        super().__init__(name="parashift-expert-store", daemon=True)
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(where)
-        self.address: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        super().__init__(ctx, where, "parashift-expert-store")
         self.data: dict[str, bytes] = {}
         self.held_bytes = 0
         self.waiting: list[_Waiting] = []
-        self._stopping = threading.Event()
 
-    def run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                if self.sock.poll(_POLL_MS):
-                    self._serve(self.sock.recv_multipart(copy=False))
-                self._expire(time.monotonic())
-        finally:
-            self.sock.close()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self.is_alive():
-            self.join(timeout=5)
-        else:
-            self.sock.close()
-
-    def _serve(self, frames: list[zmq.Frame]) -> None:
-        who = principal(frames[-1])
-        if len(frames) != 2 or (who is not None and not who.startswith("dp")):
-            p.log_dropped("expert-store", f"a frame from {who or 'an unknown peer'}")
-            return  # only the ranks meet here
-        call = p.decode_or_drop(frames[1].buffer, StoreCall, "expert-store")
+    def serve(self, identity: bytes, frame: zmq.Frame) -> None:
+        call = p.decode_or_drop(frame.buffer, StoreCall, self.link)
         if call is None:
             return
-        identity = frames[0].bytes
         refusal = _refusal(call)
         if refusal:
             self._answer(identity, StoreAnswer(call.call_id, error=refusal))
@@ -158,7 +134,8 @@ class GroupStoreServer(threading.Thread):
         for w in ready:
             self._answer(w.identity, self._do(w.call))
 
-    def _expire(self, now: float) -> None:
+    def tick(self, now: float) -> None:
+        """Waiting calls past their time are answered with an error."""
         late = [w for w in self.waiting if w.deadline <= now]
         if not late:
             return

@@ -12,54 +12,39 @@ copied into the answer, so no eviction can change them halfway; each answer is b
 from __future__ import annotations
 
 import logging
-import threading
 
 import zmq
 
 from parashift.kv_tiers.host_arena import HostArena
 from parashift.wire import protocol as p
-from parashift.wire.cluster_auth import principal
+from parashift.wire.rank_server import RankServer
 
 logger = logging.getLogger(__name__)
 
 MAX_FETCH_BLOCKS = 4096  # a fetch's keys: 64k tokens of 16
 MAX_FETCH_BYTES = 256 << 20  # an answer's blocks (the rest: fetched again, or computed)
-_POLL_MS = 200
 
 
-class KVServer(threading.Thread):
+class KVServer(RankServer):
+    link = "kv-server"
+
     def __init__(self, ctx: zmq.Context, host: str, arena_path: str):
-        super().__init__(name="parashift-kv-server", daemon=True)
+        super().__init__(ctx, f"tcp://{host}:0", "parashift-kv-server")
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.arena_path = arena_path
         self.arena: HostArena | None = None  # mapped at the first fetch (an engine makes it)
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.bind(f"tcp://{host}:0")
-        self.address: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._stopping = threading.Event()
 
-    def run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                if self.sock.poll(_POLL_MS):
-                    self._serve(self.sock.recv_multipart(copy=False))
-        finally:
-            self.sock.close()
-            if self.arena is not None:
-                self.arena.close(unlink=False)
+    def closed(self) -> None:
+        if self.arena is not None:
+            self.arena.close(unlink=False)
 
-    def _serve(self, frames: list[zmq.Frame]) -> None:
-        who = principal(frames[-1])
-        if len(frames) != 2 or (who is not None and not who.startswith("dp")):
-            p.log_dropped("kv-server", f"a frame from {who or 'an unknown peer'}")
-            return  # only a rank's engine reads prompts' KV
-        fetch = p.decode_or_drop(frames[1].buffer, p.KVFetch, "kv-server")
+    def serve(self, identity: bytes, frame: zmq.Frame) -> None:
+        fetch = p.decode_or_drop(frame.buffer, p.KVFetch, self.link)
         if fetch is None:
             return
         keys = fetch.keys[:MAX_FETCH_BLOCKS]
         blocks = self._read(keys)
-        self.sock.send_multipart([frames[0], p.encode(p.KVBlocks(fetch.fetch_id, len(blocks))),
+        self.sock.send_multipart([identity, p.encode(p.KVBlocks(fetch.fetch_id, len(blocks))),
                                   *blocks])
 
     def _read(self, keys: list[int]) -> list[bytes]:
@@ -78,6 +63,3 @@ class KVServer(threading.Thread):
         finally:
             self.arena.unpin(slots)
 
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(timeout=5)
