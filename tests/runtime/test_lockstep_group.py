@@ -39,7 +39,7 @@ def ctx():
 
 
 def open_group(ctx, num_engines: int) -> LockstepGroup:
-    group = LockstepGroup(num_engines, list(range(num_engines)))
+    group = LockstepGroup(num_engines)
     group.open(ctx, lambda incarnation: "tcp://127.0.0.1:0")
     return group
 
@@ -57,7 +57,7 @@ def test_a_group_hosts_its_store_on_its_host_alone(ctx, tmp_path):
     finally:
         group.close()
     # One node: in the launch's folder.
-    local = LockstepGroup(2, [0, 1])
+    local = LockstepGroup(2)
     local.open(ctx, lambda incarnation: f"ipc://{tmp_path}/expert-store-{incarnation}")
     try:
         assert local.address == f"ipc://{tmp_path}/expert-store-0"

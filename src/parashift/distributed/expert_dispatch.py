@@ -4,8 +4,8 @@ of the experts, and each token's expert outputs come back summed.
 The exchange is a gather and a scatter-sum of fixed shape: every engine's tokens, padded to the
 largest engine's count, known from one small exchange per step (the token counts, which also
 carry the waves' "does any engine still have work" and the prefill cadence's "is any engine
-saturated"). A rank with no tokens joins with zero
-rows, and nothing else is exchanged per layer.
+saturated"). A rank with no tokens joins with zero rows, and nothing else is exchanged per
+layer.
 
 How the bytes move depends on the backend (scripts/bench_moe.py; docs/BENCHMARKS.md): on gloo,
 torch's all_gather and reduce_scatter take several times as long as an all-to-all of the same

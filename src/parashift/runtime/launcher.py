@@ -79,7 +79,7 @@ class Launcher:
         self._set_up_elastic(args)
         self.lockstep: LockstepGroup | None = None
         if self.processes.lockstep:
-            self.lockstep = LockstepGroup(self.num_engines, self.local_ranks)
+            self.lockstep = LockstepGroup(self.num_engines)
         args.check_cluster_secret(args.backend == "ray" or args.multi_node(self.num_engines))
         self._set_up_engines(args)
         self.head_keys = HeadKeys.mint(self.capacity) if env.cluster_secret() else None

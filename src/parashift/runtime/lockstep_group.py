@@ -22,9 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class LockstepGroup:
-    def __init__(self, num_engines: int, local_ranks: list[int]):
+    def __init__(self, num_engines: int):
         self.num_engines = num_engines
-        self.local_ranks = set(local_ranks)
         self.verdicts: zmq.Socket | None = None  # the coordinator's EngineDead for silent ranks
         self.incarnation = 0
         self.store: GroupStoreServer | None = None
