@@ -201,8 +201,12 @@ class EngineProcess:
         load = p.EngineLoad(self.rank, stats, None, self.sleep.level, self.sleep.released,
                             list(self.received))
         extra = self.steps.extend_load(load)
+        # Whether it holds any KV block counts too: a finished request's stores may free
+        # their blocks after its last report (a prefill pool's hand-off), and an engine shown
+        # holding blocks it has freed would look busy to the router and /metrics for good.
         key = (stats.num_waiting, stats.num_running, extra, stats.num_prefix_cache_resets,
-               self.sleep.level, self.sleep.released, *self.received)
+               stats.kv_cache_usage == 0.0, self.sleep.level, self.sleep.released,
+               *self.received)
         now = time.monotonic()
         if key == self._last_load and now < self._next_tokens_report:
             return
