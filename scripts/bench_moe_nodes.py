@@ -21,9 +21,7 @@ seconds over step seconds, from /metrics, both ranks).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -31,9 +29,9 @@ import sys
 import threading
 import time
 
-from bench_pd import VOCAB, metric, workload
+from bench_pd import VOCAB, alternate, metric
 from random_model import random_mixtral
-from study_server import ServerProcess, running_server, stop_server, warm_up
+from study_server import ServerProcess, running_server, stop_server
 
 SECRET = "bench-moe-nodes-secret-0123456789"
 COMMON = ["--strategy", "dp2xep", "--max-model-len", "2048"]
@@ -116,21 +114,8 @@ def main() -> None:
     chosen = a.servers.split(",")
     if unknown := set(chosen) - set(servers):
         ap.error(f"--servers: unknown {sorted(unknown)}; choose from {list(servers)}")
-    runs = []
-    for round_ in range(a.rounds):
-        for name in chosen:
-            start = servers[name]
-            with start() as server:
-                warm_up(server.url, VOCAB)
-                before = dispatch_share(server.url)
-                result = asyncio.run(workload(server.url, a, seed=round_))
-                result.update(dispatch_share=dispatch_share(server.url), server=name,
-                              round=round_, warm_up_dispatch_share=before)
-            runs.append(result)
-            print(json.dumps(result), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
+    alternate(a, {name: servers[name] for name in chosen},
+              lambda url: {"dispatch_share": dispatch_share(url)})
 
 
 if __name__ == "__main__":

@@ -105,13 +105,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="a JSON file for every run")
     a = ap.parse_args()
+    servers = {strategy: lambda s=strategy: running_server(a.model, ["--strategy", s])
+               for strategy in ("p1xd1", "dp2")}
+    alternate(a, servers, lambda url: handed_over(url))
+
+
+def alternate(a: argparse.Namespace, servers: dict, extra) -> None:
+    """Each server of `servers` (name -> a context manager that starts it) in turn, --rounds
+    times, one at a time: warmed up, `workload` timed, `extra(url)` added; each run printed,
+    and all written to --out."""
     runs = []
     for round_ in range(a.rounds):
-        for strategy in ("p1xd1", "dp2"):
-            with running_server(a.model, ["--strategy", strategy]) as server:
+        for name, start in servers.items():
+            with start() as server:
                 warm_up(server.url, VOCAB)
                 result = asyncio.run(workload(server.url, a, seed=round_))
-                result.update(handed_over(server.url), strategy=strategy, round=round_)
+                result.update(extra(server.url), server=name, round=round_)
             runs.append(result)
             print(json.dumps(result), flush=True)
     if a.out:
