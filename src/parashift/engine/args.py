@@ -176,6 +176,13 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
     check_quantization(args.quantization, device_name)
     model = ModelConfig(path, hf_config, dtype, max_model_len, args.tokenizer or path,
                         args.seed, args.quantization, args.model)
+    scheduler = _scheduler_config(args, spec, device_name, max_model_len)
+    return EngineConfig(model, _cache_config(args, spec), scheduler, parallel, device,
+                        args.worker_extension_cls)
+
+
+def _scheduler_config(args: EngineArgs, spec: StrategySpec, device_name: str,
+                      max_model_len: int) -> SchedulerConfig:
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(
         args.max_num_seqs, device_name,
         None if args.enable_chunked_prefill else max_model_len)
@@ -186,11 +193,15 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         (args.async_scheduling if args.async_scheduling is not None
          else default_async_scheduling(device_name))
         and processes.max_batches_in_flight == 1 and not processes.lockstep)
-    scheduler = SchedulerConfig(budget, args.max_num_seqs, max_model_len,
-                                args.enable_chunked_prefill, args.max_waiting_requests,
-                                args.while_asleep, async_scheduling,
-                                *_pool_limits(args, spec),
-                                prefill_schedule_interval=_prefill_interval(args, spec))
+    return SchedulerConfig(budget, args.max_num_seqs, max_model_len,
+                           args.enable_chunked_prefill, args.max_waiting_requests,
+                           args.while_asleep, async_scheduling, *_pool_limits(args, spec),
+                           prefill_schedule_interval=_prefill_interval(args, spec))
+
+
+def _cache_config(args: EngineArgs, spec: StrategySpec) -> CacheConfig:
+    """The KV cache and its tiers, refused where the tiers cannot run yet."""
+    processes = spec.processes()
     if args.kv_offloading_size and processes.lockstep:
         raise ValueError("--kv-offloading-size is not supported with lockstep expert "
                          "parallel yet")
@@ -199,12 +210,10 @@ def create_config(args: EngineArgs, spec: StrategySpec | None = None) -> EngineC
         raise ValueError("--kv-offloading-size is not supported with --backend ray yet")
     if processes.prefill_engines:
         _check_pools(args, spec)
-    kv_offloading_size = host_tier_size(args, spec)
-    cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
-                        args.enable_prefix_caching, args.num_gpu_blocks_override,
-                        kv_offloading_size, args.kv_disk_dir, args.kv_disk_size,
-                        kv_offloading_decode=args.kv_offloading_decode)
-    return EngineConfig(model, cache, scheduler, parallel, device, args.worker_extension_cls)
+    return CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
+                       args.enable_prefix_caching, args.num_gpu_blocks_override,
+                       host_tier_size(args, spec), args.kv_disk_dir, args.kv_disk_size,
+                       kv_offloading_decode=args.kv_offloading_decode)
 
 
 def host_tier_size(args: EngineArgs, spec: StrategySpec | None = None) -> int | None:

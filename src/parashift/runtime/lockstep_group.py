@@ -27,20 +27,20 @@ class LockstepGroup:
         self.verdicts: zmq.Socket | None = None  # the coordinator's EngineDead for silent ranks
         self.incarnation = 0
         self.store: GroupStoreServer | None = None
-        self._new_store: Callable[[int], GroupStoreServer] | None = None
+        self._where: tuple[zmq.Context, Callable[[int], str]] | None = None  # (`open`'s)
         self.broken = False
         self.ready: set[int] = set()  # ranks of this incarnation that answered READY
         self.pids: dict[int, int] = {}  # each rank's engine process, as its Hello said
 
     def open(self, ctx: zmq.Context, where: Callable[[int], str]) -> None:
         """Host the store, at `where(incarnation)` for each incarnation."""
-        def new_store(incarnation: int) -> GroupStoreServer:
-            store = GroupStoreServer(ctx, where(incarnation))
-            store.start()
-            return store
+        self._where = ctx, where
+        self._open_store()
 
-        self._new_store = new_store
-        self.store = new_store(self.incarnation)
+    def _open_store(self) -> None:
+        ctx, where = self._where
+        self.store = GroupStoreServer(ctx, where(self.incarnation))
+        self.store.start()
 
     @property
     def address(self) -> str | None:
@@ -77,8 +77,8 @@ class LockstepGroup:
         self.broken = True
         self.incarnation += 1
         self.close()  # the old incarnation cannot meet again
-        if self._new_store is not None:
-            self.store = self._new_store(self.incarnation)
+        if self._where is not None:
+            self._open_store()
         self.ready.clear()
         self.pids.clear()
         return True
