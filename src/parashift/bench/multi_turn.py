@@ -2,8 +2,10 @@
 prefix caching and KV-cache offloading (LMCache's multi-round QA benchmark).
 
 Each of U users holds one conversation of R rounds, and every request carries the whole
-conversation so far: a system prompt that all users share (the same ids), then each earlier
-round's question and answer, then the new question. A user sends round r+1 only once round r
+conversation so far: a system prompt that all users share (the same ids), then the user's own
+earlier history (LMCache's user history prompt: a long conversation or document that came
+before the measured rounds), then each earlier round's question and answer, then the new
+question. A user sends round r+1 only once round r
 has finished, so round r+1's prompt extends round r's exactly: its prefix was computed one
 round ago and sits in the prefix cache, or in whatever KV tier holds it by then. Users run
 concurrently, within --max-concurrency; the request rate paces the users' first rounds. In a
@@ -37,6 +39,7 @@ class MultiTurnSizes:
     system_len: int = 1000  # tokens of the shared system prompt (0: none)
     question_len: int = 100
     output_len: int = 128  # tokens of each answer
+    history_len: int = 0  # tokens of each user's own history before the first round
 
     def __post_init__(self) -> None:
         for flag, value in (("--multi-turn-users", self.num_users),
@@ -45,8 +48,10 @@ class MultiTurnSizes:
                             ("--output-len", self.output_len)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1 (got {value})")
-        if self.system_len < 0:
-            raise ValueError(f"--multi-turn-system-len must be >= 0 (got {self.system_len})")
+        for flag, value in (("--multi-turn-system-len", self.system_len),
+                            ("--multi-turn-history-len", self.history_len)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0 (got {value})")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ def conversations(sizes: MultiTurnSizes, vocab_size: int, seed: int
     system = draw(sizes.system_len)
     users = []
     for _ in range(sizes.num_users):
-        history, turns = list(system), []
+        history, turns = system + draw(sizes.history_len), []
         for _ in range(sizes.num_rounds):
             history += draw(sizes.question_len)
             turns.append(BenchRequest(list(history), len(history), sizes.output_len))

@@ -22,6 +22,9 @@ MultiTurnRounds = Annotated[int, typer.Option(
 MultiTurnSystemLen = Annotated[int, typer.Option(
     "--multi-turn-system-len", help="--dataset multi-turn: tokens of the system prompt that "
                                     "every user's conversation starts with")]
+MultiTurnHistoryLen = Annotated[int, typer.Option(
+    "--multi-turn-history-len", help="--dataset multi-turn: tokens of each user's own history "
+                                     "between the system prompt and the first round")]
 MultiTurnQuestionLen = Annotated[int, typer.Option(
     "--multi-turn-question-len", help="--dataset multi-turn: tokens of each new question")]
 Seed = Annotated[int, typer.Option(help="seeds the workload and the arrivals")]

@@ -13,6 +13,7 @@ from parashift.bench.options import (
     Dataset,
     InputLen,
     InputRange,
+    MultiTurnHistoryLen,
     MultiTurnQuestionLen,
     MultiTurnRounds,
     MultiTurnSystemLen,
@@ -63,6 +64,7 @@ def serve(
     multi_turn_rounds: MultiTurnRounds = 4,
     multi_turn_system_len: MultiTurnSystemLen = 1000,
     multi_turn_question_len: MultiTurnQuestionLen = 100,
+    multi_turn_history_len: MultiTurnHistoryLen = 0,
     tokenizer: Annotated[str | None, typer.Option(
         help="for text datasets (default: the embedded SmolLM2's)")] = None,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="random prompt ids below")
@@ -100,7 +102,7 @@ def serve(
                                  "--multi-turn-*, --output-len)")
             sizes = multi_turn.MultiTurnSizes(multi_turn_users, multi_turn_rounds,
                                               multi_turn_system_len, multi_turn_question_len,
-                                              output_len or 128)
+                                              output_len or 128, multi_turn_history_len)
         elif dataset is not None:
             from transformers import AutoTokenizer
 
