@@ -296,3 +296,16 @@ def test_prefill_decode_pools_in_json_and_text():
     assert doc["kv_tiers"]["host"]["size_bytes"] == 512 << 20
     text = cli_in_process("plan", "Qwen3-8B", "--strategy", "p1xd1", "--device", "h100-80g")
     assert "prefill pool: dp0; decode pool: dp1" in " ".join(text.stdout.split())
+
+
+def test_pools_over_nodes_name_the_kv_server_for_the_decode_ranks_away():
+    """On two nodes of 4 GPUs, p1xd2xtp2 puts dp0 and dp1 on the head and dp2 on the second
+    node: dp1 reads the head's tier, dp2 fetches over the authenticated TCP link."""
+    result = cli_in_process("plan", "Qwen3-8B", "--strategy", "p1xd2xtp2", "--device",
+                            "h100-80g", "--devices", "8", "--nodes", "2", "--json")
+    assert result.exit_code == 0, result.stdout
+    doc = json.loads(result.stdout)
+    assert {(m["engine"], m["node"]) for m in doc["mesh"]} == {(0, 0), (1, 0), (2, 1)}
+    assert doc["pools"]["kv_link"] == (
+        "the node's host KV tier (shared memory); for dp2 on other nodes, the head's KV server "
+        "over TCP (ZMQ, CURVE) into their node's tier")

@@ -2,7 +2,7 @@
 queued on the SIGKILLed prefill rank complete on the decode rank, which stands in for the
 missing pool; a request decoding on the SIGKILLed decode rank starts over and completes (its
 prefill again, its decode wherever a rank serves); a stream that had shown tokens gets the
-error event. Nothing hangs."""
+error event. Nothing hangs, and the surviving rank holds nothing afterwards."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def wait_healthy(server) -> None:
         time.sleep(0.2)
 
 
+def nothing_held(server, rank: int) -> None:
+    """The surviving rank holds no block and no request of what failed over."""
+    for name in ("parashift_kv_cache_usage_ratio", "parashift_num_requests_running",
+                 "parashift_num_requests_waiting"):
+        wait_metric(server, name, f"dp{rank}", 0.0, f"dp{rank} kept {name}")
+
+
 def stream_to_end(server, payload: dict, headers: dict, started: threading.Event) -> list[dict]:
     import urllib.request
 
@@ -79,6 +86,7 @@ def test_requests_queued_on_a_killed_prefill_rank_complete_on_the_decode_rank(se
             assert json.loads(raw)["usage"]["completion_tokens"] == 8
         assert "dp0" in pinned.result()[-1]["error"]["message"]
     assert server.metric("parashift_request_failovers_total", 'outcome="resent"') >= 3
+    nothing_held(server, 1)
     wait_healthy(server)
 
 
@@ -92,4 +100,5 @@ def test_a_request_decoding_on_a_killed_decode_rank_starts_over(server):
         status, raw = future.result()
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] == 3000
+    nothing_held(server, 0)
     wait_healthy(server)

@@ -1,9 +1,10 @@
 """`parashift run --strategy p1xd1` (issue 57) with the real SmolLM2 under --deterministic: a
 request's prompt and first token come from the prefill rank dp0, its KV goes to the decode
 rank dp1 through the node's host tier, and dp1 continues. Every answer equals the one dp1
-gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs,
-streamed and not, seeded n=3, stop strings, a JSON schema and a named tool call. A client
-that leaves before its first token or mid-stream leaves no KV block held on either rank;
+gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs, seeded
+n=3, stop strings, a JSON schema and a named tool call; streamed, the same texts, logprobs
+and finish reasons. A client that leaves before its first token, after it, or while the
+decode rank streams leaves no KV block held on either rank;
 /sleep and /wake_up reach both pools. What pools cannot run yet (the prefill pool off
 the head node, on Ray, elastic) is refused at launch."""
 
@@ -105,17 +106,41 @@ def test_answers_equal_the_decode_rank_alone(server, case):
         assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"]
 
 
-def test_a_stream_gives_the_text_of_the_answer(server):
-    path, body = CASES["chat"]
-    whole = post(server, path, body)["choices"][0]["message"]["content"]
+def texts(reply: dict) -> list:
+    """Each choice's text, token logprobs and finish reason, as a stream can rebuild them."""
+    out = []
+    for c in reply["choices"]:
+        logprobs = c.get("logprobs") or {}
+        out.append((c["text"] if "text" in c else c["message"]["content"],
+                    logprobs.get("content") or logprobs.get("token_logprobs"),
+                    c["finish_reason"]))
+    return out
+
+
+def streamed(server, path: str, body: dict) -> list:
+    """`texts` of the same request streamed: its chunks put together, choice by choice."""
     status, raw = server.request("POST", path, {**body, "stream": True}, timeout=120)
     assert status == 200, raw
-    text = ""
+    choices: dict[int, list] = {}
     for line in raw.decode().splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                text += choice["delta"].get("content") or ""
-    assert text == whole
+        if not line.startswith("data: {"):
+            continue
+        for c in json.loads(line[6:])["choices"]:
+            text, logprobs, _ = choices.setdefault(c["index"], ["", None, None])
+            piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+            lp = c.get("logprobs") or {}
+            lp = lp.get("content") or lp.get("token_logprobs")
+            choices[c["index"]] = [text + piece, (logprobs or []) + lp if lp else logprobs,
+                                   c["finish_reason"] or choices[c["index"]][2]]
+    return [tuple(choices[i]) for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("case", ["chat", "seeded", "stop", "schema"])
+def test_a_stream_gives_the_answer(server, case):
+    """Streamed, the first token from the prefill rank and the rest from the decode rank:
+    the same texts, logprobs and finish reasons as the answer in one piece."""
+    path, body = CASES[case]
+    assert streamed(server, path, body) == texts(post(server, path, body))
 
 
 def nothing_held(server) -> None:
@@ -155,6 +180,20 @@ def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
                                        max_tokens=300, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))  # the first token, from the prefill rank
+    stream.close()
+    nothing_held(server)
+
+
+def test_a_client_that_leaves_while_the_decode_rank_streams_leaves_no_blocks(server):
+    client = server.client()
+    stream = client.completions.create(model=server.model_name, prompt=SYSTEM + "Long ago",
+                                       max_tokens=300, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(8):  # the first from the prefill rank, the others from the decode rank
+        next(chunks)
+    wait_for(lambda: server.metric("parashift_num_requests_running", 'engine="dp1"') == 1.0,
+             "dp1 was not decoding the stream", server)
     stream.close()
     nothing_held(server)
 

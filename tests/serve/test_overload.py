@@ -1,5 +1,6 @@
 """Overload without engines: the drain rate and the Retry-After it gives, the retry choice of
-a request a full rank refused, and a stream on a rank a scale-down removes (a real broker, its
+a request a full rank refused, a decode phase every rank refused (prefill/decode pools), and a
+stream on a rank a scale-down removes (a real broker, its
 sends recorded instead of sent; the engines' answers delivered as its receive task would)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from parashift.serve.engine_errors import (
     RequestFailedError,
 )
 from parashift.serve.generation import Generation
+from parashift.serve.handoff import HANDED_OFF, EnginePools
 from parashift.serve.overload import (
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
@@ -273,5 +275,74 @@ def test_a_drain_and_the_removal_heard_together_end_a_shown_stream(broker, tiny_
         broker.remove_rank(1, "its rank was removed by a scale-down to 1")
         with pytest.raises(EngineDeadError, match="scale-down to 1"):
             await asyncio.wait_for(anext(texts), 5)
+
+    asyncio.run(scenario())
+
+
+def handed_off(broker: EngineClient, wire_id: str, first: list[int]) -> None:
+    """The prefill rank dp0 samples `first` and hands the request off."""
+    broker.in_flight.deliver(EngineCoreOutput(wire_id, first))
+    broker.in_flight.deliver(EngineCoreOutput(wire_id, [], finish_reason=HANDED_OFF))
+
+
+def decodes(broker: EngineClient) -> list[tuple[int, list[int]]]:
+    return [(rank, msg.generated_token_ids) for rank, msg in broker.sent
+            if isinstance(msg, p.AddRequest) and msg.generated_token_ids]
+
+
+def test_a_decode_phase_every_rank_refused_waits_for_room_and_goes_on_alone(
+        broker, tiny_tokenizer):
+    """p1xd2: the decode ranks and the prefill rank standing in refuse the decode phase; it
+    waits for a slot, then only the decode phase goes again (no second prefill, the same id),
+    and the first token the client already has stays."""
+    async def scenario() -> None:
+        broker.pools = EnginePools(1)
+        broker.in_flight.add("other", 2, lambda item: None)  # its finish will free a slot
+        gen = Generation(broker, tiny_tokenizer, "cmpl-h", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=3)], None, None, streamed=True)
+        texts = gen.stream()
+        assert adds(broker) == [(0, "cmpl-h-0-0")]
+        handed_off(broker, "cmpl-h-0-0", [40])
+        assert (await anext(texts)).text  # the first token, from the prefill rank
+        for _ in range(3):  # dp1 or dp2, the other, then dp0 standing in: all full
+            rank = broker.in_flight.engine_of["cmpl-h-0-0"]
+            broker.in_flight.fail("cmpl-h-0-0", rank, RequestFailedError(FULL, 429))
+        assert sorted(rank for rank, _ in decodes(broker)) == [0, 1, 2]
+        assert "cmpl-h-0-0" not in broker.in_flight.engine_of
+        following = asyncio.create_task(anext(texts))
+        while not broker.loads.room:  # it waits for room, holding nothing
+            await asyncio.sleep(0)
+        broker.in_flight.deliver(EngineCoreOutput("other", [9], finish_reason="length"))
+        while len(decodes(broker)) < 4:
+            await asyncio.sleep(0)
+        rank, generated = decodes(broker)[3]  # the prompt is not sent again, nor its token
+        assert rank in (1, 2) and generated == [40] and adds(broker)[-1] == (rank, "cmpl-h-0-0")
+        broker.in_flight.deliver(EngineCoreOutput("cmpl-h-0-0", [41, 42],
+                                                  finish_reason="length"))
+        assert (await asyncio.wait_for(following, 5)).finished
+        assert gen.choices["cmpl-h-0-0"].token_ids == [40, 41, 42]
+        assert broker.in_flight.sinks == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_phase_refused_past_the_hold_is_a_429_that_says_when_to_retry(
+        broker, tiny_tokenizer):
+    async def scenario() -> None:
+        broker.pools = EnginePools(1)
+        broker.loads.drain.on_finished(100)  # a fast drain: a short wait for room
+        gen = Generation(broker, tiny_tokenizer, "cmpl-q", [[5, 6, 7]],
+                         [SamplingParams(max_tokens=3)], None, None)
+        reader = asyncio.create_task(consume(gen))
+        handed_off(broker, "cmpl-q-0-0", [40])
+        for _ in range(3):
+            rank = broker.in_flight.engine_of["cmpl-q-0-0"]
+            broker.in_flight.fail("cmpl-q-0-0", rank, RequestFailedError(FULL, 429))
+        with pytest.raises(RetryLaterError) as refused:
+            await asyncio.wait_for(reader, 5)
+        assert refused.value.status == 429 and refused.value.retry_after > 0
+        assert "the decode phase" in refused.value.message
+        assert len(adds(broker)) == 4 and broker.in_flight.sinks == {}
+        assert len(broker.loads.room) == 0
 
     asyncio.run(scenario())

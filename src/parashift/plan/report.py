@@ -51,9 +51,15 @@ def _pools(plan: Plan) -> dict[str, Any] | None:
     host = plan.kv_tiers.host if plan.kv_tiers else None
     per_token = host.size_bytes and host.slot_bytes * host.blocks // host.tokens if (
         host and host.tokens) else None
+    node_of = {r.engine: r.node for r in plan.mesh.ranks} if plan.mesh else {}
+    prefill_nodes = {node_of.get(e, 0) for e in range(prefill)}
+    away = [e for e in range(prefill, engines) if node_of.get(e, 0) not in prefill_nodes]
+    links = ["the node's host KV tier (shared memory)"] if len(away) < engines - prefill else []
+    if away:
+        links.append(f"for {', '.join(f'dp{e}' for e in away)} on other nodes, the head's KV "
+                     "server over TCP (ZMQ, CURVE) into their node's tier")
     return {"prefill": list(range(prefill)), "decode": list(range(prefill, engines)),
-            "kv_link": "the node's host KV tier (shared memory)",
-            "kv_bytes_per_prompt_token": per_token}
+            "kv_link": "; ".join(links), "kv_bytes_per_prompt_token": per_token}
 
 
 def _show_pools(pools: dict[str, Any], console: Console) -> None:

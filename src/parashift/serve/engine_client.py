@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from parashift.serve.engine_errors import (
+    DecodeRefusedError,
     EngineDeadError,
     EngineUnavailableError,
     RankDrainingError,
@@ -213,10 +214,12 @@ class EngineClient:
         serving = [r for r in self.alive_engines() if r not in handoff.refused]
         candidates = self.pools.choose("decode", serving)
         if not candidates:
-            error = (RequestFailedError("every rank's waiting queue is full", 429)
+            error = (DecodeRefusedError("every live rank's waiting queue is full",
+                                        functools.partial(self._resume_decode, prefill,
+                                                          handoff))
                      if handoff.refused else EngineDeadError(
                          f"no rank can continue the request ({self.health()[1]})"))
-            handoff.sink(error)  # (serve/generation.py moves it, or fails it over)
+            handoff.sink(error)  # (serve/generation.py waits for room, or fails it over)
             return
         handoff.rank = min(candidates, key=self.loads.score)
         try:
@@ -224,6 +227,10 @@ class EngineClient:
         except EngineUnavailableError as e:
             handoff.sink(EngineDeadError(f"no decode rank can continue the request ({e})",
                                          handoff.rank))
+
+    def _resume_decode(self, prefill: p.AddRequest, handoff: Handoff) -> None:
+        handoff.refused.clear()
+        self._decode_phase(prefill, handoff)
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}

@@ -4,6 +4,8 @@ status."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class EngineDeadError(RuntimeError):
     """The engine serving a request died (`rank`, where one did); the request cannot finish
@@ -23,6 +25,16 @@ class RequestFailedError(ValueError):
         self.status = status
         self.type = {429: "rate_limit_error", 503: "service_unavailable_error"}.get(
             status, "invalid_request_error")
+
+
+class DecodeRefusedError(RequestFailedError):
+    """Every rank refused a sample's decode phase (429). Its prompt's KV waits in the node's
+    tier, so only that phase goes again: `resume()` sends it to the least loaded rank, as if
+    none had refused it yet (serve/handoff.py)."""
+
+    def __init__(self, message: str, resume: Callable[[], None]):
+        super().__init__(message, 429)
+        self.resume = resume
 
 
 class EngineUnavailableError(RuntimeError):

@@ -10,7 +10,9 @@ messages (serve/sse.py drops a client that stops reading).
 Overload: a rank whose waiting queue is full refuses a sample (429); before anything of the
 request has reached the client, the whole request moves to the least loaded live rank that has
 not refused it (a pinned one stays). Refused by all, it waits up to a second for room, and
-then the client gets a 429 with Retry-After (serve/overload.py).
+then the client gets a 429 with Retry-After (serve/overload.py). With prefill/decode pools, a
+sample whose decode phase every rank refused waits the same way, alone: its first token came,
+its prompt's KV waits in the node's tier, and only that phase is sent again.
 
 Scale-down: when the rank of a request starts draining, a request with no token yet starts
 over on a serving rank; one with tokens runs on until the drain ends, and what is left then
@@ -36,6 +38,7 @@ from typing import Any
 from parashift.engine.request_tracker import RequestTracker, Sample, SampleDelta
 from parashift.serve.engine_client import EngineClient
 from parashift.serve.engine_errors import (
+    DecodeRefusedError,
     EngineDeadError,
     EngineUnavailableError,
     RankDrainingError,
@@ -99,6 +102,7 @@ class Generation:
         self._failed_over = False  # a request fails over once
         self._refused: set[int] = set()  # ranks whose full queues refused it
         self._hold_until: float | None = None  # refused by all: until when it waits for room
+        self._decodes_refused: list[DecodeRefusedError] = []  # samples waiting to decode
         self._woken = False  # a freed slot woke it while it waited
         self._shown = False  # a delta with tokens went out to the client
         self._track()
@@ -151,6 +155,7 @@ class Generation:
         self.engine = rank
         self._unread.clear()
         self._error = None
+        self._decodes_refused.clear()
         if self.timing.first_token is not None:
             self.timing.first_token = None
             self._track()
@@ -161,6 +166,10 @@ class Generation:
         """In the engine client's receive task: never blocks, and a bug here fails this
         request alone."""
         if attempt != self._attempt:
+            return
+        if isinstance(item, DecodeRefusedError):
+            self._decodes_refused.append(item)
+            self._arrived.set()
             return
         if not isinstance(item, Exception):
             try:
@@ -233,6 +242,21 @@ class Generation:
                  else "every live rank's waiting queue is full")
         raise RetryLaterError(f"{error} ({where})", self._retry_after()) from None
 
+    async def _resume_decodes(self) -> None:
+        """Every rank refused some samples' decode phases: each goes on once a slot frees,
+        within the request's hold for room; then a 429 that says when to retry (an error
+        event, once the client has seen tokens)."""
+        if self._hold_until is None:
+            self._hold_until = time.monotonic() + HOLD_S
+        while self._decodes_refused:
+            left = self._hold_until - time.monotonic()
+            if left <= 0 or not await self.engines.loads.room.wait(left, first=self._woken):
+                error = self._decodes_refused[0]
+                raise RetryLaterError(f"{error} (the decode phase)", self._retry_after()
+                                      ) from None
+            self._woken = True
+            self._decodes_refused.pop(0).resume()
+
     def _pick(self, pinned: int | None = None, exclude: int | Collection[int] = ()) -> int:
         """The engine client's choice for this request's prompts."""
         return self.engines.pick_engine(pinned, exclude, self.hashes)
@@ -303,6 +327,8 @@ class Generation:
                         delta = pending.delta()
                         self._shown = self._shown or bool(delta.text or delta.num_new_logprobs)
                         yield delta
+                elif self._decodes_refused:
+                    await self._resume_decodes()
                 elif self.tracker.num_unfinished:
                     self._arrived.clear()
                     await self._arrived.wait()

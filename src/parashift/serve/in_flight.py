@@ -54,8 +54,8 @@ class InFlight:
         """`rank` could not serve one of its requests."""
         sink = self.sinks.get(request_id)
         if sink is not None and self.engine_of.get(request_id) == rank:
+            self.forget(request_id)  # before the sink, which may send the request on
             sink(error)
-            self.forget(request_id)
 
     # --- utility calls -----------------------------------------------------------------------
     def new_call(self, rank: int) -> tuple[int, asyncio.Future]:
@@ -88,9 +88,9 @@ class InFlight:
         for req_id, r in list(self.engine_of.items()):
             if r == rank:
                 sink = self.sinks.get(req_id)
+                self.forget(req_id)
                 if sink is not None:
                     sink(error)
-                self.forget(req_id)
         for call_id, (r, future) in list(self.calls.items()):
             if r == rank:
                 del self.calls[call_id]
