@@ -45,7 +45,9 @@ class Handoff:
     except the handed-off finish, which starts the decode phase (`continue_on(self)`: it picks
     a rank outside `refused`, records it in `rank`, and reports its own failures to `sink`).
     A decode rank whose queue is full (429) is refused and the decode goes on elsewhere, the
-    prefill pool's ranks included (they can decode too), before the request hears of it."""
+    prefill pool's ranks included (they can decode too), before the request hears of it;
+    refused by all, the request hears a DecodeRefusedError, whose `resume` starts this phase
+    again once it has waited for room (serve/generation.py)."""
 
     def __init__(self, sink: Sink, continue_on: Callable[[Handoff], None]):
         self.sink = sink
