@@ -4,9 +4,9 @@ rank dp1 through the node's host tier, and dp1 continues. Every answer equals th
 gives alone (pinned there, which hands nothing off), bit for bit: chat with logprobs, seeded
 n=3, stop strings, a JSON schema and a named tool call; streamed, the same texts, logprobs
 and finish reasons. A client that leaves before its first token, after it, or while the
-decode rank streams leaves no KV block held on either rank;
-/sleep and /wake_up reach both pools. What pools cannot run yet (the prefill pool off
-the head node, on Ray, elastic) is refused at launch."""
+decode rank streams leaves no KV block held on either rank; /sleep and /wake_up reach both
+pools. An MoE model hands off like a dense one. What pools cannot run yet (the prefill pool
+off the head node, on Ray, elastic) is refused at launch."""
 
 from __future__ import annotations
 
@@ -196,6 +196,20 @@ def test_a_client_that_leaves_while_the_decode_rank_streams_leaves_no_blocks(ser
              "dp1 was not decoding the stream", server)
     stream.close()
     nothing_held(server)
+
+
+def test_a_mixture_of_experts_model_hands_off_like_a_dense_one(mixtral):
+    """p1xd1 over an MoE model (each engine holds every expert: pools do not compose with ep):
+    the decode rank's answer from the handed-off KV equals its answer alone, greedy."""
+    from .conftest import TINY_ARGS
+
+    body = {"prompt": [int(t) for t in range(5, 69)], "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    with running_server(mixtral, *TINY_ARGS, "--strategy", "p1xd1") as moe:
+        loads = decode_loads(moe)
+        handed = post(moe, "/v1/completions", body)["choices"][0]["text"]
+        wait_for(lambda: decode_loads(moe) > loads, "dp1 loaded nothing from the tier", moe)
+        assert handed == post(moe, "/v1/completions", body, rank=1)["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("strategy,flags,message", [

@@ -40,10 +40,11 @@ def test_bad_pools(text, message):
         StrategySpec.parse(text)
 
 
-def test_pools_refuse_a_mixture_of_experts():
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        StrategySpec.parse("p1xd1").validate(tiny_config("mixtral"))
-    StrategySpec.parse("p1xd1").validate(tiny_config("llama"))
+def test_pools_take_a_mixture_of_experts_with_every_expert_in_each_engine():
+    StrategySpec.parse("p1xd1").validate(tiny_config("mixtral"))
+    StrategySpec.parse("p1xd1xtp2").validate(tiny_config("mixtral"))
+    with pytest.raises(ValueError, match="expert parallel"):  # ep groups span the pools
+        StrategySpec.parse("p1xd1xep")
 
 
 def test_the_hand_off_tier_is_on_by_default(tiny_llama):

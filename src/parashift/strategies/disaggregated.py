@@ -32,14 +32,6 @@ class PrefillDecodePools(DataParallel):
     def token(self) -> str:
         return f"p{self.prefill}xd{self.decode}"
 
-    def check_model(self, hf_config: Any) -> list[str]:
-        from parashift.strategies.expert import num_experts_of
-
-        if num_experts_of(hf_config):
-            return [f"{self.token}: prefill/decode pools with a mixture-of-experts model are "
-                    "not supported yet"]
-        return []
-
     def processes(self, plan: ProcessPlan) -> ProcessPlan:
         plan = super().processes(plan)
         return dataclasses.replace(plan, prefill_engines=self.prefill)
