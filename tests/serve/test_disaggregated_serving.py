@@ -6,7 +6,8 @@ n=3, stop strings, a JSON schema and a named tool call; streamed, the same texts
 and finish reasons. A client that leaves before its first token, after it, or while the
 decode rank streams leaves no KV block held on either rank; /sleep and /wake_up reach both
 pools. An MoE model hands off like a dense one. What pools cannot run yet (the prefill pool
-off the head node, on Ray, elastic) is refused at launch."""
+off the head node, on Ray) and an autoscaler that would shrink the decode pool away are
+refused at launch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from parashift.engine.args import EngineArgs
+from parashift.runtime.autoscaler import AutoscaleConfig
 from parashift.runtime.launcher import Launcher
 from parashift.runtime.node import ServeArgs
 
@@ -216,7 +218,8 @@ def test_a_mixture_of_experts_model_hands_off_like_a_dense_one(mixtral):
     ("p2xd1", {"data_parallel_size_local": 1},
      r"over nodes, the prefill pool \(ranks 0-1\) runs on the head"),
     ("p1xd1", {"backend": "ray"}, "prefill/decode pools run with --backend mp"),
-    ("p1xd1", {"data_parallel_size_max": 4}, "prefill/decode pools do not scale yet"),
+    ("p1xd1", {"data_parallel_size_max": 3, "autoscale": AutoscaleConfig(1, 3)},
+     "keeps its 1 prefill rank"),
 ])
 def test_what_pools_cannot_run_yet_is_refused(tiny_llama, strategy, flags, message):
     """Before anything starts: the launch checks its layout first."""

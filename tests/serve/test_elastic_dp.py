@@ -1,6 +1,7 @@
 """Elastic data parallel (`--data-parallel-size-max`, POST /scale, `parashift scale`): a server
 started at dp1 grows to dp3 and shrinks back under a steady stream of requests, streamed and
-not, none failing and each with the tokens a fixed-size server gives; and what a scale refuses.
+not, none failing and each with the tokens a fixed-size server gives; prefill/decode pools
+grow and shrink their decode pool; and what a scale refuses.
 (The launcher's scale state machine, case by case: test_scale.py.)"""
 
 from __future__ import annotations
@@ -128,6 +129,39 @@ def test_one_to_three_and_back_under_load_loses_nothing(server, expected):
     assert engine_ranks(server) == {0}  # dp1 and dp2 stopped
     assert server.metric("parashift_data_parallel_size") == 1.0
     assert complete(server, 3, stream=True) == expected[3]
+
+
+def test_pools_scale_their_decode_pool(tiny_llama):
+    """p1xd1 -> p1xd2 -> p1xd1: the new rank decodes handed-off prompts (its tier loads), the
+    answers stay those of the launch size, and the prefill pool and one decode rank stay."""
+    prompt = [(7 * j) % 250 + 1 for j in range(40)]  # two whole blocks to hand off
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def answer(server) -> str:
+        status, raw = server.request("POST", "/v1/completions", body, timeout=120)
+        assert status == 200, raw
+        return json.loads(raw)["choices"][0]["text"]
+
+    def tier_loads(server) -> float:
+        return server.metric("parashift_kv_tier_loads", 'engine="dp2",tier="host"') or 0.0
+
+    with running_server(tiny_llama, *BASE, "--strategy", "p1xd1", "--data-parallel-size-max",
+                        "3", "--admin-api-key", KEY) as pools:
+        before = answer(pools)
+        assert scale(pools, 3) == (200, {"data_parallel_size": 3})
+        assert ranks(pools) == {"dp0": "serving", "dp1": "serving", "dp2": "serving"}
+        with concurrent.futures.ThreadPoolExecutor(4) as clients:
+            for _ in range(10):  # side by side, so that the least loaded decode rank is dp2
+                assert list(clients.map(lambda _: answer(pools), range(4))) == [before] * 4
+                if tier_loads(pools) > 0.0:
+                    break
+        assert tier_loads(pools) > 0.0, "dp2 decoded nothing"
+        status, refused = scale(pools, 1)
+        assert status == 400 and "keeps its 1 prefill rank" in refused["error"]["message"]
+        assert scale(pools, 2) == (200, {"data_parallel_size": 2})
+        assert ranks(pools) == {"dp0": "serving", "dp1": "serving"}
+        assert engine_ranks(pools) == {0, 1}
+        assert answer(pools) == before
 
 
 def test_what_a_scale_refuses(server):

@@ -41,11 +41,15 @@ class ElasticLaunch:
             raise ValueError(f"--strategy {self.spec} launches {self.num_engines} rank(s), "
                              f"outside --data-parallel-size-min {args.autoscale.min_size} .. "
                              f"--data-parallel-size-max {args.autoscale.max_size}")
+        minimum, minimum_why = self._smallest_size()
+        if args.autoscale and args.autoscale.min_size < minimum:
+            raise ValueError(f"--data-parallel-size-min {args.autoscale.min_size}: "
+                             f"{minimum_why}")
         if self.capacity > self.num_engines:  # engines up to the capacity are valid ranks
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, strategy=self.spec.with_size("dp", self.capacity)))
         self.scaler = Scaler(ScaleLimits(self.capacity, args.startup_timeout,
-                                         args.drain_timeout, refusal),
+                                         args.drain_timeout, refusal, minimum, minimum_why),
                              self.num_engines, lambda n: self.engines.room(n))
         self.loads: dict[int, tuple[float, p.EngineLoad]] = {}  # the coordinator's, heard
         self.pending_scales: collections.deque[tuple[int, p.ScaleRequest]] = collections.deque()
@@ -55,10 +59,16 @@ class ElasticLaunch:
         if self.processes.lockstep:
             return (f"--strategy {self.spec}: expert-parallel lockstep groups do not scale "
                     "(elastic expert parallel, with expert re-sharding, is later work)")
-        if self.processes.prefill_engines:
-            return (f"--strategy {self.spec}: prefill/decode pools do not scale yet (a pool's "
-                    "size is fixed at launch)")
         return ""
+
+    def _smallest_size(self) -> tuple[int, str]:
+        """The fewest ranks this launch keeps, and why. Pools scale their decode pool alone:
+        the ranks come and go at the top, and the prefill pool stays."""
+        prefill = self.processes.prefill_engines
+        if prefill:
+            return prefill + 1, (f"--strategy {self.spec} keeps its {prefill} prefill rank(s) "
+                                 f"and at least one decode rank: {prefill + 1} or more")
+        return 1, "a deployment keeps at least 1"
 
     def _node_refusal(self, ranks: range) -> str:
         """Why a headless node may not take `ranks` now: one that joins a running head (a
@@ -122,6 +132,8 @@ class ElasticLaunch:
             if mesh is not None and not set(job.ranks) <= set(mesh.engines or ()):
                 mesh = node_mesh(self.spec.with_size("dp", job.target),
                                  self.config.device.device, job.ranks)
+            # this node's from their handshake on (their EngineInit names this node's tier)
+            self.local_ranks = sorted({*self.local_ranks, *job.ranks})
             for rank in job.ranks:
                 self.ready.pop(rank, None)
                 self.engines.add(rank, mesh.engine_placement(rank) if mesh else None)
@@ -150,7 +162,6 @@ class ElasticLaunch:
             return
         if job.phase == Phase.STARTING:
             if all(rank in self.ready for rank in job.ranks):
-                self.local_ranks = sorted({*self.local_ranks, *job.ranks})
                 self._answer_scale(*self.scaler.finish())
             elif self.scaler.overdue():
                 missing = ", ".join(f"dp{r}" for r in job.ranks if r not in self.ready)

@@ -17,7 +17,8 @@ restarted. Scales asked while one runs wait their turn, in order. On several nod
 head's scale-up starts ranks on its own node, and a `--headless` node that joins with the
 ranks from the current size grows the deployment; a scale-down stops a node's ranks there
 (and the node, once it has none); on Ray, placement groups come and go (runtime/ray_engines.py).
-Expert-parallel lockstep groups do not scale yet."""
+Prefill/decode pools scale their decode pool (the ranks at the top); expert-parallel lockstep
+groups do not scale yet."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ class ScaleLimits:
     startup_timeout: float
     drain_timeout: float
     refusal: str = ""  # why this launch cannot scale at all ("" when it can)
+    minimum: int = 1  # the fewest ranks it keeps
+    minimum_why: str = "a deployment keeps at least 1"
 
 
 class Scaler:
@@ -78,8 +81,8 @@ class Scaler:
 
         if self.limits.refusal:
             return no(400, self.limits.refusal)
-        if msg.size < 1:
-            return no(400, f"data_parallel_size {msg.size}: a deployment keeps at least 1")
+        if msg.size < self.limits.minimum:
+            return no(400, f"data_parallel_size {msg.size}: {self.limits.minimum_why}")
         if msg.size > self.limits.capacity:
             return no(400, f"data_parallel_size {msg.size} is beyond --data-parallel-size-max "
                            f"{self.limits.capacity}: the most ranks this launch can hold "

@@ -16,9 +16,12 @@ from parashift.strategies.layout import ProcessPlan
 
 
 class PrefillDecodePools(DataParallel):
-    """`size` = prefill + decode engines; the spec grammar writes it `pPxdD`."""
+    """`size` = prefill + decode engines; the spec grammar writes it `pPxdD`. At another size
+    (elastic dp) the prefill pool stays and the decode pool takes the rest: ranks come and go
+    at the top, which is the decode pool's end."""
 
-    def __init__(self, size: int = 2, prefill: int = 1, decode: int = 1):
+    def __init__(self, size: int = 2, prefill: int = 1, decode: int | None = None):
+        decode = size - prefill if decode is None else decode
         if prefill < 1 or decode < 1 or prefill + decode != size:
             raise ValueError(f"prefill/decode pools need p >= 1 and d >= 1 summing to the "
                              f"engine count (p{prefill}xd{decode}, {size} engines)")
@@ -26,7 +29,7 @@ class PrefillDecodePools(DataParallel):
         self.prefill, self.decode = prefill, decode
 
     def options(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode}
+        return {"prefill": self.prefill}
 
     @property
     def token(self) -> str:
