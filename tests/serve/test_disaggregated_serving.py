@@ -21,7 +21,7 @@ from parashift.runtime.autoscaler import AutoscaleConfig
 from parashift.runtime.launcher import Launcher
 from parashift.runtime.node import ServeArgs
 
-from .conftest import running_server
+from .conftest import TINY_ARGS, running_server
 from .test_deterministic_serving import post
 
 pytestmark = pytest.mark.slow
@@ -123,18 +123,18 @@ def streamed(server, path: str, body: dict) -> list:
     """`texts` of the same request streamed: its chunks put together, choice by choice."""
     status, raw = server.request("POST", path, {**body, "stream": True}, timeout=120)
     assert status == 200, raw
-    choices: dict[int, list] = {}
+    choices: dict[int, tuple] = {}
     for line in raw.decode().splitlines():
         if not line.startswith("data: {"):
             continue
         for c in json.loads(line[6:])["choices"]:
-            text, logprobs, _ = choices.setdefault(c["index"], ["", None, None])
+            text, logprobs, finish = choices.get(c["index"], ("", None, None))
             piece = c["text"] if "text" in c else c["delta"].get("content") or ""
-            lp = c.get("logprobs") or {}
-            lp = lp.get("content") or lp.get("token_logprobs")
-            choices[c["index"]] = [text + piece, (logprobs or []) + lp if lp else logprobs,
-                                   c["finish_reason"] or choices[c["index"]][2]]
-    return [tuple(choices[i]) for i in sorted(choices)]
+            more = c.get("logprobs") or {}
+            more = more.get("content") or more.get("token_logprobs")
+            choices[c["index"]] = (text + piece, (logprobs or []) + more if more else logprobs,
+                                   c["finish_reason"] or finish)
+    return [choices[i] for i in sorted(choices)]
 
 
 @pytest.mark.parametrize("case", ["chat", "seeded", "stop", "schema"])
@@ -203,9 +203,7 @@ def test_a_client_that_leaves_while_the_decode_rank_streams_leaves_no_blocks(ser
 def test_a_mixture_of_experts_model_hands_off_like_a_dense_one(mixtral):
     """p1xd1 over an MoE model (each engine holds every expert: pools do not compose with ep):
     the decode rank's answer from the handed-off KV equals its answer alone, greedy."""
-    from .conftest import TINY_ARGS
-
-    body = {"prompt": [int(t) for t in range(5, 69)], "max_tokens": 16, "temperature": 0,
+    body = {"prompt": list(range(5, 69)), "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
     with running_server(mixtral, *TINY_ARGS, "--strategy", "p1xd1") as moe:
         loads = decode_loads(moe)

@@ -5,12 +5,11 @@ Each of U users holds one conversation of R rounds, and every request carries th
 conversation so far: a system prompt that all users share (the same ids), then the user's own
 earlier history (LMCache's user history prompt: a long conversation or document that came
 before the measured rounds), then each earlier round's question and answer, then the new
-question. A user sends round r+1 only once round r
-has finished, so round r+1's prompt extends round r's exactly: its prefix was computed one
-round ago and sits in the prefix cache, or in whatever KV tier holds it by then. Users run
-concurrently, within --max-concurrency; the request rate paces the users' first rounds. In a
-sweep each rate gets new conversations (seed + the rate's index), so that no rate finds the
-prefixes of the one before it cached.
+question. A user sends round r+1 only once round r has finished, so round r+1's prompt extends
+round r's exactly: its prefix was computed one round ago and sits in the prefix cache, or in
+whatever KV tier holds it by then. Users run concurrently, within --max-concurrency; the
+request rate paces the users' first rounds. In a sweep each rate gets new conversations (seed
++ the rate's index), so that no rate finds the prefixes of the one before it cached.
 
 Prompts are token ids, drawn as `random_requests` draws them, so no tokenizer is needed. The
 completions endpoint answers with text, not token ids, and text need not tokenize back to the
