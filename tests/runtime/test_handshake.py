@@ -1,14 +1,18 @@
 """The head's handshake: the engine to say Hello as a rank (with the launcher's token, for a
 rank the launcher starts itself; first, for a headless node's) speaks for it (its Ready
 counts, and over CURVE it gets the rank's key) until its death is known; headless nodes hold
-their ranks; what another peer says for them is dropped. Real ZMQ sockets (ipc)."""
+their ranks; what another peer says for them is dropped; an engine says Hello again until
+it is answered. Real ZMQ sockets (ipc)."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
 import zmq
 
+from parashift.engine.engine_process import say_hello
 from parashift.runtime.handshake import Handshake
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HeadKeys
@@ -78,6 +82,43 @@ def test_a_rank_is_its_first_engines_until_that_engine_dies(desk):
     handshake.release(1)  # the launcher saw it die: the next engine may claim the rank
     assert said(handshake, other, p.Hello(1, 200)) is None
     assert init_fields(other)[RANK_KEY][0] == keys.ranks[1].public
+
+
+def test_a_restarted_engine_says_hello_again_until_its_nodes_death_report_arrives(desk):
+    """A headless node restarts a dead engine, and the new engine's Hello can reach the head
+    before the node's report of the death: that Hello is not answered (the rank is still
+    the dead engine's), so the engine says it again until the report frees the rank."""
+    handshake, keys, peer = desk
+    node = peer("node-1")
+    assert said(handshake, node, p.NodeHello(1, 2)) is None
+    assert p.decode(node.recv(), p.ToNode) == p.NodeInit("publish")
+    said(handshake, peer("dp2"), p.Hello(2, 300))
+    restarted = peer("dp2")
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(say_hello, restarted, p.Hello(2, 301), 60)
+        assert handshake.receive(10_000) is None  # its first Hello: dp2 is still pid 300's
+        assert handshake.claims[2][1] == 300 and not answer.done()
+        death = p.EngineDead(2, "killed", 300)
+        assert said(handshake, node, death) == death
+        handshake.release(2)  # as the launcher does with the death
+        while not answer.done():  # its next Hello is answered
+            handshake.receive(100)
+        fields = msgspec.msgpack.decode(answer.result())
+    assert fields[0] == "EngineInit" and fields[1 + RANK_KEY][0] == keys.ranks[2].public
+    assert handshake.claims[2][1] == 301
+
+
+def test_an_unanswered_hello_times_out():
+    ctx = zmq.Context()
+    try:
+        lonely = ctx.socket(zmq.DEALER)
+        lonely.setsockopt(zmq.LINGER, 0)
+        lonely.connect("tcp://127.0.0.1:9")  # nobody listens
+        with pytest.raises(TimeoutError, match="no launcher answered the handshake"):
+            say_hello(lonely, p.Hello(0, 1), 0.2)
+        lonely.close()
+    finally:
+        ctx.term()
 
 
 def refusal(node) -> str:

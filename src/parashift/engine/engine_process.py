@@ -40,7 +40,25 @@ from parashift.wire.sockets import routing_id, subscriber, zmq_context
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # blocking poll; wakes only to notice a shutdown signal (soon)
+# An unanswered Hello is said again this often: the head answers a rank's next engine only
+# once it knows the last one died, and a headless node's report of that death may reach it
+# after the restarted engine's first Hello.
+HELLO_RETRY_S = 1.0
 LOAD_TOKENS_INTERVAL_S = 0.02  # token load reports between count changes, at most this often
+
+
+def say_hello(sock: zmq.Socket, hello: p.Hello, timeout: float) -> bytes:
+    """The head's answer to `hello`, said again every HELLO_RETRY_S until one comes (a late
+    answer to an earlier one is as good); TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    frame = p.encode(hello)
+    while True:
+        sock.send(frame)
+        wait = min(HELLO_RETRY_S, deadline - time.monotonic())
+        if sock.poll(max(0, int(wait * 1000))):
+            return sock.recv()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no launcher answered the handshake within {timeout:.0f} s")
 
 
 class EngineProcess:
@@ -80,11 +98,9 @@ class EngineProcess:
         self.handshake.send(p.encode(msg))
 
     def start(self) -> None:
-        self._send_handshake(p.Hello(self.rank, os.getpid(), self.token))
-        if not self.handshake.poll(int(self.handshake_timeout * 1000)):
-            raise TimeoutError(f"no launcher answered the handshake within "
-                               f"{self.handshake_timeout:.0f} s")
-        init = p.decode_or_drop(self.handshake.recv(), p.EngineInit, "handshake")
+        answer = say_hello(self.handshake, p.Hello(self.rank, os.getpid(), self.token),
+                           self.handshake_timeout)
+        init = p.decode_or_drop(answer, p.EngineInit, "handshake")
         if init is None:
             raise RuntimeError("the launcher answered the handshake with a message this engine "
                                "cannot read (another parashift version?)")

@@ -6,7 +6,8 @@ the token it gave that engine; a headless node's rank, by the first engine whose
 head answers for it. No node may hold a rank the launcher starts (its NodeHello is not
 answered), so only the launcher reports those ranks' deaths. Either stays claimed until that
 engine's death is known (the launcher reaped it, its node reported it, or the coordinator
-declared it silent). Meanwhile a Hello for the rank is not answered, and only the claiming
+declared it silent). Meanwhile a Hello for the rank is not answered (an engine says it again
+every second until it is: engine/engine_process.py say_hello), and only the claiming
 engine's Ready or StartupFailed counts (or, before any engine claimed it, its node's
 StartupFailed: a node that refused the head's config). A node's answer carries the config its
 first rank's engine gets. Over CURVE the answer carries the rank's key
