@@ -69,8 +69,8 @@ class HeadlessLauncher:
         init = self._wait_for_head(monitor)
         try:
             mesh = check_node(self.args, init.config, self.local_ranks)
-            head_tier = init.config.cache.kv_host_tier
-            self.kv_host_tier = head_tier and shm_files.headless_arena_path(head_tier)
+            # the head named this node's arena in its ranks' config (Launcher._engine_init)
+            self.kv_host_tier = init.config.cache.kv_host_tier
         except ValueError as e:
             self._refuse(str(e))
         logger.info("the head's config checked; this node runs:\n%s", mesh.table())
