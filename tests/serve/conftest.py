@@ -218,6 +218,20 @@ def wait_serving(server: Server) -> Server:
     return server
 
 
+def holds_nothing(server: Server, *ranks: int, timeout: float = 30.0) -> None:
+    """Waits until each of `ranks` holds no KV block and no request (its engine's load as
+    /metrics shows it); fails naming the rank after `timeout`."""
+    for rank in ranks:
+        engine = f'engine="dp{rank}"'
+        deadline = time.monotonic() + timeout
+        while not all(server.metric(name, engine) == 0.0 for name in (
+                "parashift_kv_cache_usage_ratio", "parashift_num_requests_running",
+                "parashift_num_requests_waiting")):
+            assert time.monotonic() < deadline, (
+                f"dp{rank} still holds KV blocks or requests:\n{server.output()[-3000:]}")
+            time.sleep(0.05)
+
+
 def stop(server: Server) -> int | None:
     """SIGTERM, wait, then SIGKILL whatever is left of the tree; asserts nothing survives.
     Returns the launcher's exit code (None if it had to be killed)."""

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import LONG_ARGS, running_server
+from .conftest import LONG_ARGS, holds_nothing, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,6 @@ def wait_healthy(server) -> None:
     while server.get_json("/health")[0] != 200:
         assert time.monotonic() < deadline, "the rank never came back:\n" + server.output()[-3000:]
         time.sleep(0.2)
-
-
-def nothing_held(server, rank: int) -> None:
-    """The surviving rank holds no block and no request of what failed over."""
-    for name in ("parashift_kv_cache_usage_ratio", "parashift_num_requests_running",
-                 "parashift_num_requests_waiting"):
-        wait_metric(server, name, f"dp{rank}", 0.0, f"dp{rank} kept {name}")
 
 
 def stream_to_end(server, payload: dict, headers: dict, started: threading.Event) -> list[dict]:
@@ -86,7 +79,7 @@ def test_requests_queued_on_a_killed_prefill_rank_complete_on_the_decode_rank(se
             assert json.loads(raw)["usage"]["completion_tokens"] == 8
         assert "dp0" in pinned.result()[-1]["error"]["message"]
     assert server.metric("parashift_request_failovers_total", 'outcome="resent"') >= 3
-    nothing_held(server, 1)
+    holds_nothing(server, 1)  # the surviving rank
     wait_healthy(server)
 
 
@@ -100,5 +93,5 @@ def test_a_request_decoding_on_a_killed_decode_rank_starts_over(server):
         status, raw = future.result()
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] == 3000
-    nothing_held(server, 0)
+    holds_nothing(server, 0)  # the surviving rank
     wait_healthy(server)

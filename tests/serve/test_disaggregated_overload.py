@@ -8,12 +8,11 @@ both ranks end up holding nothing, and the server serves on."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import LONG_ARGS, running_server
+from .conftest import LONG_ARGS, holds_nothing, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +52,5 @@ def test_a_burst_beyond_every_queue_completes_or_is_refused_and_nothing_is_held(
     with ThreadPoolExecutor(STREAMS) as pool:
         outcomes = list(pool.map(lambda k: outcome(server, k), range(STREAMS)))
     assert "done" in outcomes, outcomes
-    for rank in (0, 1):
-        engine = f'engine="dp{rank}"'
-        deadline = time.monotonic() + 30
-        while not (server.metric("parashift_kv_cache_usage_ratio", engine) == 0.0
-                   and server.metric("parashift_num_requests_running", engine) == 0.0
-                   and server.metric("parashift_num_requests_waiting", engine) == 0.0):
-            assert time.monotonic() < deadline, f"dp{rank} holds requests: {outcomes}"
-            time.sleep(0.05)
+    holds_nothing(server, 0, 1)
     assert outcome(server, STREAMS) == "done"

@@ -21,7 +21,7 @@ from parashift.runtime.autoscaler import AutoscaleConfig
 from parashift.runtime.launcher import Launcher
 from parashift.runtime.node import ServeArgs
 
-from .conftest import TINY_ARGS, running_server
+from .conftest import TINY_ARGS, holds_nothing, running_server
 from .test_deterministic_serving import post
 
 pytestmark = pytest.mark.slow
@@ -145,21 +145,12 @@ def test_a_stream_gives_the_answer(server, case):
     assert streamed(server, path, body) == texts(post(server, path, body))
 
 
-def nothing_held(server) -> None:
-    for rank in (0, 1):
-        engine = f'engine="dp{rank}"'
-        wait_for(lambda e=engine: server.metric("parashift_kv_cache_usage_ratio", e) == 0.0
-                 and server.metric("parashift_num_requests_running", e) == 0.0
-                 and server.metric("parashift_num_requests_waiting", e) == 0.0,
-                 f"dp{rank} kept blocks of a request its client left", server)
-
-
 def test_a_client_that_leaves_before_its_first_token_leaves_no_blocks(server):
     prompt = SYSTEM * 12  # ~450 tokens: the prefill rank is still computing when it leaves
     with pytest.raises(OSError):  # (urllib's timeout)
         server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 40},
                        timeout=0.05)
-    nothing_held(server)
+    holds_nothing(server, 0, 1)
 
 
 def test_sleep_and_wake_reach_both_pools(server):
@@ -183,7 +174,7 @@ def test_a_client_that_leaves_mid_stream_leaves_no_blocks(server):
                                        extra_body={"ignore_eos": True})
     next(iter(stream))  # the first token, from the prefill rank
     stream.close()
-    nothing_held(server)
+    holds_nothing(server, 0, 1)
 
 
 def test_a_client_that_leaves_while_the_decode_rank_streams_leaves_no_blocks(server):
@@ -197,7 +188,7 @@ def test_a_client_that_leaves_while_the_decode_rank_streams_leaves_no_blocks(ser
     wait_for(lambda: server.metric("parashift_num_requests_running", 'engine="dp1"') == 1.0,
              "dp1 was not decoding the stream", server)
     stream.close()
-    nothing_held(server)
+    holds_nothing(server, 0, 1)
 
 
 def test_a_mixture_of_experts_model_hands_off_like_a_dense_one(mixtral):

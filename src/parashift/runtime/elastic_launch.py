@@ -68,7 +68,7 @@ class ElasticLaunch:
         if prefill:
             return prefill + 1, (f"--strategy {self.spec} keeps its {prefill} prefill rank(s) "
                                  f"and at least one decode rank: {prefill + 1} or more")
-        return 1, "a deployment keeps at least 1"
+        return ScaleLimits.minimum, ScaleLimits.minimum_why
 
     def _node_refusal(self, ranks: range) -> str:
         """Why a headless node may not take `ranks` now: one that joins a running head (a
