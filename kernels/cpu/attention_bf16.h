@@ -16,19 +16,20 @@ namespace {
 
 constexpr int64_t kTile = 16;  // keys whose scores are folded together
 
-// Folds part[0..15] (16 lanes each) into one vector: lane t = the lane sum of part[t].
+// Folds part[0..15] (16 lanes each) into one vector: lane t = the lane sum of part[t], pairwise
+// at strides 8, 4, 2, 1 (ordered_scores in prefill_dot.h takes the same order).
 inline __m512 fold16(__m512* part) {
   for (int i = 0; i < 8; ++i)
-    part[i] = _mm512_add_ps(_mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0x44),
-                            _mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0xEE));
+    part[i] = add_kept(_mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0x44),
+                       _mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    part[i] = _mm512_add_ps(_mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0x88),
-                            _mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0xDD));
+    part[i] = add_kept(_mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0x88),
+                       _mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    part[i] = _mm512_add_ps(_mm512_shuffle_ps(part[2 * i], part[2 * i + 1], 0x44),
-                            _mm512_shuffle_ps(part[2 * i], part[2 * i + 1], 0xEE));
-  __m512 v = _mm512_add_ps(_mm512_shuffle_ps(part[0], part[1], 0x88),
-                           _mm512_shuffle_ps(part[0], part[1], 0xDD));
+    part[i] = add_kept(_mm512_shuffle_ps(part[2 * i], part[2 * i + 1], 0x44),
+                       _mm512_shuffle_ps(part[2 * i], part[2 * i + 1], 0xEE));
+  __m512 v = add_kept(_mm512_shuffle_ps(part[0], part[1], 0x88),
+                      _mm512_shuffle_ps(part[0], part[1], 0xDD));
   // lane 4k + m holds key k + 4m
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, v);
@@ -134,18 +135,21 @@ inline float softmax_weights(float* s, int64_t n, uint32_t* pairs) {
     const __mmask16 m = first_lanes(n - j);
     top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
   }
-  const float t = _mm512_reduce_max_ps(top);
-  for (int64_t j = 0; j < n; ++j) s[j] = fast_exp(s[j] - t);
+  const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  for (int64_t j = 0; j < n; j += 16) {  // in lanes: the same bits at any offset of s
+    const __mmask16 m = first_lanes(n - j);
+    _mm512_mask_storeu_ps(s + j, m, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), t)));
+  }
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 32) {
     const __m512 a = _mm512_maskz_loadu_ps(first_lanes(n - j), s + j);
     const __m512 b = _mm512_maskz_loadu_ps(first_lanes(n - j - 16), s + j + 16);
-    sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+    sum = add_kept(sum, add_kept(a, b));
     const int64_t words = std::min<int64_t>(32, (n - j + 1) & ~int64_t{1});  // whole pairs
     const __mmask32 m = words >= 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
     _mm512_mask_storeu_epi16(pairs + j / 2, m, (__m512i)_mm512_cvtne2ps_pbh(b, a));
   }
-  return _mm512_reduce_add_ps(sum);
+  return lane_sum_kept(sum);
 }
 
 // The bf16 path for head_dim 64 and 128; false: not taken, the generic loops run.

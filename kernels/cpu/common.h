@@ -97,6 +97,41 @@ inline int threads_for(int64_t elements, int num_threads) {
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
 }
+
+// a + b as written: gcc may regroup plain vector adds (-fassociative-math, build.py), each
+// inlined copy in its own way, and a sum that --deterministic needs in one order (the decode
+// kernel's scores and weights, and the prefill kernel that matches them) must not move.
+inline __m512 add_kept(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// The sum of v's 16 lanes, pairwise at strides 8, 4, 2, 1, in that order.
+inline float lane_sum_kept(__m512 v) {
+  v = add_kept(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = add_kept(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = add_kept(v, _mm512_permute_ps(v, 0x4E));
+  v = add_kept(v, _mm512_permute_ps(v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+
+// fast_exp in lanes: the same arithmetic for every element, whatever its alignment (a loop
+// of fast_exp that gcc vectorizes takes its first and last elements on the scalar path).
+inline __m512 exp_lanes(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
 #endif
 
 

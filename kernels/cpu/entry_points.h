@@ -39,14 +39,15 @@ void parashift_sample_rows(int dtype, int64_t* out, const void* logits, int64_t 
                            const double* uniforms, const int64_t* override_starts,
                            const int64_t* override_ids, const float* override_values,
                            int num_threads);
-// 1 where it ran (bf16, head_dim 64, AMX); 0: not taken, nothing written.
+// 1 where it ran (bf16, head_dim 64, AMX or AVX512-BF16; decode_order: AVX512-BF16 only); 0:
+// not taken, nothing written.
 int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query_stride,
                                      const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, int64_t table_width,
                                      const int32_t* query_starts, const int32_t* seq_lens,
                                      int64_t seqs, int64_t heads, int64_t kv_heads,
                                      int64_t head_dim, int64_t block_size, float scale,
-                                     int num_threads);
+                                     int decode_order, int num_threads);
 int parashift_cpu_bf16_dot();
 int parashift_cpu_bf16_attention();
 int parashift_cpu_bf16_gemm();  // 0: no gemm_bf16 here; 1 FMA, 2 vdpbf16ps, 3 AMX

@@ -58,6 +58,7 @@ struct ParashiftLayerStep {
   int64_t chunk_table_width;
   const int32_t* query_starts;
   const int32_t* chunk_seq_lens;
+  int decode_order;  // --deterministic: the tiled kernel in the decode kernel's order
 };
 
 namespace {
@@ -112,7 +113,7 @@ void parashift_llama_layer_bf16(const ParashiftLayerWeights* w, const ParashiftL
           qkv + s->decodes * qkv_width * 2, qkv_width, w->key_cache, w->value_cache,
           s->chunk_tables, s->chunk_table_width,
           s->query_starts, s->chunk_seq_lens, s->prefills, s->heads, s->kv_heads, d,
-          s->block_size, s->scale, th))
+          s->block_size, s->scale, s->decode_order, th))
     queries = s->decodes;
   if (queries > 0)
     parashift_paged_decode_attention(kBf16, s->attn, qkv, qkv_width, w->key_cache,

@@ -60,7 +60,8 @@ class CpuOps:
             "parashift_llama_layer_bf16": [POINTER(LayerWeights), POINTER(LayerStep), ptr, ptr,
                                            c_int],
             "parashift_prefill_attention_bf16": [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                                                 i64, i64, i64, i64, i64, c_float, c_int],
+                                                 i64, i64, i64, i64, i64, c_float, c_int,
+                                                 c_int],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -218,13 +219,15 @@ class CpuOps:
     def prefill_attention(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_starts: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float) -> bool:
+                          scale: float, decode_order: bool = False) -> bool:
         """Causal attention of prefill chunks over their sequences' cached keys (the chunks'
         own K/V written first): out [tokens, heads, head_dim] contiguous, query likewise (tokens
         strided); chunk i is tokens query_starts[i]:query_starts[i + 1] (int32, from 0), the
         last of seq_lens[i] keys; block_tables [seqs, width] int32. False, writing nothing,
         where this CPU or shape has no such kernel (it takes bf16, head_dim 64, on AMX or
-        AVX512-BF16)."""
+        AVX512-BF16). `decode_order` (--deterministic): on AVX512-BF16 only, in the decode
+        kernel's reduction order, so each token gets the bits `paged_decode_attention` gives
+        it as a query over the same keys."""
         seqs = seq_lens.shape[0]
         _, heads, head_dim = query.shape
         _, block_size, kv_heads, _ = key_cache.shape
@@ -234,7 +237,7 @@ class CpuOps:
             out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
             value_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             query_starts.data_ptr(), seq_lens.data_ptr(), seqs, heads, kv_heads, head_dim,
-            block_size, scale, torch.get_num_threads()))
+            block_size, scale, int(decode_order), torch.get_num_threads()))
 
     @_profiled
     def paged_decode_attention(self, out: torch.Tensor, query: torch.Tensor,

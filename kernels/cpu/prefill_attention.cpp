@@ -13,6 +13,10 @@
 // (prefill_blocks.h). On AMX S and O are tiles (prefill_amx.h); with vdpbf16ps, register blocks
 // (prefill_dot.h). No online rescaling: a block's scores fit in a buffer, as in the decode
 // kernel.
+//
+// `decode_order` (--deterministic): every block on vdpbf16ps in the decode kernel's reduction
+// order (attend_block_ordered), never on AMX tiles, so that a token attends bit for bit as it
+// would in a decode step: chunked, cached or recomputed, the same result.
 
 #include "entry_points.h"
 #include "prefill_amx.h"
@@ -26,12 +30,12 @@ int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query
                                      const int32_t* query_starts, const int32_t* seq_lens,
                                      int64_t seqs, int64_t heads, int64_t kv_heads,
                                      int64_t head_dim, int64_t block_size, float scale,
-                                     int num_threads) {
+                                     int decode_order, int num_threads) {
 #ifdef PARASHIFT_TILED_PREFILL
   if (head_dim != kDim) return 0;
   [[maybe_unused]] bool amx = false;
 #ifdef PARASHIFT_AMX
-  amx = amx_permitted();
+  amx = !decode_order && amx_permitted();
 #endif
 #ifndef PARASHIFT_BF16_DOT
   if (!amx) return 0;
@@ -81,7 +85,10 @@ int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query
           }
 #endif
 #ifdef PARASHIFT_BF16_DOT
-          attend_block_dot(block, packed, scale, scores, weights);
+          if (decode_order)
+            attend_block_ordered(block, packed, scale, scores, weights);
+          else
+            attend_block_dot(block, packed, scale, scores, weights);
 #endif
         }
       }

@@ -1,10 +1,13 @@
 // The tiled prefill attention's block on AVX512-BF16 dot products, for CPUs without AMX
 // (prefill_attention.cpp): S in register blocks of 8 rows x 32 keys, each query's dim pair
 // broadcast against 16 keys' pairs; O in blocks of 4 rows x 64 dims, each weight's key pair
-// broadcast against 16 dims' pairs of two keys.
+// broadcast against 16 dims' pairs of two keys. `attend_block_ordered` (--deterministic) takes
+// the decode kernel's reduction order instead, so a prompt token gets the bits a decode step
+// over the same keys would give it.
 
 #pragma once
 
+#include "attention_bf16.h"
 #include "prefill_blocks.h"
 
 #ifdef PARASHIFT_BF16_DOT
@@ -70,6 +73,68 @@ void attend_block_dot(const Block& b, const SequenceKeys& p, float scale,
                   groups);
   float sums[16];
   softmax_rows(s, weights.data(), padded, b.rows, b.first_keys, scale, sums);
+  alignas(64) float o[16 * kDim];
+  const uint16_t* w = weights.data();
+  i = 0;
+  for (; i + 4 <= b.rows; i += 4)
+    dot_values<4>(o + i * kDim, w + i * padded, padded, p.values.data());
+  for (; i < b.rows; ++i) dot_values<1>(o + i * kDim, w + i * padded, padded, p.values.data());
+  finish_rows(b.out, b.out_stride, o, sums, b.rows);
+}
+
+// scores rows [R][padded] <- scale * (R query rows . the first `blocks16` blocks of 16 packed
+// keys), each dot in the decode kernel's order (key_scores_bf16): lane l of a key's partial
+// sums takes dim pairs l and then l + 16, and fold16 adds the 16 lanes pairwise at strides 8,
+// 4, 2, 1. Here a vector holds 16 keys' lane l, so that tree is 15 vector adds per row and
+// block, and the result is the same bits.
+template <int R>
+void ordered_scores(float* scores, int64_t padded, const uint16_t* q, int64_t q_stride,
+                    const uint32_t* keys_t, int64_t blocks16, float scale) {
+  const int32_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = reinterpret_cast<const int32_t*>(q + i * q_stride);
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b < blocks16; ++b) {
+    const uint32_t* kt = keys_t + b * 512;  // dim pair r of 16 keys at (r / 16) * 256 + r % 16 * 16
+    for (int i = 0; i < R; ++i) {
+      auto lane = [&](int l) {
+        const __m512 first = _mm512_dpbf16_ps(
+            _mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(rows[i][l]),
+            (__m512bh)_mm512_loadu_si512(kt + 16 * l));
+        return _mm512_dpbf16_ps(first, (__m512bh)_mm512_set1_epi32(rows[i][16 + l]),
+                                (__m512bh)_mm512_loadu_si512(kt + 256 + 16 * l));
+      };
+      __m512 quarter[4];  // lanes m, m + 4, m + 8, m + 12
+      for (int m = 0; m < 4; ++m)
+        quarter[m] = add_kept(add_kept(lane(m), lane(m + 8)), add_kept(lane(m + 4), lane(m + 12)));
+      const __m512 dots = add_kept(add_kept(quarter[0], quarter[2]),
+                                   add_kept(quarter[1], quarter[3]));
+      _mm512_storeu_ps(scores + i * padded + 16 * b, _mm512_mul_ps(dots, scales));
+    }
+  }
+}
+
+// attend_block_dot with the decode kernel's arithmetic throughout: its scores
+// (ordered_scores), its softmax (softmax_weights: the max, exp, lane sums and bf16 weights),
+// and its value sums, which dot_values already matches (each dim's sum over key pairs in order;
+// a weight of zero past a row's keys adds exactly nothing). head_dim 64 only.
+void attend_block_ordered(const Block& b, const SequenceKeys& p, float scale,
+                          std::vector<float>& scores, std::vector<uint16_t>& weights) {
+  const int64_t padded = start_block(b, scores, weights);
+  const int64_t blocks16 = (b.first_keys + b.rows - 1 + 15) / 16;
+  float* s = scores.data();
+  int i = 0;
+  for (; i + 4 <= b.rows; i += 4)
+    ordered_scores<4>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride,
+                      p.keys_t.data(), blocks16, scale);
+  for (; i < b.rows; ++i)
+    ordered_scores<1>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride,
+                      p.keys_t.data(), blocks16, scale);
+  float sums[16];
+  for (i = 0; i < b.rows; ++i) {
+    const float sum = softmax_weights(s + i * padded, b.first_keys + i,
+                                      reinterpret_cast<uint32_t*>(weights.data() + i * padded));
+    sums[i] = sum;  // finish_rows takes 1 / sum where sum > 0, as decode_one_bf16 does
+  }
   alignas(64) float o[16 * kDim];
   const uint16_t* w = weights.data();
   i = 0;

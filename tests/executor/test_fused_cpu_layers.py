@@ -22,7 +22,7 @@ HEAD_64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
 
 
 def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = None,
-              cpu_kernels: str = "native") -> tuple[list, list]:
+              cpu_kernels: str = "native", deterministic: bool = False) -> tuple[list, list]:
     """(tokens and logprobs per prompt, the fused calls' (tokens, decodes, prefills))."""
     from parashift import LLM, SamplingParams
     from parashift.layers import gemm_paths
@@ -43,7 +43,7 @@ def _generate(folder: str, fused: bool, monkeypatch, quantization: str | None = 
             m.setattr(FusedCpuLayers, "for_model", classmethod(lambda cls, model: None))
         llm = LLM(folder, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
                   max_num_batched_tokens=64, seed=0, quantization=quantization,
-                  cpu_kernels=cpu_kernels)
+                  cpu_kernels=cpu_kernels, deterministic=deterministic)
         try:
             # 64 tokens a step: the long prompts are chunked and share steps with decodes
             prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)]
@@ -63,6 +63,18 @@ def test_fused_layers_give_the_layer_by_layer_tokens_and_logprobs(tiny_model_fac
     assert any(decodes and prefills for _, decodes, prefills in calls)  # a mixed step
     assert any(not prefills for _, _, prefills in calls)  # a decode step
     unfused, none = _generate(folder, False, monkeypatch)
+    assert not none
+    assert fused == unfused
+
+
+def test_fused_layers_under_deterministic_attend_in_the_layers_order(tiny_model_factory,
+                                                                     monkeypatch):
+    """--deterministic: the fused call's prefill chunks take the tiled kernel in the decode
+    kernel's order, as the layers called one by one do (it had taken the default order)."""
+    folder = tiny_model_factory("llama", **HEAD_64)
+    fused, calls = _generate(folder, True, monkeypatch, deterministic=True)
+    assert any(decodes and prefills for _, decodes, prefills in calls)
+    unfused, none = _generate(folder, False, monkeypatch, deterministic=True)
     assert not none
     assert fused == unfused
 

@@ -2,7 +2,8 @@
 vdpbf16ps register blocks without them) against a float64
 causal softmax over the same paged cache: chunks after a cached prefix, lengths around its
 16-token blocks and 32-key tiles, keys scattered over the cache's blocks; and where it is not
-taken (it writes nothing then)."""
+taken (it writes nothing then). In the decode kernel's order (--deterministic) it must give each
+token the decode kernel's bits exactly, however the prompt is cut into chunks."""
 
 from __future__ import annotations
 
@@ -80,3 +81,47 @@ def test_another_head_dim_is_not_taken_and_nothing_is_written(ops):
     assert not ops.prefill_attention(out, query, key_cache, value_cache, tables, starts, lens,
                                      0.1)
     assert not out.any()
+
+
+def _decode_each_token(ops, query, key_cache, value_cache, tables, starts, lens, scale):
+    """Every chunk token as a decode query over its own prefix, by the decode kernel."""
+    q_lens = (starts[1:] - starts[:-1]).tolist()
+    token_tables = torch.cat([tables[i:i + 1].repeat(q, 1) for i, q in enumerate(q_lens)])
+    token_lens = torch.cat([torch.arange(int(n) - q + 1, int(n) + 1, dtype=torch.int32)
+                            for n, q in zip(lens.tolist(), q_lens)])
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    ops.paged_decode_attention(out, query, key_cache, value_cache, token_tables.contiguous(),
+                               token_lens, None, scale)
+    return out
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 1)], [(0, 16)], [(0, 33)],
+    [(5, 16), (100, 1), (0, 37)],
+    [(17, 33), (0, 300), (31, 2)],
+])
+@pytest.mark.parametrize("spread", [1.0, 6.0])  # 6: scores far apart, weights near zero
+def test_in_decode_order_each_token_gets_the_decode_kernels_bits(ops, chunks, spread):
+    query, key_cache, value_cache, tables, starts, lens = _case(chunks, seed=len(chunks))
+    query, key_cache = query * spread, key_cache * spread
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    assert ops.prefill_attention(out, query, key_cache, value_cache, tables, starts, lens,
+                                 0.125, decode_order=True)
+    want = _decode_each_token(ops, query, key_cache, value_cache, tables, starts, lens, 0.125)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def test_in_decode_order_a_prompt_cut_anywhere_gets_the_same_bits(ops):
+    query, key_cache, value_cache, tables, _, _ = _case([(0, 200)], seed=3)
+    whole = torch.empty(query.shape, dtype=torch.bfloat16)
+    assert ops.prefill_attention(whole, query, key_cache, value_cache, tables,
+                                 torch.tensor([0, 200], dtype=torch.int32),
+                                 torch.tensor([200], dtype=torch.int32), 0.125, decode_order=True)
+    for cuts in ([0, 7, 200], [0, 64, 65, 130, 200], [0, 199, 200]):
+        pieces = torch.empty(query.shape, dtype=torch.bfloat16)
+        for lo, hi in zip(cuts, cuts[1:]):  # each piece after the ones before it, cached
+            assert ops.prefill_attention(pieces[lo:hi], query[lo:hi], key_cache, value_cache,
+                                         tables, torch.tensor([0, hi - lo], dtype=torch.int32),
+                                         torch.tensor([hi], dtype=torch.int32), 0.125,
+                                         decode_order=True)
+        assert torch.equal(pieces.view(torch.int16), whole.view(torch.int16)), cuts

@@ -85,6 +85,7 @@ class FusedCpuLayers:
                                  0)
         self.mlps = [p.mlp for p in layers]  # an MoE layer's experts, run in torch
         self.eps, self.scale = layers[0].input_norm.eps, attn.attn.scale
+        self.decode_order = attn.attn.backend.deterministic  # prefill attends as decode does
         self.block_size = attn.attn.kv_cache[0].shape[1]
         self.weights = []
         for p in layers:
@@ -168,6 +169,7 @@ class FusedCpuLayers:
                                                          chunks.block_tables.shape[1])
             step.query_starts = chunks.query_starts.data_ptr()
             step.chunk_seq_lens = chunks.seq_lens.data_ptr()
+            step.decode_order = self.decode_order
         for i, (weights, mlp) in enumerate(zip(self.weights, self.mlps, strict=True)):
             self.ops.llama_layer_bf16(weights, step, hidden, residual, first and i == 0)
             if mlp is not None:  # the layer stopped at its post-attention norm

@@ -8,10 +8,11 @@ head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chun
 AMX tiles where the CPU has them, on vdpbf16ps register blocks elsewhere);
 without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
-`deterministic` (--deterministic): every prefill token is a decode query over its prefix in
-the cache, whatever the dtype, head size or CPU. The decode kernel gives each query its own
-thread and reduces its keys in one order, so a token attends bit for bit the same in a decode
-step or in a prefill chunk of any size, over keys computed now or cached earlier.
+`deterministic` (--deterministic): a prefill token attends in the decode kernel's reduction
+order, so it gets the same bits in a decode step or in a prefill chunk of any size, over keys
+computed now or cached earlier: on AVX512-BF16 (bf16, head_dim 64, no window) the tiled kernel
+in that order (16 tokens of a chunk at a time, never on AMX tiles), elsewhere each token a
+decode query over its prefix in the cache.
 
 Without the kernels (`--cpu-kernels off`, or no compiler here) it is the torch backend."""
 
@@ -84,7 +85,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tokens = _PagedDecodes(torch.from_numpy(tables), torch.from_numpy(lens),
                                step.sliding_window)
         chunks = None
-        if step.sliding_window is None and not self.deterministic:  # the tiled kernel's
+        if step.sliding_window is None:  # the tiled kernel's
             query_starts = (step.query_start_loc[nd:] - step.query_start_loc[nd]).astype(np.int32)
             seq_lens = np.ascontiguousarray(step.seq_lens[nd:], dtype=np.int32)
             chunks = _PrefillChunks(torch.from_numpy(chunk_tables), torch.from_numpy(query_starts),
@@ -120,7 +121,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         chunks = metadata.prefill_chunks
         if chunks is not None and self.ops.prefill_attention(
                 out[nd:], query[nd:], *kv_cache, chunks.block_tables, chunks.query_starts,
-                chunks.seq_lens, scale):
+                chunks.seq_lens, scale, decode_order=self.deterministic):
             return
         self.ops.paged_decode_attention(out[nd:], query[nd:], *kv_cache, tokens.block_tables,
                                         tokens.seq_lens, tokens.window, scale)
