@@ -7,6 +7,8 @@ token the decode kernel's bits exactly, however the prompt is cut into chunks.""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -88,7 +90,7 @@ def _decode_each_token(ops, query, key_cache, value_cache, tables, starts, lens,
     q_lens = (starts[1:] - starts[:-1]).tolist()
     token_tables = torch.cat([tables[i:i + 1].repeat(q, 1) for i, q in enumerate(q_lens)])
     token_lens = torch.cat([torch.arange(int(n) - q + 1, int(n) + 1, dtype=torch.int32)
-                            for n, q in zip(lens.tolist(), q_lens)])
+                            for n, q in zip(lens.tolist(), q_lens, strict=True)])
     out = torch.empty(query.shape, dtype=torch.bfloat16)
     ops.paged_decode_attention(out, query, key_cache, value_cache, token_tables.contiguous(),
                                token_lens, None, scale)
@@ -119,7 +121,7 @@ def test_in_decode_order_a_prompt_cut_anywhere_gets_the_same_bits(ops):
                                  torch.tensor([200], dtype=torch.int32), 0.125, decode_order=True)
     for cuts in ([0, 7, 200], [0, 64, 65, 130, 200], [0, 199, 200]):
         pieces = torch.empty(query.shape, dtype=torch.bfloat16)
-        for lo, hi in zip(cuts, cuts[1:]):  # each piece after the ones before it, cached
+        for lo, hi in itertools.pairwise(cuts):  # each piece after the ones before it, cached
             assert ops.prefill_attention(pieces[lo:hi], query[lo:hi], key_cache, value_cache,
                                          tables, torch.tensor([0, hi - lo], dtype=torch.int32),
                                          torch.tensor([hi], dtype=torch.int32), 0.125,
