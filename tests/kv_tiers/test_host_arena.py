@@ -21,7 +21,7 @@ import pytest
 from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena
 from parashift.kv_tiers.identity import tier_identity, tier_key
 from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
-from parashift.kv_tiers.shm_files import shm_path, sweep
+from parashift.kv_tiers.shm_files import shm_path, sweep, sweep_boards_of
 
 SLOT_BYTES = 1024
 
@@ -306,8 +306,8 @@ HOLDER = """
 def test_the_sweep_takes_only_arenas_no_live_process_holds(tmp_path):
     """A launch killed by SIGKILL leaves its arena (its exit handlers never ran); the next
     start's sweep removes it, and nothing else: not an arena a live process holds (in another
-    process or in this one), not a file younger than the age limit, not a link, a job board
-    or a name of another pattern."""
+    process or in this one), not a file younger than the age limit, not a link or a name of
+    another pattern."""
     size = HostArena.file_bytes(WAYS, SLOT_BYTES)
     dead, there, here = (str(tmp_path / f"parashift-kv-{n}-{h}")
                          for n, h in ((123, "aa11"), (124, "bb22"), (125, "cc33")))
@@ -398,3 +398,38 @@ def test_job_board_is_pending_until_every_worker_reported():
     assert os.path.exists(board.path)
     board.close()
     assert not os.path.exists(board.path)
+
+
+BOARD_HOLDER = """
+import sys
+from parashift.kv_tiers.job_board import JobBoard
+board = JobBoard.create(num_jobs=4, num_workers=2)
+print(board.path, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_engines_job_board_goes_when_it_is_reaped_a_live_ones_stays():
+    """A board is named after its engine's pid and held while the engine lives: a SIGKILLed
+    engine's board (it could not unlink it) goes when its launcher reaps it
+    (`sweep_boards_of`), and a live engine's board stays, whoever sweeps."""
+    engines = [subprocess.Popen([sys.executable, "-c", BOARD_HOLDER],  # nosec
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        paths = [engine.stdout.readline().strip() for engine in engines]
+        for engine, path in zip(engines, paths, strict=True):
+            assert os.path.basename(path).startswith(f"parashift-kv-jobs-{engine.pid}-")
+        assert sweep_boards_of(engines[1].pid) == []  # alive: held
+        engines[0].kill()
+        engines[0].wait()
+        assert os.path.exists(paths[0])
+        assert sweep_boards_of(engines[1].pid) == []  # another engine's board
+        assert sweep_boards_of(engines[0].pid) == [(paths[0], 8)]
+        assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
+    finally:
+        for engine in engines:
+            engine.kill()
+            engine.wait()
+    sweep_boards_of(engines[1].pid)
+    assert not os.path.exists(paths[1])

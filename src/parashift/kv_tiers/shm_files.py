@@ -27,6 +27,11 @@ def node_arena_path(token: str) -> str:
     return shm_path(f"parashift-kv-{os.getpid()}-{token}")
 
 
+def board_path(token: str, pid: int | None = None) -> str:
+    """An engine's KV job board (kv_tiers/job_board.py), named after the engine's pid."""
+    return shm_path(f"parashift-kv-jobs-{pid or os.getpid()}-{token}")
+
+
 def headless_arena_path(head_arena: str) -> str:
     """The arena of a headless node's engines: named after the head's, told apart from it
     (two process trees on one machine are two nodes)."""
@@ -35,8 +40,9 @@ def headless_arena_path(head_arena: str) -> str:
 
 # struct flock (Linux, 64-bit): type, whence, start, length, pid (0 for a file-description lock)
 FLOCK = struct.Struct("hhxxxxqqi4x")
-# the names node_arena_path and the engines give arenas, and their temporary names while made
-_ARENA_NAME = re.compile(r"parashift-kv-\d+-[0-9a-f]+(\.\d+\.\d+)?")
+# the names node_arena_path and the engines give arenas, their temporary names while made, and
+# the engines' job boards (board_path)
+_TIER_FILE = re.compile(r"parashift-kv-(\d+-[0-9a-f]+(\.\d+\.\d+)?|jobs-\d+-[0-9a-f]+)")
 
 
 def hold(fd: int) -> None:
@@ -46,14 +52,15 @@ def hold(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
 
 
-def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0) -> list[tuple[str, int]]:
-    """Remove the arenas that launches killed before their exit handlers ran (SIGKILL, the
-    OOM killer) left in `folder`: this user's regular files named as arenas, older than
-    `min_age_s` (a file being made takes its lock just after it is created), that no process
-    holds (`hold`). Returns what went, with its bytes."""
+def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0,
+          names: re.Pattern = _TIER_FILE) -> list[tuple[str, int]]:
+    """Remove the arenas and job boards that processes killed before their exit handlers ran
+    (SIGKILL, the OOM killer) left in `folder`: this user's regular files named as `names`,
+    older than `min_age_s` (a file being made takes its lock just after it is created), that no
+    process holds (`hold`). Returns what went, with its bytes."""
     removed = []
     for name in sorted(os.listdir(folder)):
-        if not _ARENA_NAME.fullmatch(name):
+        if not names.fullmatch(name):
             continue
         path = os.path.join(folder, name)
         try:
@@ -73,11 +80,18 @@ def sweep(folder: str = SHM_FOLDER, min_age_s: float = 60.0) -> list[tuple[str, 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed.append((path, st.st_size))
-                logger.warning("removed %s (%.1f MiB): a KV host tier a killed launch left",
+                logger.warning("removed %s (%.1f MiB): a KV tier file a killed process left",
                                path, st.st_size / 2**20)
         finally:
             os.close(fd)
     return removed
+
+
+def sweep_boards_of(pid: int, folder: str = SHM_FOLDER) -> list[tuple[str, int]]:
+    """The job boards of the engine `pid`, which its launcher has just reaped (a killed engine
+    leaves its board): those nobody holds, at once."""
+    return sweep(folder, 0.0, re.compile(re.escape(os.path.basename(board_path("", pid)))
+                                         + "[0-9a-f]+"))
 
 
 def remove(path: str | None) -> None:

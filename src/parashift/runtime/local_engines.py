@@ -11,6 +11,7 @@ import multiprocessing
 import secrets
 
 from parashift.engine.engine_process import run_engine
+from parashift.kv_tiers import shm_files
 from parashift.processes import exit_after, join_within
 from parashift.runtime import child_processes
 from parashift.runtime.restart_policy import EngineDeath, RestartPolicy
@@ -101,6 +102,7 @@ class LocalEngines:
             if proc.exitcode is None:
                 continue
             del self.procs[rank]
+            shm_files.sweep_boards_of(proc.pid)  # a killed engine could not unlink its own
             deaths.append(EngineDeath(rank, proc.pid, f"process exited with code {proc.exitcode}"))
             self.restarts.died(rank)
         return deaths
@@ -145,3 +147,4 @@ def join_all(procs: list[multiprocessing.Process], timeout: float) -> None:
             logger.warning("%s did not stop in time; killing it", proc.name)
             proc.kill()
             proc.join(5)
+            shm_files.sweep_boards_of(proc.pid)
