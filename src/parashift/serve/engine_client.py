@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import socket
@@ -20,7 +19,6 @@ import zmq
 import zmq.asyncio
 
 from parashift.serve.engine_errors import (
-    DecodeRefusedError,
     EngineDeadError,
     EngineUnavailableError,
     RankDrainingError,
@@ -28,7 +26,7 @@ from parashift.serve.engine_errors import (
 )
 from parashift.serve.engine_loads import EngineLoads
 from parashift.serve.engine_ranks import EngineRanks, RankStatus
-from parashift.serve.handoff import EnginePools, Handoff
+from parashift.serve.handoff import DecodePhase, EnginePools, Handoff
 from parashift.serve.in_flight import InFlight, Sink
 from parashift.serve.prefix_router import Router, RoutingConfig, prompt_hashes
 from parashift.types.outputs import EngineCoreOutput, SchedulerStats
@@ -195,42 +193,14 @@ class EngineClient:
                            self.client_index, time.monotonic())
         if self.pools is not None and self.pools.of(rank) == "prefill" and not whole:
             msg.hand_off = True
-            sink = Handoff(sink, functools.partial(self._decode_phase, msg))
-        self._send_request(rank, msg, sink)
+            sink = Handoff(sink, DecodePhase(msg, self))
+        self.send_request(rank, msg, sink)
 
-    def _send_request(self, rank: int, msg: p.AddRequest, sink: Sink) -> None:
+    def send_request(self, rank: int, msg: p.AddRequest, sink: Sink) -> None:
         self._send_to(rank, msg)
         tokens = request_tokens(msg.prompt_token_ids, msg.params)
         self.in_flight.add(msg.request_id, rank, sink, tokens)
         self.loads.sent(rank, tokens)
-
-    def _decode_phase(self, prefill: p.AddRequest, handoff: Handoff) -> None:
-        """The request's prefill rank published its KV (or a decode rank refused it): it goes
-        on at the least loaded decode rank with the tokens generated so far
-        (serve/handoff.py)."""
-        msg = p.AddRequest(prefill.request_id, prefill.prompt_token_ids, prefill.params,
-                           prefill.eos_token_id, self.client_index, time.monotonic(),
-                           generated_token_ids=list(handoff.generated))
-        serving = [r for r in self.alive_engines() if r not in handoff.refused]
-        candidates = self.pools.choose("decode", serving)
-        if not candidates:
-            error = (DecodeRefusedError("every live rank's waiting queue is full",
-                                        functools.partial(self._resume_decode, prefill,
-                                                          handoff))
-                     if handoff.refused else EngineDeadError(
-                         f"no rank can continue the request ({self.health()[1]})"))
-            handoff.sink(error)  # (serve/generation.py waits for room, or fails it over)
-            return
-        handoff.rank = min(candidates, key=self.loads.score)
-        try:
-            self._send_request(handoff.rank, msg, handoff)
-        except EngineUnavailableError as e:
-            handoff.sink(EngineDeadError(f"no decode rank can continue the request ({e})",
-                                         handoff.rank))
-
-    def _resume_decode(self, prefill: p.AddRequest, handoff: Handoff) -> None:
-        handoff.refused.clear()
-        self._decode_phase(prefill, handoff)
 
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}

@@ -14,13 +14,22 @@ pinned to a rank (X-data-parallel-rank) runs there whole."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from parashift.serve.engine_errors import RequestFailedError
+from parashift.serve.engine_errors import (
+    DecodeRefusedError,
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
+from parashift.serve.engine_loads import EngineLoads
 from parashift.serve.in_flight import Sink
 from parashift.strategies.disaggregated import pool_of
 from parashift.types.outputs import EngineCoreOutput
+from parashift.wire import protocol as p
 
 HANDED_OFF = "handoff"  # a prefill rank's finish: the decode goes on elsewhere
 
@@ -42,8 +51,9 @@ class EnginePools:
 
 class Handoff:
     """The sink of a request in both phases: outputs pass through to the request's own sink,
-    except the handed-off finish, which starts the decode phase (`continue_on(self)`: it picks
-    a rank outside `refused`, records it in `rank`, and reports its own failures to `sink`).
+    except the handed-off finish, which starts the decode phase (`continue_on(self)`, a
+    DecodePhase: it picks a rank outside `refused`, records it in `rank`, and reports its own
+    failures to `sink`).
     A decode rank whose queue is full (429) is refused and the decode goes on elsewhere, the
     prefill pool's ranks included (they can decode too), before the request hears of it;
     refused by all, the request hears a DecodeRefusedError, whose `resume` starts this phase
@@ -69,3 +79,53 @@ class Handoff:
             self.continue_on(self)
             return
         self.sink(item)
+
+
+class Engines(Protocol):
+    """What the decode phase needs of the engine client (serve/engine_client.py)."""
+
+    client_index: int
+    pools: EnginePools | None
+    loads: EngineLoads
+
+    def alive_engines(self) -> list[int]: ...
+
+    def health(self) -> tuple[bool, str]: ...
+
+    def send_request(self, rank: int, msg: p.AddRequest, sink: Sink) -> None: ...
+
+
+class DecodePhase:
+    """A Handoff's `continue_on` for the request `prefill` (a prefill rank published its KV,
+    or a decode rank refused it): the request goes on at the least loaded decode rank outside
+    `refused`, with the tokens generated so far, under the same id."""
+
+    def __init__(self, prefill: p.AddRequest, engines: Engines):
+        self.prefill, self.engines = prefill, engines
+
+    def __call__(self, handoff: Handoff) -> None:
+        engines, prefill = self.engines, self.prefill
+        assert engines.pools is not None
+        msg = p.AddRequest(prefill.request_id, prefill.prompt_token_ids, prefill.params,
+                           prefill.eos_token_id, engines.client_index, time.monotonic(),
+                           generated_token_ids=list(handoff.generated))
+        serving = [r for r in engines.alive_engines() if r not in handoff.refused]
+        candidates = engines.pools.choose("decode", serving)
+        if not candidates:
+            error = (DecodeRefusedError("every live rank's waiting queue is full",
+                                        lambda: self.resume(handoff))
+                     if handoff.refused else EngineDeadError(
+                         f"no rank can continue the request ({engines.health()[1]})"))
+            handoff.sink(error)  # (serve/generation.py waits for room, or fails it over)
+            return
+        handoff.rank = min(candidates, key=engines.loads.score)
+        try:
+            engines.send_request(handoff.rank, msg, handoff)
+        except EngineUnavailableError as e:
+            handoff.sink(EngineDeadError(f"no decode rank can continue the request ({e})",
+                                         handoff.rank))
+
+    def resume(self, handoff: Handoff) -> None:
+        """Again from every decode rank, once the request has waited for room."""
+        handoff.refused.clear()
+        self(handoff)
