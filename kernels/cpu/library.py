@@ -225,9 +225,9 @@ class CpuOps:
         strided); chunk i is tokens query_starts[i]:query_starts[i + 1] (int32, from 0), the
         last of seq_lens[i] keys; block_tables [seqs, width] int32. False, writing nothing,
         where this CPU or shape has no such kernel (it takes bf16, head_dim 64, on AMX or
-        AVX512-BF16). `decode_order` (--deterministic): on AVX512-BF16 only, in the decode
-        kernel's reduction order, so each token gets the bits `paged_decode_attention` gives
-        it as a query over the same keys."""
+        AVX512-BF16). On AVX512-BF16 it takes the decode kernel's reduction order, so each
+        token gets the bits `paged_decode_attention` gives it as a query over the same keys;
+        `decode_order` (--deterministic): that path on AMX CPUs too, not the tiles."""
         seqs = seq_lens.shape[0]
         _, heads, head_dim = query.shape
         _, block_size, kv_heads, _ = key_cache.shape

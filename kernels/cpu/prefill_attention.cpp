@@ -14,9 +14,9 @@
 // (prefill_dot.h). No online rescaling: a block's scores fit in a buffer, as in the decode
 // kernel.
 //
-// `decode_order` (--deterministic): every block on vdpbf16ps in the decode kernel's reduction
-// order (attend_block_ordered), never on AMX tiles, so that a token attends bit for bit as it
-// would in a decode step: chunked, cached or recomputed, the same result.
+// The vdpbf16ps blocks take the decode kernel's reduction order: a token attends bit for bit as
+// it would in a decode step, chunked, cached or recomputed. `decode_order` (--deterministic):
+// those blocks on AMX CPUs too, never the tiles.
 
 #include "entry_points.h"
 #include "prefill_amx.h"
@@ -85,10 +85,7 @@ int parashift_prefill_attention_bf16(void* out, const void* query, int64_t query
           }
 #endif
 #ifdef PARASHIFT_BF16_DOT
-          if (decode_order)
-            attend_block_ordered(block, packed, scale, scores, weights);
-          else
-            attend_block_dot(block, packed, scale, scores, weights);
+          attend_block_dot(block, packed, scale, scores, weights);
 #endif
         }
       }

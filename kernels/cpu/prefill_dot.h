@@ -1,9 +1,9 @@
-// The tiled prefill attention's block on AVX512-BF16 dot products, for CPUs without AMX
-// (prefill_attention.cpp): S in register blocks of 8 rows x 32 keys, each query's dim pair
-// broadcast against 16 keys' pairs; O in blocks of 4 rows x 64 dims, each weight's key pair
-// broadcast against 16 dims' pairs of two keys. `attend_block_ordered` (--deterministic) takes
-// the decode kernel's reduction order instead, so a prompt token gets the bits a decode step
-// over the same keys would give it.
+// The tiled prefill attention's block on AVX512-BF16 dot products, for CPUs without AMX and
+// for --deterministic (prefill_attention.cpp), in the decode kernel's reduction order: a prompt
+// token gets the bits a decode step over the same keys would give it, however its prompt was
+// cut into chunks. S in blocks of 4 rows x 16 keys, each query's dim pair broadcast against 16
+// keys' pairs, each key vector loaded once for the 4 rows; O in blocks of 4 rows x 64 dims,
+// each weight's key pair broadcast against 16 dims' pairs of two keys.
 
 #pragma once
 
@@ -12,32 +12,6 @@
 
 #ifdef PARASHIFT_BF16_DOT
 namespace {
-
-// scores rows [R][padded] <- R query rows against `groups` groups of 32 packed keys.
-template <int R>
-void dot_scores(float* scores, int64_t padded, const uint16_t* q, int64_t q_stride,
-                const uint32_t* keys_t, int64_t groups) {
-  const int32_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = reinterpret_cast<const int32_t*>(q + i * q_stride);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint32_t* kt = keys_t + g * 1024;  // two 16-key blocks, a dim pair's keys 16 apart
-    __m512 acc[R][2];
-    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int r = 0; r < kDim / 2; ++r) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + 16 * r);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + 512 + 16 * r);
-      for (int i = 0; i < R; ++i) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(rows[i][r]);
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, k0);
-        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, k1);
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      _mm512_storeu_ps(scores + i * padded + 32 * g, acc[i][0]);
-      _mm512_storeu_ps(scores + i * padded + 32 * g + 16, acc[i][1]);
-    }
-  }
-}
 
 // o [R][kDim] <- R rows of weights [padded] bf16 times the packed values (padded / 32 groups).
 template <int R>
@@ -60,28 +34,6 @@ void dot_values(float* o, const uint16_t* weights, int64_t padded, const uint32_
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * kDim + 16 * c, acc[i][c]);
 }
 
-void attend_block_dot(const Block& b, const SequenceKeys& p, float scale,
-                      std::vector<float>& scores, std::vector<uint16_t>& weights) {
-  const int64_t padded = start_block(b, scores, weights), groups = padded / 32;
-  float* s = scores.data();
-  int i = 0;
-  for (; i + 8 <= b.rows; i += 8)
-    dot_scores<8>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride, p.keys_t.data(),
-                  groups);
-  for (; i < b.rows; ++i)
-    dot_scores<1>(s + i * padded, padded, b.q + i * b.q_stride, b.q_stride, p.keys_t.data(),
-                  groups);
-  float sums[16];
-  softmax_rows(s, weights.data(), padded, b.rows, b.first_keys, scale, sums);
-  alignas(64) float o[16 * kDim];
-  const uint16_t* w = weights.data();
-  i = 0;
-  for (; i + 4 <= b.rows; i += 4)
-    dot_values<4>(o + i * kDim, w + i * padded, padded, p.values.data());
-  for (; i < b.rows; ++i) dot_values<1>(o + i * kDim, w + i * padded, padded, p.values.data());
-  finish_rows(b.out, b.out_stride, o, sums, b.rows);
-}
-
 // scores rows [R][padded] <- scale * (R query rows . the first `blocks16` blocks of 16 packed
 // keys), each dot in the decode kernel's order (key_scores_bf16): lane l of a key's partial
 // sums takes dim pairs l and then l + 16, and fold16 adds the 16 lanes pairwise at strides 8,
@@ -95,29 +47,37 @@ void ordered_scores(float* scores, int64_t padded, const uint16_t* q, int64_t q_
   const __m512 scales = _mm512_set1_ps(scale);
   for (int64_t b = 0; b < blocks16; ++b) {
     const uint32_t* kt = keys_t + b * 512;  // dim pair r of 16 keys at (r / 16) * 256 + r % 16 * 16
+    __m512 quarter[R][4];  // per row, lanes m, m + 4, m + 8, m + 12 summed as fold16 does
+    for (int m = 0; m < 4; ++m) {
+      __m512bh k[4][2];  // lanes m + 4j: dim pairs m + 4j and m + 4j + 16, shared by the rows
+      for (int j = 0; j < 4; ++j) {
+        k[j][0] = (__m512bh)_mm512_loadu_si512(kt + 16 * (m + 4 * j));
+        k[j][1] = (__m512bh)_mm512_loadu_si512(kt + 256 + 16 * (m + 4 * j));
+      }
+      for (int i = 0; i < R; ++i) {
+        auto lane = [&](int j) {
+          const int l = m + 4 * j;
+          return _mm512_dpbf16_ps(
+              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(rows[i][l]),
+                               k[j][0]),
+              (__m512bh)_mm512_set1_epi32(rows[i][16 + l]), k[j][1]);
+        };
+        quarter[i][m] = add_kept(add_kept(lane(0), lane(2)), add_kept(lane(1), lane(3)));
+      }
+    }
     for (int i = 0; i < R; ++i) {
-      auto lane = [&](int l) {
-        const __m512 first = _mm512_dpbf16_ps(
-            _mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(rows[i][l]),
-            (__m512bh)_mm512_loadu_si512(kt + 16 * l));
-        return _mm512_dpbf16_ps(first, (__m512bh)_mm512_set1_epi32(rows[i][16 + l]),
-                                (__m512bh)_mm512_loadu_si512(kt + 256 + 16 * l));
-      };
-      __m512 quarter[4];  // lanes m, m + 4, m + 8, m + 12
-      for (int m = 0; m < 4; ++m)
-        quarter[m] = add_kept(add_kept(lane(m), lane(m + 8)), add_kept(lane(m + 4), lane(m + 12)));
-      const __m512 dots = add_kept(add_kept(quarter[0], quarter[2]),
-                                   add_kept(quarter[1], quarter[3]));
+      const __m512 dots = add_kept(add_kept(quarter[i][0], quarter[i][2]),
+                                   add_kept(quarter[i][1], quarter[i][3]));
       _mm512_storeu_ps(scores + i * padded + 16 * b, _mm512_mul_ps(dots, scales));
     }
   }
 }
 
-// attend_block_dot with the decode kernel's arithmetic throughout: its scores
-// (ordered_scores), its softmax (softmax_weights: the max, exp, lane sums and bf16 weights),
-// and its value sums, which dot_values already matches (each dim's sum over key pairs in order;
-// a weight of zero past a row's keys adds exactly nothing). head_dim 64 only.
-void attend_block_ordered(const Block& b, const SequenceKeys& p, float scale,
+// One block with the decode kernel's arithmetic throughout: its scores (ordered_scores), its
+// softmax (softmax_weights: the max, exp, lane sums and bf16 weights), and its value sums,
+// which dot_values matches (each dim's sum over key pairs in order; a weight of zero past a
+// row's keys adds exactly nothing). head_dim 64 only.
+void attend_block_dot(const Block& b, const SequenceKeys& p, float scale,
                           std::vector<float>& scores, std::vector<uint16_t>& weights) {
   const int64_t padded = start_block(b, scores, weights);
   const int64_t blocks16 = (b.first_keys + b.rows - 1 + 15) / 16;

@@ -2,8 +2,9 @@
 vdpbf16ps register blocks without them) against a float64
 causal softmax over the same paged cache: chunks after a cached prefix, lengths around its
 16-token blocks and 32-key tiles, keys scattered over the cache's blocks; and where it is not
-taken (it writes nothing then). In the decode kernel's order (--deterministic) it must give each
-token the decode kernel's bits exactly, however the prompt is cut into chunks."""
+taken (it writes nothing then). On vdpbf16ps (without AMX, or with --deterministic's
+decode_order) it must give each token the decode kernel's bits exactly, however the prompt is
+cut into chunks."""
 
 from __future__ import annotations
 
@@ -111,6 +112,10 @@ def test_in_decode_order_each_token_gets_the_decode_kernels_bits(ops, chunks, sp
                                  0.125, decode_order=True)
     want = _decode_each_token(ops, query, key_cache, value_cache, tables, starts, lens, 0.125)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    if not ops.amx:  # without AMX tiles the default order is this one
+        assert ops.prefill_attention(out, query, key_cache, value_cache, tables, starts, lens,
+                                     0.125)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
 def test_in_decode_order_a_prompt_cut_anywhere_gets_the_same_bits(ops):

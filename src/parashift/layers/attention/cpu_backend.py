@@ -11,7 +11,7 @@ without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 `deterministic` (--deterministic): a prefill token attends in the decode kernel's reduction
 order, so it gets the same bits in a decode step or in a prefill chunk of any size, over keys
 computed now or cached earlier: on AVX512-BF16 (bf16, head_dim 64, no window) the tiled kernel
-in that order (16 tokens of a chunk at a time, never on AMX tiles), elsewhere each token a
+on vdpbf16ps, which takes that order (on AMX CPUs too, not the tiles), elsewhere each token a
 decode query over its prefix in the cache.
 
 Without the kernels (`--cpu-kernels off`, or no compiler here) it is the torch backend."""
