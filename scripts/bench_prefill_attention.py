@@ -1,8 +1,9 @@
 """The prefill attention kernels alone, at SmolLM2's shape (9 query and 3 kv heads of 64, a
 paged bf16 cache of 16-token blocks), one causal chunk per sequence over its whole prompt: the
-tiled kernel in the default order (AMX tiles where the CPU has them), the tiled kernel in the
-decode kernel's order (--deterministic), and every token a decode query over its own prefix
-(--deterministic where the tiled kernel does not run). Best of --reps, milliseconds.
+tiled kernel as the default mode runs it (AMX tiles where the CPU has them, else the same
+vdpbf16ps blocks as the next), the tiled kernel in the decode kernel's order (--deterministic),
+and every token a decode query over its own prefix (--deterministic where the tiled kernel
+does not run). Best of --reps, milliseconds.
 
   python scripts/bench_prefill_attention.py --tokens 256 512 1024 --seqs 1 4
 """
