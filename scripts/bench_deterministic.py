@@ -39,9 +39,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--cpu-kernels", default="native",
+                    help="a gcc -march to build the kernels for (haswell: AVX2 only)")
     args = ap.parse_args()
     engines = {mode: LLM(args.model, dtype="bfloat16", max_model_len=1280, max_num_seqs=256,
-                         enable_prefix_caching=False, deterministic=mode == "deterministic")
+                         enable_prefix_caching=False, deterministic=mode == "deterministic",
+                         cpu_kernels=args.cpu_kernels)
                for mode in ("default", "deterministic")}
     rates: dict[tuple[str, str], list[float]] = {}
     for name, (prompts, params, counted) in workloads().items():
