@@ -58,7 +58,7 @@ struct ParashiftLayerStep {
   int64_t chunk_table_width;
   const int32_t* query_starts;
   const int32_t* chunk_seq_lens;
-  int decode_order;  // --deterministic: the tiled kernel in the decode kernel's order
+  int decode_order;  // --deterministic: the tiled kernel off AMX tiles (the decode order)
 };
 
 namespace {

@@ -41,4 +41,4 @@ class LayerStep(Structure):
         # prefill chunks for the tiled prefill kernel (prefills 0: every token a decode query)
         ("decodes", c_int64), ("prefills", c_int64), ("chunk_tables", c_void_p),
         ("chunk_table_width", c_int64), ("query_starts", c_void_p), ("chunk_seq_lens", c_void_p),
-        ("decode_order", c_int)]  # --deterministic: the tiled kernel in the decode kernel's order
+        ("decode_order", c_int)]  # --deterministic: the tiled kernel off AMX tiles, as decode

@@ -5,7 +5,7 @@ go into their slots in one pass over the strided projections. Where the kernel r
 AVX512-BF16 dot products (bf16, head_dim 64 or 128) prefill tokens take it too, each token a
 query over its own prefix in the cache (faster than torch's flash SDPA there), or, with
 head_dim 64 and no sliding window, the tiled prefill kernel, 16 tokens of a chunk at a time (on
-AMX tiles where the CPU has them, on vdpbf16ps register blocks elsewhere);
+AMX tiles where the CPU has them, elsewhere on vdpbf16ps in the decode kernel's order);
 without AVX512-BF16 prefill chunks are the torch backend's SDPA calls.
 
 `deterministic` (--deterministic): a prefill token attends in the decode kernel's reduction
