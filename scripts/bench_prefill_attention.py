@@ -30,6 +30,28 @@ def best_ms(fn, reps: int) -> float:
     return best * 1e3
 
 
+def time_case(ops, seqs: int, n: int, reps: int, g: torch.Generator) -> dict[str, float]:
+    """Each kernel's best time over `seqs` prompts of `n` tokens, in milliseconds."""
+    per_seq = n // BLOCK + 1
+    key_cache = torch.randn(seqs * per_seq, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    value_cache = torch.randn(key_cache.shape, generator=g).bfloat16()
+    tables = torch.arange(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
+    query = torch.randn(seqs * n, HEADS, HEAD_DIM, generator=g).bfloat16()
+    out = torch.empty_like(query)
+    starts = torch.arange(0, (seqs + 1) * n, n, dtype=torch.int32)
+    lens = torch.full((seqs,), n, dtype=torch.int32)
+    token_tables = tables.repeat_interleave(n, 0).contiguous()
+    token_lens = torch.arange(1, n + 1, dtype=torch.int32).repeat(seqs)
+    return {
+        "tiled": best_ms(lambda: ops.prefill_attention(
+            out, query, key_cache, value_cache, tables, starts, lens, 0.125), reps),
+        "tiled, decode order": best_ms(lambda: ops.prefill_attention(
+            out, query, key_cache, value_cache, tables, starts, lens, 0.125,
+            decode_order=True), reps),
+        "per token": best_ms(lambda: ops.paged_decode_attention(
+            out, query, key_cache, value_cache, token_tables, token_lens, None, 0.125), reps)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024])
@@ -42,26 +64,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for seqs in args.seqs:
         for n in args.tokens:
-            per_seq = n // BLOCK + 1
-            key_cache = torch.randn(seqs * per_seq, BLOCK, KV_HEADS, HEAD_DIM,
-                                    generator=g).bfloat16()
-            value_cache = torch.randn(key_cache.shape, generator=g).bfloat16()
-            tables = torch.arange(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
-            query = torch.randn(seqs * n, HEADS, HEAD_DIM, generator=g).bfloat16()
-            out = torch.empty_like(query)
-            starts = torch.arange(0, (seqs + 1) * n, n, dtype=torch.int32)
-            lens = torch.full((seqs,), n, dtype=torch.int32)
-            token_tables = tables.repeat_interleave(n, 0).contiguous()
-            token_lens = torch.arange(1, n + 1, dtype=torch.int32).repeat(seqs)
-            times = {
-                "tiled": best_ms(lambda: ops.prefill_attention(
-                    out, query, key_cache, value_cache, tables, starts, lens, 0.125), args.reps),
-                "tiled, decode order": best_ms(lambda: ops.prefill_attention(
-                    out, query, key_cache, value_cache, tables, starts, lens, 0.125,
-                    decode_order=True), args.reps),
-                "per token": best_ms(lambda: ops.paged_decode_attention(
-                    out, query, key_cache, value_cache, token_tables, token_lens, None, 0.125),
-                    args.reps)}
+            times = time_case(ops, seqs, n, args.reps, g)
             print(f"{seqs} x {n} tokens, {torch.get_num_threads()} threads: " + ", ".join(
                 f"{name} {ms:.2f} ms" for name, ms in times.items()), flush=True)
 
