@@ -23,24 +23,17 @@ PENDING, DONE, FAILED = 0, 1, 2
 
 
 class JobBoard:
-    def __init__(self, path: str, num_jobs: int, num_workers: int, owner: bool,
-                 fd: int | None = None):
-        """`fd`: the owner's descriptor of the file it has just made and holds (`create`),
-        else the file is opened here."""
+    def __init__(self, path: str, num_jobs: int, num_workers: int, owner: bool):
         self.path, self.num_jobs, self.num_workers, self.owner = (path, num_jobs, num_workers,
                                                                   owner)
-        if fd is None:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            if owner:  # held (the sweep's sign of life) until closed; again is a no-op
-                hold(fd)
             self._map = mmap.mmap(fd, num_jobs * num_workers)
         except BaseException:
             os.close(fd)
-            if owner:
-                _remove(path, None)
             raise
-        if owner:  # unlinked at close, or at exit
+        if owner:  # held (the sweep's sign of life) until closed, unlinked at exit too
+            hold(fd)
             self._unlink = weakref.finalize(self, _remove, path, fd)
         else:
             os.close(fd)
@@ -50,16 +43,13 @@ class JobBoard:
     @classmethod
     def create(cls, num_jobs: int, num_workers: int) -> JobBoard:
         path = board_path(secrets.token_hex(8))
-        # 0600, a fresh name; held from the descriptor that made it (no window for a sweep)
+        # 0600, a fresh name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            hold(fd)
             os.ftruncate(fd, num_jobs * num_workers)
-        except BaseException:
+        finally:
             os.close(fd)
-            _remove(path, None)
-            raise
-        return cls(path, num_jobs, num_workers, owner=True, fd=fd)
+        return cls(path, num_jobs, num_workers, owner=True)
 
     def start(self, job: int) -> None:
         self.flags[job] = PENDING
@@ -82,8 +72,7 @@ class JobBoard:
             self._unlink()
 
 
-def _remove(path: str, fd: int | None) -> None:
+def _remove(path: str, fd: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    if fd is not None:
-        os.close(fd)
+    os.close(fd)

@@ -102,9 +102,9 @@ class LocalEngines:
             if proc.exitcode is None:
                 continue
             del self.procs[rank]
+            shm_files.sweep_boards_of(proc.pid)  # a killed engine could not unlink its own
             deaths.append(EngineDeath(rank, proc.pid, f"process exited with code {proc.exitcode}"))
             self.restarts.died(rank)
-            sweep_boards_of(proc.pid)
         return deaths
 
     def kill(self, rank: int, incarnation: int) -> None:
@@ -147,14 +147,4 @@ def join_all(procs: list[multiprocessing.Process], timeout: float) -> None:
             logger.warning("%s did not stop in time; killing it", proc.name)
             proc.kill()
             proc.join(5)
-    for proc in procs:
-        if proc.exitcode is not None:
-            sweep_boards_of(proc.pid)
-
-
-def sweep_boards_of(pid: int) -> None:
-    """The KV job boards of an engine that is gone: a killed one could not unlink its own."""
-    try:
-        shm_files.sweep_boards_of(pid)
-    except OSError as e:  # no /dev/shm to read: nothing was left there
-        logger.warning("could not look for engine %d's KV job boards: %s", pid, e)
+            shm_files.sweep_boards_of(proc.pid)
