@@ -2,7 +2,7 @@
 refused when its slots, mode or size do not fit; lookup finds the ready run from the first key
 and pins it; a full set evicts its least recently used ready, unpinned slot; the disk writer's
 unpersisted slots; another process sees the same slots and index; what a killed process pinned
-or wrote is released. Also the tier identity and the job board the workers report on."""
+or wrote is released."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 
 from parashift.kv_tiers.host_arena import FREE, READY, WAYS, WRITING, HostArena
-from parashift.kv_tiers.identity import tier_identity, tier_key
-from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
-from parashift.kv_tiers.shm_files import shm_path, sweep, sweep_boards_of
+from parashift.kv_tiers.shm_files import shm_path, sweep
 
 SLOT_BYTES = 1024
 
@@ -339,97 +337,3 @@ def test_the_sweep_takes_only_arenas_no_live_process_holds(tmp_path):
         assert holders[1].wait() == 0
     assert not os.path.exists(there)
     assert sweep(str(tmp_path), min_age_s=0) == [(here, size)]  # closed: nobody holds it
-
-
-# --- the tier identity ----------------------------------------------------------------------
-def identity(model, **changes) -> bytes:
-    args = dict(dtype="bfloat16", block_size=16, layout="tp1-pp1", worker_block_bytes=4096,
-                num_workers=1) | changes
-    return tier_identity(str(model), **args)
-
-
-def test_tier_identity_follows_the_model_files_and_the_layout(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": 64}')
-    (model / "model.safetensors").write_bytes(b"\0" * 100)
-    (model / "README.md").write_text("not a weight")
-    base = identity(model)
-    assert len(base) == 32 and identity(model) == base
-    (model / "README.md").write_text("not a weight, and longer")
-    assert identity(model) == base
-    for change in (dict(dtype="float16"), dict(block_size=32), dict(layout="tp2-pp1"),
-                   dict(worker_block_bytes=8192), dict(num_workers=2)):
-        assert identity(model, **change) != base, change
-    (model / "model.safetensors").write_bytes(b"\0" * 101)
-    assert identity(model) != base
-
-
-def test_tier_key_is_63_bits_and_differs_for_another_identity():
-    one, other = bytes(32), bytes([1]) + bytes(31)
-    for block_hash in (0, 1, 2**63 - 1, -(2**63)):
-        key = tier_key(one, block_hash)
-        assert 0 <= key < 2**63 and key == tier_key(one, block_hash)
-        assert key != tier_key(other, block_hash)
-    assert tier_key(one, 1) != tier_key(one, 2)
-
-
-# --- the job board --------------------------------------------------------------------------
-def test_job_board_is_pending_until_every_worker_reported():
-    board = JobBoard.create(num_jobs=4, num_workers=3)
-    assert board.path.startswith("/dev/shm/") and os.stat(board.path).st_mode & 0o777 == 0o600
-    worker_view = JobBoard(board.path, 4, 3, owner=False)
-    board.start(1)
-    assert board.outcome(1) == PENDING
-    worker_view.report(1, 0, ok=True)
-    worker_view.report(1, 2, ok=True)
-    assert board.outcome(1) == PENDING
-    worker_view.report(1, 1, ok=True)
-    assert board.outcome(1) == DONE
-    board.start(2)
-    for worker, ok in ((0, True), (1, False)):
-        worker_view.report(2, worker, ok)
-    assert board.outcome(2) == PENDING
-    worker_view.report(2, 2, ok=True)
-    assert board.outcome(2) == FAILED
-    board.start(1)  # the row is used again
-    assert board.outcome(1) == PENDING and board.outcome(2) == FAILED
-    worker_view.close()
-    assert os.path.exists(board.path)
-    board.close()
-    assert not os.path.exists(board.path)
-
-
-BOARD_HOLDER = """
-import sys
-from parashift.kv_tiers.job_board import JobBoard
-board = JobBoard.create(num_jobs=4, num_workers=2)
-print(board.path, flush=True)
-sys.stdin.read()
-"""
-
-
-def test_a_killed_engines_job_board_goes_when_it_is_reaped_a_live_ones_stays():
-    """A board is named after its engine's pid and held while the engine lives: a SIGKILLed
-    engine's board (it could not unlink it) goes when its launcher reaps it
-    (`sweep_boards_of`), and a live engine's board stays, whoever sweeps."""
-    engines = [subprocess.Popen([sys.executable, "-c", BOARD_HOLDER],  # nosec
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-               for _ in range(2)]
-    try:
-        paths = [engine.stdout.readline().strip() for engine in engines]
-        for engine, path in zip(engines, paths, strict=True):
-            assert os.path.basename(path).startswith(f"parashift-kv-jobs-{engine.pid}-")
-        assert sweep_boards_of(engines[1].pid) == []  # alive: held
-        engines[0].kill()
-        engines[0].wait()
-        assert os.path.exists(paths[0])
-        assert sweep_boards_of(engines[1].pid) == []  # another engine's board
-        assert sweep_boards_of(engines[0].pid) == [(paths[0], 8)]
-        assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
-    finally:
-        for engine in engines:
-            engine.kill()
-            engine.wait()
-    sweep_boards_of(engines[1].pid)
-    assert not os.path.exists(paths[1])
