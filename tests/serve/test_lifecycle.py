@@ -64,6 +64,15 @@ def process_names(procs: list[psutil.Process]) -> list[str]:
     return names
 
 
+def fork_server_folder(tree: list[psutil.Process]) -> str:
+    """The folder multiprocessing made for the fork server's socket (/tmp/pymp-*)."""
+    server = next(p for p in tree if "parashift-forkserver" in " ".join(process_names([p])))
+    listening = getattr(server, "net_connections", None) or server.connections
+    paths = [c.laddr for c in listening(kind="unix") if "/pymp-" in c.laddr]
+    assert len(paths) == 1, paths
+    return os.path.dirname(paths[0])
+
+
 def test_health_is_ok_once_is_serving_is_printed(server):
     status, body = server.health_at_start
     assert status == 200, body
@@ -102,6 +111,8 @@ def test_sigterm_drains_and_exits_cleanly(server):
     assert any("parashift-api-0" in n for n in names), names
     assert any("parashift-engine-dp0" in n for n in names), names
     assert any("parashift-forkserver" in n for n in names), names  # the children's fork server
+    socket_folder = fork_server_folder(tree)
+    assert os.path.isdir(socket_folder)
     client = server.client()
     stream = client.completions.create(
         model=server.model_name, prompt="hi", max_tokens=200, temperature=0, stream=True,
@@ -122,6 +133,7 @@ def test_sigterm_drains_and_exits_cleanly(server):
     assert elapsed < SHUTDOWN_TIMEOUT
     left = wait_gone(tree, 5)
     assert left == [], f"left behind: {process_names(left)}"
+    assert not os.path.exists(socket_folder)  # the launcher's exit skips multiprocessing's
     assert "received SIGTERM" in server.output()
     port = int(server.url.rsplit(":", 1)[1])
     with pytest.raises(ConnectionRefusedError):
@@ -181,7 +193,7 @@ def test_engine_killed_mid_stream(tiny_llama_long):
 
 def test_children_die_with_a_killed_launcher(tiny_llama):
     """SIGKILL leaves the launcher no chance to clean up: its children must go by themselves,
-    and take its ipc folder with them."""
+    and take its ipc folder and the fork server's socket folder with them."""
     launch_folders = os.path.join(tempfile.gettempdir(), "parashift-*")
     before = set(glob.glob(launch_folders))
     with running_server(tiny_llama, *TINY_ARGS) as server:
@@ -190,8 +202,10 @@ def test_children_die_with_a_killed_launcher(tiny_llama):
         names = process_names(children)
         assert any("parashift-api-0" in n for n in names), names
         assert any("parashift-engine-dp0" in n for n in names), names
+        socket_folder = fork_server_folder(children)
         server.proc.send_signal(signal.SIGKILL)
         assert server.proc.wait(5) == -signal.SIGKILL
         left = wait_gone(children, 10)
         assert left == [], f"orphans of a killed launcher: {process_names(left)}"
         assert set(glob.glob(launch_folders)) <= before
+        assert not os.path.exists(socket_folder)

@@ -19,7 +19,7 @@ from multiprocessing.context import BaseContext
 
 from parashift.engine.args import EngineArgs
 
-PRELOAD = ["parashift.runtime.fork_server_name", "torch", "transformers",
+PRELOAD = ["parashift.runtime.fork_server_preload", "torch", "transformers",
            "parashift.engine.engine_process", "parashift.serve.api_server",
            "parashift.runtime.coordinator"]
 
