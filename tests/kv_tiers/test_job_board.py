@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from parashift.kv_tiers.job_board import DONE, FAILED, PENDING, JobBoard
 from parashift.kv_tiers.shm_files import sweep_boards_of
 
@@ -39,6 +41,8 @@ def test_job_board_is_pending_until_every_worker_reported():
 
 BOARD_HOLDER = """
 import sys
+
+import pytest
 from parashift.kv_tiers.job_board import JobBoard
 board = JobBoard.create(num_jobs=4, num_workers=2)
 print(board.path, flush=True)
@@ -70,3 +74,17 @@ def test_a_killed_engines_job_board_goes_when_it_is_reaped_a_live_ones_stays():
             engine.wait()
     sweep_boards_of(engines[1].pid)
     assert not os.path.exists(paths[1])
+
+
+def test_a_board_whose_set_up_fails_is_not_left(monkeypatch):
+    """A full /dev/shm fails a board's set-up after its file exists: the file goes with the
+    error, not at the next launch's sweep."""
+    def full(fd: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    mine = f"parashift-kv-jobs-{os.getpid()}-"
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
+    monkeypatch.setattr(os, "ftruncate", full)
+    with pytest.raises(OSError, match="No space"):
+        JobBoard.create(num_jobs=4, num_workers=2)
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(mine)} == before

@@ -47,9 +47,12 @@ class JobBoard:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, num_jobs * num_workers)
+            return cls(path, num_jobs, num_workers, owner=True)
+        except BaseException:  # (a full /dev/shm) nothing else would remove it
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
-        return cls(path, num_jobs, num_workers, owner=True)
 
     def start(self, job: int) -> None:
         self.flags[job] = PENDING
