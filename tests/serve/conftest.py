@@ -244,7 +244,9 @@ def stop(server: Server) -> int | None:
             code = proc.wait(EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
             code = None
-    leftovers = live(tree)
+    # The fork server ends just after the launcher, once its pipe closes, and removes its
+    # socket's folder then: killed, it could not.
+    leftovers = wait_gone(tree, 5) if code is not None else live(tree)
     for p in leftovers:
         with contextlib.suppress(psutil.Error):
             p.kill()
