@@ -49,7 +49,8 @@ class JobBoard:
             os.ftruncate(fd, num_jobs * num_workers)
             return cls(path, num_jobs, num_workers, owner=True)
         except BaseException:  # (a full /dev/shm) nothing else would remove it
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             raise
         finally:
             os.close(fd)
