@@ -1,12 +1,13 @@
-"""How near the AMX tile peak a prefill chunk's GEMMs run on this CPU (issue 56).
+"""How near its CPU's peak a prefill chunk's GEMMs run (issue 56).
 
-The peak: a loop of TDPBF16PS on tile registers only (no memory operand; four accumulators,
-two A and two B tiles, the register block our GEMM uses), compiled here with the system's C
-compiler into a program of its own (not a library beside torch's OpenMP), on 1 and 2
-threads. Then each decoder GEMM of the embedded SmolLM2 (QKV 960 x 576,
-O 576 x 576, gate_up 3072 x 576, down 576 x 1536) at prefill rows, by our bf16 kernel and by
-oneDNN's reordered weight, in GFLOP/s and as a share of the 2-thread peak (best of 5 calls;
-the weight and the rows stay in cache, as in a prefill chunk that reuses them).
+The peak: a loop of the instruction our GEMM runs on this CPU, on registers only (no memory
+operand), compiled here with the system's C compiler into a program of its own (not a library
+beside torch's OpenMP), on 1 and 2 threads: TDPBF16PS where the CPU has AMX tiles (four
+accumulators, two A and two B tiles, the register block our GEMM uses), else VDPBF16PS
+(AVX512-BF16: twelve independent accumulators). Then each decoder GEMM of the embedded SmolLM2
+(QKV 960 x 576, O 576 x 576, gate_up 3072 x 576, down 576 x 1536) at prefill rows, by our bf16
+kernel and by oneDNN's reordered weight, in GFLOP/s and as a share of the 2-thread peak (best
+of 5 calls; the weight and the rows stay in cache, as in a prefill chunk that reuses them).
 
     python scripts/prefill_gemm_peak.py [--rows 256 512 1024]
 """
@@ -72,28 +73,80 @@ int main(int argc, char **argv) {
 }
 """
 
+DOT_PEAK_C = r"""
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static long iters;
+static volatile float sink;
+
+#define DP(c) c = _mm512_dpbf16_ps(c, a, b)
+
+static void *loop(void *unused) {
+    /* different starts: equal ones would be one chain to the compiler */
+    __m512 c0 = _mm512_set1_ps(0), c1 = _mm512_set1_ps(1), c2 = _mm512_set1_ps(2),
+           c3 = _mm512_set1_ps(3), c4 = _mm512_set1_ps(4), c5 = _mm512_set1_ps(5),
+           c6 = _mm512_set1_ps(6), c7 = _mm512_set1_ps(7), c8 = _mm512_set1_ps(8),
+           c9 = _mm512_set1_ps(9), c10 = _mm512_set1_ps(10), c11 = _mm512_set1_ps(11);
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f00);
+    for (long i = 0; i < iters; ++i) {
+        DP(c0); DP(c1); DP(c2); DP(c3); DP(c4); DP(c5);
+        DP(c6); DP(c7); DP(c8); DP(c9); DP(c10); DP(c11);
+        __asm__ volatile("" : "+v"(a), "+v"(b));  /* keeps the operands in registers */
+    }
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                             _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
+    sink = _mm512_reduce_add_ps(s);
+    return unused;
+}
+
+/* peak ITERS THREADS: seconds for ITERS rounds of 12 VDPBF16PS on each of THREADS threads */
+int main(int argc, char **argv) {
+    iters = atol(argv[1]);
+    int threads = atoi(argv[2]);
+    pthread_t ids[64];
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (int t = 0; t < threads; ++t) pthread_create(&ids[t], NULL, loop, NULL);
+    for (int t = 0; t < threads; ++t) pthread_join(ids[t], NULL);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    printf("%.9f\n", (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec));
+    return 0;
+}
+"""
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-FLOPS_PER_TDP = 2 * 16 * 16 * 32
+# (what the loop is called, its source, compiler flags, FLOPs a round)
+LOOPS = {"amx_bf16": ("tile loop", PEAK_C, ["-mamx-tile", "-mamx-bf16"], 4 * 2 * 16 * 16 * 32),
+         "avx512_bf16": ("vdpbf16ps loop", DOT_PEAK_C, ["-mavx512f", "-mavx512bf16"],
+                         12 * 2 * 32)}
 
 
-def tile_peak() -> dict[int, float]:
-    """GFLOP/s of the tile loop on 1 and 2 threads (best of 5)."""
+def peak(flags: set[str]) -> tuple[str, dict[int, float]]:
+    """The loop this CPU's GEMM runs on, and its GFLOP/s on 1 and 2 threads (best of 5)."""
+    kind = next((k for k in LOOPS if k in flags), None)
+    if kind is None:
+        raise SystemExit("this CPU has neither AMX tiles nor AVX512-BF16 (/proc/cpuinfo)")
+    name, source, cflags, flops = LOOPS[kind]
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak")
         with open(src, "w") as f:
-            f.write(PEAK_C)
-        subprocess.run(["cc", "-O2", "-mamx-tile", "-mamx-bf16", "-pthread", src, "-o", exe],
-                       check=True)
+            f.write(source)
+        subprocess.run(["cc", "-O2", *cflags, "-pthread", src, "-o", exe], check=True)
 
         def seconds(iters: int, threads: int) -> float:
             return float(subprocess.run([exe, str(iters), str(threads)], check=True,
                                         capture_output=True, text=True).stdout)
 
-        iters, peaks = 2_000_000, {}
+        iters, peaks = 20_000_000, {}
         for threads in (1, 2):
             best = min(seconds(iters, threads) for _ in range(5))
-            peaks[threads] = 4 * FLOPS_PER_TDP * iters * threads / best / 1e9
-    return peaks
+            peaks[threads] = flops * iters * threads / best / 1e9
+    return name, peaks
 
 
 def gemm_rates(rows: int) -> dict[str, dict[str, float]]:
@@ -120,11 +173,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
     args = ap.parse_args()
     with open("/proc/cpuinfo") as f:
-        if "amx_bf16" not in f.read():
-            raise SystemExit("this CPU has no AMX tiles (no amx_bf16 in /proc/cpuinfo)")
+        flags = set(f.read().split())
     torch.set_num_threads(2)
-    peaks = tile_peak()
-    print(f"tile loop: {peaks[1]:,.0f} GFLOP/s on 1 thread, {peaks[2]:,.0f} on 2")
+    name, peaks = peak(flags)
+    print(f"{name}: {peaks[1]:,.0f} GFLOP/s on 1 thread, {peaks[2]:,.0f} on 2")
     for rows in args.rows:
         for name, rates in gemm_rates(rows).items():
             line = ", ".join(f"{path} {rate:,.0f} GFLOP/s ({rate / peaks[2]:.0%})"
