@@ -64,6 +64,16 @@ def live(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+def fork_server_folder(tree: list[psutil.Process]) -> str:
+    """The folder multiprocessing made for a launch's fork server socket (/tmp/pymp-*)."""
+    server = next(p for p in tree if p.name() == "parashift-forks"
+                  or "parashift-forkserver" in " ".join(p.cmdline()))
+    listening = getattr(server, "net_connections", None) or server.connections
+    paths = [c.laddr for c in listening(kind="unix") if "/pymp-" in c.laddr]
+    assert len(paths) == 1, paths
+    return os.path.dirname(paths[0])
+
+
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Waits until none of `procs` runs (zombies count as gone); returns those still alive."""
     deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -22,7 +23,7 @@ import pytest
 from parashift.wire import protocol as p
 from parashift.wire.store_protocol import StoreCall
 
-from .conftest import launch, stop, strangers_get_nothing, wait_serving
+from .conftest import fork_server_folder, launch, stop, strangers_get_nothing, wait_serving
 from .test_expert_parallel import PROMPTS, assert_matches, complete, reference, stream_in_thread
 
 pytestmark = pytest.mark.slow
@@ -119,10 +120,13 @@ def test_a_node_that_leaves_takes_its_rank_and_the_head_goes_on(mixtral_nodes):
     takes dp1 back and the group serves."""
     model, server, _ = mixtral_nodes
     node = server.node  # type: ignore[attr-defined]
-    for proc in node.current_tree():
+    tree = node.current_tree()
+    socket_folder = fork_server_folder(tree)
+    for proc in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
     node.proc.wait(30)
+    shutil.rmtree(socket_folder)  # a machine lost takes its /tmp along
     deadline = time.monotonic() + 60  # the heartbeat timeout (5 s), then the verdict
     while (health := server.get_json("/health"))[0] == 200:
         assert time.monotonic() < deadline, server.output()[-4000:]

@@ -22,6 +22,7 @@ from .conftest import (
     LONG_ARGS,
     SHUTDOWN_TIMEOUT,
     TINY_ARGS,
+    fork_server_folder,
     http_request,
     launch,
     live,
@@ -62,15 +63,6 @@ def process_names(procs: list[psutil.Process]) -> list[str]:
         except psutil.Error:
             pass
     return names
-
-
-def fork_server_folder(tree: list[psutil.Process]) -> str:
-    """The folder multiprocessing made for the fork server's socket (/tmp/pymp-*)."""
-    server = next(p for p in tree if "parashift-forkserver" in " ".join(process_names([p])))
-    listening = getattr(server, "net_connections", None) or server.connections
-    paths = [c.laddr for c in listening(kind="unix") if "/pymp-" in c.laddr]
-    assert len(paths) == 1, paths
-    return os.path.dirname(paths[0])
 
 
 def test_health_is_ok_once_is_serving_is_printed(server):
