@@ -186,6 +186,27 @@ class Server:
         return None if m is None else float(m.group(1))
 
 
+# The servers launched since the current test began, or that it was given: a failing test's
+# report carries the end of their output (the launcher's and every child's log).
+LAUNCHED: list[Server] = []
+OUTPUT_IN_REPORT = 6000  # characters of each server's output
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "setup":
+        LAUNCHED[:] = [s for s in LAUNCHED if s.proc.poll() is None]  # the module's still run
+    if not report.failed:
+        return report
+    given = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Server)]
+    for server in {id(s): s for s in [*given, *LAUNCHED]}.values():
+        report.sections.append((f"output of `{' '.join(server.cmd[3:5])}` (last "
+                                f"{OUTPUT_IN_REPORT} characters)",
+                                server.output()[-OUTPUT_IN_REPORT:]))
+    return report
+
+
 def launch(model: str, args: list[str], model_name: str | None = None,
            env: dict[str, str] | None = None) -> Server:
     """`parashift run` started (its output collected as it comes), not yet waited for. Its
@@ -199,6 +220,7 @@ def launch(model: str, args: list[str], model_name: str | None = None,
                             errors="replace", env=env)
     server = Server("", proc, model_name or os.path.basename(model.rstrip("/")))
     server.cmd = cmd
+    LAUNCHED.append(server)
 
     def drain() -> None:  # keeps reading so that the child never blocks on a full pipe
         for line in proc.stdout:
