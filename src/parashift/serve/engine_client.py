@@ -32,7 +32,7 @@ from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
 from parashift.wire.cluster_auth import HEAD, HeadKeys, rank_principal, speaks_for
 from parashift.wire.engine_calls import EngineCall
-from parashift.wire.sockets import bind, subscriber, zmq_context
+from parashift.wire.sockets import bind, send_now, subscriber, zmq_context
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,6 @@ class EngineClient(RankChanges):
         self.requests.setsockopt(zmq.RCVHWM, 0)
         self.requests.setsockopt(zmq.LINGER, 0)
         bind(self.requests, request_address, bound)
-        # Sends are non-blocking and must raise here (an asyncio socket would park the error
-        # in a future nobody awaits): a plain socket shadowing the same one, same thread.
-        self._send = zmq.Socket.shadow(self.requests.underlying)
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
@@ -216,7 +213,7 @@ class EngineClient(RankChanges):
         try:
             if route is None:
                 raise zmq.ZMQError(zmq.EHOSTUNREACH)
-            self._send.send_multipart([route, p.encode(msg)], flags=zmq.NOBLOCK)
+            send_now(self.requests, [route, p.encode(msg)])
         except zmq.ZMQError as e:
             raise EngineUnavailableError(f"engine dp{rank} is unreachable ({e})") from e
 
@@ -287,7 +284,7 @@ class EngineClient(RankChanges):
         msg = [self.launcher, p.encode(p.ApiServerReady(self.client_index))]
         for _ in range(200):
             try:
-                self._send.send_multipart(msg, flags=zmq.NOBLOCK)
+                send_now(self.requests, msg)
                 return
             except zmq.ZMQError:
                 await asyncio.sleep(0.05)

@@ -16,6 +16,7 @@ import zmq
 from parashift.serve.engine_errors import EngineDeadError, RankDrainingError
 from parashift.serve.engine_ranks import RankStatus
 from parashift.wire import protocol as p
+from parashift.wire.sockets import send_now
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class RankChanges:
         self._scales[call_id] = future
         msg = [self.launcher, p.encode(p.ScaleRequest(self.client_index, call_id, size))]
         try:
-            self._send.send_multipart(msg, flags=zmq.NOBLOCK)
+            send_now(self.requests, msg)
             result = await future
         except zmq.ZMQError as e:
             return p.ScaleResult(call_id, self.ranks.size, f"the launcher cannot be reached "
@@ -85,8 +86,8 @@ class RankChanges:
             self.loads.vector.pop(rank, None)
             self.loads.new_incarnation(rank)
         with contextlib.suppress(zmq.ZMQError):
-            self._send.send_multipart([self.launcher, p.encode(p.RankRemovedSeen(
-                self.client_index, rank))], flags=zmq.NOBLOCK)
+            send_now(self.requests, [self.launcher, p.encode(p.RankRemovedSeen(
+                self.client_index, rank))])
 
     def mark_dead(self, rank: int, reason: str, incarnation: int = 0) -> None:
         if self.ranks.status(rank) in (None, RankStatus.DEAD, RankStatus.ABSENT):

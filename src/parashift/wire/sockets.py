@@ -40,6 +40,16 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    """Sends `frames` on an asyncio socket at once (NOBLOCK) and raises what the send raised,
+    where awaiting would park the error in a future nobody awaits. The send goes through the
+    asyncio socket itself, never a plain socket shadowing it: ZMQ wakes a waiting receive by an
+    edge on one file descriptor, and a send the asyncio socket does not see can consume that
+    edge, leaving the receive asleep, with messages queued, until another peer sends."""
+    sent = sock.send_multipart(frames, flags=zmq.NOBLOCK)  # done at once: nothing waits
+    sent.result()
+
+
 def routing_id(name: str) -> bytes:
     """A connecting socket's identity on a ROUTER: its name and 64 random bits, new in every
     process. No ROUTER takes over an identity in use (no ROUTER_HANDOVER), and no other peer
