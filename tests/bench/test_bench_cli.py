@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import SCRIPTS, STUDIES, cli_in_process, study_in_process
 from PIL import Image
-from serve.conftest import TINY_ARGS, running_server
+from serve.servers import TINY_ARGS, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -166,7 +166,7 @@ def test_bad_flags_fail_naming_the_flag(args, message):
 
 @pytest.mark.slow
 def test_serve_multi_turn_against_a_real_server(tiny_llama, tmp_path):
-    from serve.conftest import TINY_ARGS, running_server
+    from serve.servers import TINY_ARGS, running_server
 
     out = tmp_path / "multi.json"
     with running_server(tiny_llama, *TINY_ARGS) as server:

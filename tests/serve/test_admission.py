@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from .bad_input.conftest import assert_openai_error
-from .conftest import LONG_ARGS, running_server
+from .servers import LONG_ARGS, running_server
 
 COMPLETIONS = "/v1/completions"
 LONG = {"prompt": "hi", "max_tokens": 7000, "temperature": 0, "ignore_eos": True}

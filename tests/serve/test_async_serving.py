@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from .conftest import LONG_ARGS, running_server
 from .openai_api.conftest import MODEL, client  # noqa: F401 (client: a fixture)
 from .openai_api.test_client_disconnect import (  # noqa: F401 (a test run against this server)
     test_disconnect_frees_the_request,
@@ -17,6 +16,7 @@ from .openai_api.test_parity import (  # noqa: F401 (a fixture and tests run aga
     test_greedy_matches_offline_llm,
     test_sampled_completion_matches_offline_llm,
 )
+from .servers import LONG_ARGS, running_server
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import LONG_ARGS, running_server, stop
+from .servers import LONG_ARGS, running_server, stop
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
         "--strategy", "dp2")

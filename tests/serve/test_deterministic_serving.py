@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from .conftest import running_server
+from .servers import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import LONG_ARGS, holds_nothing, running_server
+from .servers import LONG_ARGS, holds_nothing, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import pytest
 
 from parashift.wire import protocol as p
 
-from .conftest import TINY_ARGS, launch, stop, strangers_get_nothing, wait_serving
+from .conftest import strangers_get_nothing
+from .servers import TINY_ARGS, launch, stop, wait_serving
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from parashift.runtime.autoscaler import AutoscaleConfig
 from parashift.runtime.launcher import Launcher
 from parashift.runtime.node import ServeArgs
 
-from .conftest import TINY_ARGS, holds_nothing, running_server
+from .servers import TINY_ARGS, holds_nothing, running_server
 from .test_deterministic_serving import post
 
 pytestmark = pytest.mark.slow

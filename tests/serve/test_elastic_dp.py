@@ -21,15 +21,7 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import (
-    LONG_ARGS,
-    LONG_MAX_MODEL_LEN,
-    launch,
-    live,
-    running_server,
-    stop,
-    wait_serving,
-)
+from .servers import LONG_ARGS, LONG_MAX_MODEL_LEN, launch, live, running_server, stop, wait_serving
 
 KEY = "elastic-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}

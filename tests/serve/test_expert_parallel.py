@@ -22,7 +22,7 @@ from models.test_parity import assert_matches_reference
 
 from parashift import LLM, SamplingParams
 
-from .conftest import running_server
+from .servers import running_server
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB")
 PROMPTS = [[(11 * i + j) % 250 + 1 for j in range(3 + (5 * i) % 23)] for i in range(12)]

@@ -23,7 +23,8 @@ import pytest
 from parashift.wire import protocol as p
 from parashift.wire.store_protocol import StoreCall
 
-from .conftest import fork_server_folder, launch, stop, strangers_get_nothing, wait_serving
+from .conftest import strangers_get_nothing
+from .servers import fork_server_folder, launch, stop, wait_serving
 from .test_expert_parallel import PROMPTS, assert_matches, complete, reference, stream_in_thread
 
 pytestmark = pytest.mark.slow

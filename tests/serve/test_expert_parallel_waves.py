@@ -20,7 +20,7 @@ import pytest
 
 from parashift import LLM, SamplingParams
 
-from .conftest import running_server
+from .servers import running_server
 from .test_expert_parallel import ARGS, MAX_TOKENS, PROMPTS, assert_matches, complete, reference
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import LONG_ARGS, running_server
+from .servers import LONG_ARGS, running_server
 
 COMPLETIONS = "/v1/completions"
 PIN0, PIN1 = {"X-data-parallel-rank": "0"}, {"X-data-parallel-rank": "1"}

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, running_server
+from .servers import TINY_ARGS, running_server
 
 MAX_CONNECTIONS = 3
 ADMIN_ROUTES = [("POST", "/reset_prefix_cache"), ("POST", "/sleep?level=1"),

@@ -20,7 +20,7 @@ import pytest
 
 from parashift.kv_tiers.disk_tier import HEADER
 
-from .conftest import STARTUP_TIMEOUT, TINY_ARGS, running_server, wait_gone
+from .servers import STARTUP_TIMEOUT, TINY_ARGS, running_server, wait_gone
 
 pytestmark = pytest.mark.slow
 

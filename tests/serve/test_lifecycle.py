@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from .conftest import (
+from .servers import (
     LONG_ARGS,
     SHUTDOWN_TIMEOUT,
     TINY_ARGS,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, Server, launch, stop, wait_gone, wait_serving
+from .servers import TINY_ARGS, Server, launch, stop, wait_gone, wait_serving
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 
 pytestmark = pytest.mark.slow

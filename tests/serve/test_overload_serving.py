@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from .conftest import TINY_ARGS, running_server
+from .servers import TINY_ARGS, running_server
 
 NUM_CLIENTS = 16
 NUM_REQUESTS = 160

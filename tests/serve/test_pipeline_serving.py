@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .conftest import LONG_ARGS, TINY_ARGS, running_server
+from .servers import LONG_ARGS, TINY_ARGS, running_server
 from .test_data_parallel import PROMPTS, ask_all, complete, greedy_texts
 from .test_tensor_parallel_serving import worker
 

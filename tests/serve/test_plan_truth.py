@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import plan_json, predicted
 
-from .conftest import running_server
+from .servers import running_server
 
 
 @pytest.mark.slow

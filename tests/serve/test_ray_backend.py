@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, live, running_server
+from .servers import TINY_ARGS, live, running_server
 from .test_data_parallel import PROMPTS, complete, greedy_texts, routed
 from .test_elastic_dp import KEY, scale
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import running_server
+from .servers import running_server
 
 KV = 64 << 20
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",

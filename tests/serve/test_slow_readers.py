@@ -19,7 +19,7 @@ from aiohttp import web
 
 from parashift.serve import respond, sse
 
-from .conftest import LONG_ARGS, LONG_MAX_MODEL_LEN, running_server
+from .servers import LONG_ARGS, LONG_MAX_MODEL_LEN, running_server
 
 IDLE_TIMEOUT_S = 2
 NUM_STALLED = 50

@@ -8,7 +8,7 @@ import torch
 
 from parashift import LLM, SamplingParams
 
-from .conftest import running_server
+from .servers import running_server
 
 MAX_MODEL_LEN = 512
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

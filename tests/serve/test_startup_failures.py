@@ -21,7 +21,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from .conftest import TINY_ARGS, wait_gone
+from .servers import TINY_ARGS, wait_gone
 
 DEADLINE = 120.0  # seconds a failing launch may take, start-up timeouts included
 HANG_TIMEOUT = 8  # --startup-timeout of the launch whose load never ends

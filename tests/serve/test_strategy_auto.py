@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from .conftest import TINY_ARGS, running_server
+from .servers import TINY_ARGS, running_server
 
 
 def test_strategy_auto_launches_the_plans_winner(tiny_llama):

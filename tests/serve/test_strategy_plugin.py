@@ -13,7 +13,7 @@ import psutil
 import pytest
 from conftest import install_strategy_plugin
 
-from .conftest import running_server
+from .servers import running_server
 
 PLUGIN = '''
 import dataclasses

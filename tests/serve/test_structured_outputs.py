@@ -40,7 +40,7 @@ from parashift.serve.openai_protocol import (
 from parashift.serve.overload import RetryLaterError
 from parashift.serve.request_params import check_compiles, structured_outputs
 
-from .conftest import live, running_server, wait_gone
+from .servers import live, running_server, wait_gone
 
 MODEL = "tiny"
 COMPILE_TIMEOUT_S = 4.0  # the API server's check (the engines keep their own 30 s)

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import TINY_ARGS, live, running_server
+from .servers import TINY_ARGS, live, running_server
 from .test_data_parallel import PROMPTS, ask_all, complete, greedy_texts
 
 pytestmark = pytest.mark.slow

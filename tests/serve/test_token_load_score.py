@@ -17,7 +17,7 @@ from parashift.types.outputs import SchedulerStats
 from parashift.types.sampling_params import SamplingParams
 from parashift.wire import protocol as p
 
-from .conftest import LONG_ARGS, running_server
+from .servers import LONG_ARGS, running_server
 
 
 def vector(*stats: SchedulerStats) -> p.LoadVector:

@@ -19,8 +19,8 @@ import pytest
 from parashift.serve.openai_protocol import ChatCompletionRequest, OpenAIError, parse
 from parashift.serve.tool_calls import ToolPlan, tool_plan
 
-from .conftest import running_server
 from .health_poller import HealthPoller
+from .servers import running_server
 
 MODEL = "tiny-tools"
 TEMPLATE = (

@@ -19,7 +19,7 @@ import zmq
 
 from parashift.wire import protocol as p
 
-from .conftest import TINY_ARGS, running_server
+from .servers import TINY_ARGS, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ..conftest import TINY_ARGS, running_server
+from ..servers import TINY_ARGS, running_server
 
 API_KEY = "sk-parashift-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

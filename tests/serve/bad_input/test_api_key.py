@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from ..conftest import TINY_ARGS, running_server
+from ..servers import TINY_ARGS, running_server
 from .conftest import API_KEY, AUTH, CHAT, COMPLETIONS, MSG, assert_healthy, assert_openai_error
 
 

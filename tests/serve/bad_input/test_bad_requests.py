@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ..conftest import TINY_MAX_MODEL_LEN
+from ..servers import TINY_MAX_MODEL_LEN
 from .conftest import AUTH, CHAT, COMPLETIONS, MSG, assert_healthy, assert_openai_error
 
 LONG_PROMPT = "x" * (TINY_MAX_MODEL_LEN - 6)  # one byte-level token per character

@@ -10,8 +10,8 @@ import json
 
 from parashift.serve.output_budget import default_output_units
 
-from ..conftest import TINY_MAX_MODEL_LEN
 from ..health_poller import HealthPoller
+from ..servers import TINY_MAX_MODEL_LEN
 from .conftest import AUTH, CHAT, COMPLETIONS, MSG, assert_healthy, assert_openai_error
 
 BUDGET = default_output_units(TINY_MAX_MODEL_LEN)

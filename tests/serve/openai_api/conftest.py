@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..conftest import LONG_ARGS, running_server
+from ..servers import LONG_ARGS, running_server
 
 MODEL = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]

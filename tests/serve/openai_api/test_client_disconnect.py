@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ..conftest import LONG_MAX_MODEL_LEN
+from ..servers import LONG_MAX_MODEL_LEN
 from .conftest import MODEL
 
 

@@ -10,7 +10,7 @@ import os
 import openai
 import pytest
 
-from ..conftest import LONG_MAX_MODEL_LEN
+from ..servers import LONG_MAX_MODEL_LEN
 from .conftest import MODEL, Collected, assert_usage, complete
 
 

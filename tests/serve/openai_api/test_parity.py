@@ -9,7 +9,7 @@ import torch
 
 from parashift import LLM, SamplingParams
 
-from ..conftest import LONG_MAX_MODEL_LEN
+from ..servers import LONG_MAX_MODEL_LEN
 from .conftest import assert_usage, complete
 
 
